@@ -1,0 +1,150 @@
+//! `strata generate`.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use strata_engine::{Engine, GenerateRequest, SamplingParams};
+use strata_formats::ChatMessage;
+
+use crate::model_args::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Raw prompt text (BOS added if the model asks for it; special tokens are parsed).
+    #[arg(long, short = 'p', group = "input")]
+    pub prompt: Option<String>,
+    /// Text sent as one user message through the model's chat template.
+    #[arg(long, group = "input")]
+    pub chat: Option<String>,
+    /// Read the raw prompt from a file.
+    #[arg(long, group = "input")]
+    pub prompt_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Maximum tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Stop when this string is generated (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Sampling flags (llama.cpp names). Unset flags take the model's generation_config, then
+/// llama.cpp's defaults.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SamplingArgs {
+    /// Temperature; 0 = greedy.
+    #[arg(long)]
+    pub temp: Option<f64>,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Keep the K most likely tokens (0 = off).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Drop tokens below min_p × the top probability (0 = off).
+    #[arg(long)]
+    pub min_p: Option<f64>,
+    /// Repetition penalty over the last --repeat-last-n tokens (1 = off).
+    #[arg(long)]
+    pub repeat_penalty: Option<f64>,
+    /// Tokens the penalties look back over.
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// OpenAI-style presence penalty.
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f64,
+    /// OpenAI-style frequency penalty.
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f64,
+    /// RNG seed (same seed, same output).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self, engine: &Engine) -> SamplingParams {
+        let d = &engine.defaults;
+        let base = SamplingParams::default();
+        SamplingParams {
+            temperature: self.temp.or(d.temperature).unwrap_or(base.temperature),
+            top_k: self.top_k.or(d.top_k).unwrap_or(base.top_k),
+            top_p: self.top_p.or(d.top_p).unwrap_or(base.top_p),
+            min_p: self.min_p.or(d.min_p).unwrap_or(base.min_p),
+            repeat_penalty: self.repeat_penalty.or(d.repetition_penalty).unwrap_or(base.repeat_penalty),
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_last_n: self.repeat_last_n,
+            seed: self.seed,
+        }
+    }
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let engine = args.model.load()?;
+    let prompt = if let Some(chat) = &args.chat {
+        engine.chat_prompt(&[ChatMessage::new("user", chat.as_str())])?.1
+    } else if let Some(p) = &args.prompt {
+        engine.text_prompt(p)?
+    } else if let Some(f) = &args.prompt_file {
+        let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        engine.text_prompt(&text)?
+    } else {
+        bail!("give one of --prompt, --chat or --prompt-file");
+    };
+    let mut req = GenerateRequest::new(prompt.clone(), args.max_tokens, args.sampling.params(&engine));
+    req.stop = args.stop.clone();
+    req.ignore_eos = args.ignore_eos;
+    req.prefill_chunk = args.model.prefill_chunk;
+    let mut cache = engine.new_cache(args.model.ctx_size)?;
+    let stdout = std::io::stdout();
+    let json = args.json;
+    let gen = engine.generate(&mut cache, &req, &mut |ev| {
+        if !json && !ev.text.is_empty() {
+            let mut out = stdout.lock();
+            let _ = out.write_all(ev.text.as_bytes());
+            let _ = out.flush();
+        }
+        ControlFlow::Continue(())
+    })?;
+    if json {
+        let obj = serde_json::json!({
+            "model": engine.name,
+            "prompt_token_ids": prompt,
+            "generated_token_ids": gen.tokens,
+            "text": gen.text,
+            "finish_reason": gen.finish_reason.as_str(),
+            "timings": gen.timings,
+            "prompt_tokens": gen.prompt_tokens,
+            "generated_tokens": gen.tokens.len(),
+            "prefill_tok_s": gen.prefill_tok_s(),
+            "decode_tok_s": gen.decode_tok_s(),
+            "threads": args.model.threads(),
+        });
+        println!("{obj}");
+    } else {
+        println!();
+        eprintln!(
+            "prompt {} tokens, prefill {:.1} tok/s | generated {} tokens, decode {:.1} tok/s | TTFT {:.0} ms | finish {} | {} threads",
+            gen.prompt_tokens,
+            gen.prefill_tok_s(),
+            gen.tokens.len(),
+            gen.decode_tok_s(),
+            gen.timings.ttft_ms,
+            gen.finish_reason.as_str(),
+            args.model.threads()
+        );
+    }
+    Ok(())
+}

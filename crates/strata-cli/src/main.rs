@@ -1,0 +1,42 @@
+//! `strata`: an LLM inference server and CLI for MoE models that stream expert weights.
+
+mod default_model;
+mod generate;
+mod measure;
+mod model_args;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "strata", version, about = "LLM inference for Mixture-of-Experts models larger than memory", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt (streams to stdout, stats on stderr).
+    Generate(generate::GenerateArgs),
+    /// Perplexity over a text file, scored like llama-perplexity.
+    Perplexity(measure::PerplexityArgs),
+    /// Throughput: prompt processing (pp) and text generation (tg) tok/s, like llama-bench.
+    Bench(measure::BenchArgs),
+    /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/ and print its path.
+    FetchDefault,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let res: Result<()> = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Perplexity(a) => measure::perplexity(a),
+        Command::Bench(a) => measure::bench(a),
+        Command::FetchDefault => default_model::ensure().map(|p| println!("{}", p.display())),
+    };
+    if let Err(e) = res {
+        eprintln!("strata: error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,73 @@
+//! Model-loading flags shared by every subcommand.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use strata_engine::{Engine, LoadOptions};
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model: a .gguf file or a Hugging Face directory (config.json + safetensors). Default: the
+    /// SmolLM2-135M-Instruct Q4_1 GGUF, fetched into models/ on first use.
+    #[arg(long, short = 'm')]
+    pub model: Option<PathBuf>,
+    /// Context size in tokens (KV cache capacity).
+    #[arg(long, default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Prompt tokens per prefill forward pass.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// CPU threads (default: physical cores).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+}
+
+impl ModelArgs {
+    /// Sets the thread count (before candle starts its pool), resolves the model path and loads it
+    /// with a progress bar.
+    pub fn load(&self) -> Result<Engine> {
+        let threads = self.threads();
+        // candle reads RAYON_NUM_THREADS when it first builds its thread pool.
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => crate::default_model::ensure()?,
+        };
+        let bar = ProgressBar::new(1);
+        bar.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        bar.set_message(path.display().to_string());
+        let opts = LoadOptions { ctx_size: self.ctx_size, device: candle_core::Device::Cpu };
+        let engine = Engine::load(&path, &opts, &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        });
+        bar.finish_and_clear();
+        Ok(engine?)
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(physical_cores).max(1)
+    }
+}
+
+/// Physical cores (unique core ids in /proc/cpuinfo), falling back to logical CPUs.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else { return logical };
+    let mut cores = std::collections::HashSet::new();
+    let (mut phys, mut core) = (None, None);
+    for line in info.lines() {
+        if let Some(v) = line.strip_prefix("physical id") {
+            phys = v.split(':').nth(1).map(|s| s.trim().to_string());
+        } else if let Some(v) = line.strip_prefix("core id") {
+            core = v.split(':').nth(1).map(|s| s.trim().to_string());
+        } else if line.trim().is_empty() {
+            if let (Some(p), Some(c)) = (phys.take(), core.take()) {
+                cores.insert((p, c));
+            }
+        }
+    }
+    if cores.is_empty() { logical } else { cores.len().min(logical) }
+}

@@ -1,0 +1,62 @@
+//! `llama-bench`-style throughput: pp (prompt processing: one forward over N tokens from an empty
+//! cache) and tg (text generation: N single-token forwards), median of several runs.
+
+use serde::Serialize;
+use strata_models::Logits;
+
+use crate::engine::{Engine, Result};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchResult {
+    pub test: String,
+    pub tokens: usize,
+    /// tok/s of each run.
+    pub runs: Vec<f64>,
+    pub median_tok_s: f64,
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return 0.0;
+    }
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+}
+
+/// Prompt processing: `n` tokens in one forward pass (chunked by `chunk`), `reps` times.
+pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Result<BenchResult> {
+    let vocab = engine.model.config().vocab_size as u32;
+    let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let mut cache = engine.new_cache(n + 1)?;
+    // warm-up
+    engine.model.forward(&tokens[..n.min(16)], &mut cache, Logits::Last, &[])?;
+    let mut runs = Vec::new();
+    for _ in 0..reps {
+        cache.clear();
+        let t = std::time::Instant::now();
+        for part in tokens.chunks(chunk.max(1)) {
+            engine.model.forward(part, &mut cache, Logits::Last, &[])?;
+        }
+        runs.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(BenchResult { test: format!("pp{n}"), tokens: n, median_tok_s: median(&runs), runs })
+}
+
+/// Text generation: `n` single-token forwards from an empty cache, `reps` times.
+pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResult> {
+    let vocab = engine.model.config().vocab_size as u32;
+    let mut cache = engine.new_cache(n + 1)?;
+    let mut runs = Vec::new();
+    engine.model.forward(&[1], &mut cache, Logits::Last, &[])?;
+    for _ in 0..reps {
+        cache.clear();
+        let t = std::time::Instant::now();
+        for i in 0..n as u32 {
+            engine.model.forward(&[(i * 7919 + 13) % vocab], &mut cache, Logits::Last, &[])?;
+        }
+        runs.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(BenchResult { test: format!("tg{n}"), tokens: n, median_tok_s: median(&runs), runs })
+}

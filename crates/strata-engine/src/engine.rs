@@ -1,0 +1,270 @@
+//! The generation loop: chunked prefill, then decode one token at a time, with sampling, stop
+//! tokens, stop strings, max tokens and per-token callbacks (streaming, cancellation).
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Device;
+use serde::Serialize;
+use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer};
+use strata_models::{KvCache, Logits, Transformer};
+
+use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
+use crate::stop::{StopMatcher, StopScan};
+
+/// Errors of the engine. Request-level errors (prompt too long, bad template input) are separate
+/// variants so servers can map them to 4xx.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] strata_models::ModelError),
+    #[error(transparent)]
+    Format(#[from] strata_formats::FormatError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("the prompt has {prompt} tokens but the context holds {ctx}")]
+    PromptTooLong { prompt: usize, ctx: usize },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the model has no chat template")]
+    NoChatTemplate,
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// A loaded model ready to generate: weights, tokenizer, chat template.
+pub struct Engine {
+    pub model: Arc<Transformer>,
+    pub tokenizer: TextTokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub defaults: GenerationDefaults,
+    /// Short model name (file stem / directory name).
+    pub name: String,
+}
+
+/// Options for loading.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Largest context any sequence will use (sizes RoPE tables).
+    pub ctx_size: usize,
+    pub device: Device,
+}
+
+impl Engine {
+    /// Opens and loads a model. `progress(done, total)` is called as layers load.
+    pub fn load(path: &std::path::Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        let files = ModelFiles::open(path)?;
+        let tokenizer = files.tokenizer()?;
+        let chat_template = files.chat_template(&tokenizer)?;
+        let model = Transformer::load(&files, &opts.device, opts.ctx_size, progress)?;
+        Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name() })
+    }
+
+    /// Renders messages through the chat template (with the generation prompt) and tokenizes the
+    /// result without adding BOS (templates include it themselves, as in transformers).
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<(String, Vec<u32>)> {
+        let tpl = self.chat_template.as_ref().ok_or(EngineError::NoChatTemplate)?;
+        let text = tpl.render(messages, true)?;
+        let ids = self.tokenizer.encode(&text, false)?;
+        Ok((text, ids))
+    }
+
+    /// Tokenizes a raw prompt (BOS added if the model asks for it).
+    pub fn text_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.tokenizer.encode(text, true)?)
+    }
+
+    pub fn new_cache(&self, ctx_size: usize) -> Result<KvCache> {
+        Ok(self.model.new_cache(ctx_size)?)
+    }
+
+    /// Runs one request to completion on `cache` (cleared first), calling `on_token` for each
+    /// generated token; `on_token` returning `Break` cancels generation (finish reason `cancelled`).
+    pub fn generate(&self, cache: &mut KvCache, req: &GenerateRequest, on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>) -> Result<Generation> {
+        let prompt = &req.prompt;
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() >= cache.capacity() {
+            return Err(EngineError::PromptTooLong { prompt: prompt.len(), ctx: cache.capacity() });
+        }
+        cache.clear();
+        let t0 = Instant::now();
+        let chunk = req.prefill_chunk.max(1);
+        let mut logits = None;
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            let last = (i + 1) * chunk >= prompt.len();
+            let out = self.model.forward(part, cache, Logits::Last, &[])?;
+            if last {
+                logits = Some(out.logits);
+            }
+        }
+        let mut logits: Vec<f32> = logits.expect("non-empty prompt").flatten_all()?.to_vec1()?;
+        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+        let mut sampler = Sampler::new(req.sampling.clone());
+        let mut history = prompt.clone();
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        let mut decoder = StreamDecoder::new();
+        let mut stops = StopMatcher::new(req.stop.clone());
+        let t1 = Instant::now();
+        let mut ttft_ms = 0.0;
+        let finish;
+        let mut stopped_by_string = false;
+        loop {
+            let id = sampler.sample(&logits, &history);
+            let logprobs = req.logprobs.map(|n| {
+                let lp = log_softmax(&logits);
+                TokenLogprobs { logprob: lp[id as usize], top: top_logprobs(&lp, n) }
+            });
+            if tokens.is_empty() {
+                ttft_ms = t0.elapsed().as_secs_f64() * 1e3;
+            }
+            let is_eos = !req.ignore_eos && self.tokenizer.eos_ids.contains(&id);
+            tokens.push(id);
+            history.push(id);
+            let mut delta = String::new();
+            let mut stopped = false;
+            if !is_eos {
+                if let Some(piece) = decoder.push(&self.tokenizer, id)? {
+                    match stops.push(&piece) {
+                        StopScan::Continue(t) => delta = t,
+                        StopScan::Stopped(t) => {
+                            delta = t;
+                            stopped = true;
+                        }
+                    }
+                }
+            }
+            text.push_str(&delta);
+            let ev = TokenEvent { id, text: delta, logprobs };
+            if on_token(&ev).is_break() {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+            if is_eos || stopped {
+                stopped_by_string = stopped;
+                finish = FinishReason::Stop;
+                break;
+            }
+            if tokens.len() >= req.max_tokens {
+                finish = FinishReason::Length;
+                break;
+            }
+            if cache.len() + 1 > cache.capacity() {
+                finish = FinishReason::Length;
+                break;
+            }
+            let out = self.model.forward(&[id], cache, Logits::Last, &[])?;
+            logits = out.logits.flatten_all()?.to_vec1()?;
+        }
+        if !stopped_by_string {
+            let piece = decoder.flush(&self.tokenizer)?;
+            let tail = match stops.push(&piece) {
+                StopScan::Continue(t) => t + &stops.flush(),
+                StopScan::Stopped(t) => t,
+            };
+            if !tail.is_empty() {
+                text.push_str(&tail);
+                let _ = on_token(&TokenEvent { id: u32::MAX, text: tail, logprobs: None });
+            }
+        }
+        let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        Ok(Generation {
+            prompt_tokens: prompt.len(),
+            tokens,
+            text,
+            finish_reason: finish,
+            timings: Timings { prefill_ms, decode_ms, ttft_ms },
+        })
+    }
+}
+
+/// One generation request (already tokenized).
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Return log-probabilities with this many alternatives per token.
+    pub logprobs: Option<usize>,
+    /// Prompt tokens per prefill forward pass.
+    pub prefill_chunk: usize,
+}
+
+impl GenerateRequest {
+    pub fn new(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Self {
+        Self { prompt, max_tokens, sampling, stop: Vec::new(), ignore_eos: false, logprobs: None, prefill_chunk: 512 }
+    }
+}
+
+/// Log-probabilities of a generated token (log-softmax of the raw logits).
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Emitted per generated token. `text` is the newly completed text (may be empty while a
+/// multi-byte character or a possible stop string is held back). A final event with
+/// `id == u32::MAX` flushes held-back text.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub id: u32,
+    pub text: String,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS token or stop string.
+    Stop,
+    /// max_tokens or the context is full.
+    Length,
+    /// The caller cancelled (client disconnected).
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Wall-clock timings in milliseconds.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Timings {
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    /// Time to first token (prefill + first sample).
+    pub ttft_ms: f64,
+}
+
+/// A finished generation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Generation {
+    pub prompt_tokens: usize,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub timings: Timings,
+}
+
+impl Generation {
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prompt_tokens as f64 / (self.timings.prefill_ms / 1e3).max(1e-9)
+    }
+    /// Decode rate over the tokens after the first (the first comes from prefill).
+    pub fn decode_tok_s(&self) -> f64 {
+        (self.tokens.len().saturating_sub(1)) as f64 / (self.timings.decode_ms / 1e3).max(1e-9)
+    }
+}

@@ -1,0 +1,11 @@
+//! The Strata inference engine: loading a model for generation, chunked prefill and decode,
+//! sampling, stop handling, and the measurement commands (perplexity, bench).
+
+pub mod bench;
+pub mod engine;
+pub mod perplexity;
+pub mod sampling;
+pub mod stop;
+
+pub use engine::{Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent, TokenLogprobs};
+pub use sampling::{Sampler, SamplingParams};

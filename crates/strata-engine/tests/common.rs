@@ -1,0 +1,32 @@
+//! Shared test helpers: locating the default model and `../shared`.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repo root")
+}
+
+/// The SmolLM2 GGUF (fetched by `strata fetch-default`, which `.ci/run` runs first).
+pub fn smollm2_path() -> PathBuf {
+    let dir = std::env::var_os("STRATA_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("models"));
+    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run `cargo run --release -- fetch-default` (or .ci/run) first", p.display());
+    p
+}
+
+/// `../shared/<rel>` beside the checkout, or None (tests that need it skip cleanly).
+pub fn shared(rel: &str) -> Option<PathBuf> {
+    let p = repo_root().join("../shared").join(rel);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipping: {} not found", p.display());
+        None
+    }
+}
+
+pub fn load_smollm2(ctx: usize) -> strata_engine::Engine {
+    let opts = strata_engine::LoadOptions { ctx_size: ctx, device: candle_core::Device::Cpu };
+    strata_engine::Engine::load(&smollm2_path(), &opts, &mut |_, _| {}).expect("load SmolLM2")
+}

@@ -1,0 +1,21 @@
+//! Model file formats for Strata: GGUF and Hugging Face checkpoint directories (safetensors,
+//! sharded or not), with the tokenizer, chat template and generation defaults they carry.
+//!
+//! Entry point: [`ModelFiles::open`] detects the format from the path. Model code asks for tensors
+//! by their GGUF names (`blk.3.attn_q.weight`); HF checkpoints are mapped onto those names
+//! ([`names`]), so every model definition is written once.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod gguf;
+mod model_files;
+pub mod names;
+pub mod safetensors;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{Architecture, ModelConfig, RopeScaling, RopeStyle};
+pub use error::{FormatError, Result};
+pub use model_files::{GenerationDefaults, ModelFiles, Weight};
+pub use tokenizer::{StreamDecoder, TextTokenizer};

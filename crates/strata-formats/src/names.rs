@@ -1,0 +1,47 @@
+//! Tensor names. Model code uses llama.cpp's GGUF names (`token_embd.weight`,
+//! `blk.N.attn_q.weight`, …); [`gguf_to_hf`] maps them onto transformers' names.
+
+/// Maps a GGUF tensor name to the HF (transformers) name of the same tensor, if there is one.
+pub fn gguf_to_hf(name: &str) -> Option<String> {
+    let fixed = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (stem, suffix) = rest.rsplit_once('.')?;
+    let hf = match stem {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_layer_and_global_names() {
+        assert_eq!(gguf_to_hf("blk.12.attn_q.weight").as_deref(), Some("model.layers.12.self_attn.q_proj.weight"));
+        assert_eq!(gguf_to_hf("blk.0.attn_q.bias").as_deref(), Some("model.layers.0.self_attn.q_proj.bias"));
+        assert_eq!(gguf_to_hf("blk.3.ffn_down.weight").as_deref(), Some("model.layers.3.mlp.down_proj.weight"));
+        assert_eq!(gguf_to_hf("output.weight").as_deref(), Some("lm_head.weight"));
+        assert_eq!(gguf_to_hf("blk.3.unknown.weight"), None);
+    }
+}

@@ -1,0 +1,97 @@
+//! Grouped-query self-attention (Ainslie et al. 2023) with RoPE, optional q/k RMSNorm (Qwen3) and
+//! q/k/v bias (Qwen2), reading and writing the preallocated [`KvCache`].
+//! Reference: transformers `models/llama/modeling_llama.py`, `models/qwen3/modeling_qwen3.py`.
+
+use candle_core::Tensor;
+use strata_formats::ModelConfig;
+
+use crate::error::Result;
+use crate::kv_cache::KvCache;
+use crate::layers::{Linear, RmsNorm, WeightLoader};
+use crate::rope::RotaryEmbedding;
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+}
+
+impl Attention {
+    pub fn load(l: &WeightLoader, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let p = |s: &str| format!("blk.{layer}.{s}");
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(RmsNorm::load(l, &p("attn_q_norm.weight"), hd, cfg.rms_norm_eps)?),
+                Some(RmsNorm::load(l, &p("attn_k_norm.weight"), hd, cfg.rms_norm_eps)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q: l.linear(&p("attn_q"), cfg.num_heads * hd, h, cfg.attention_bias)?,
+            k: l.linear(&p("attn_k"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?,
+            v: l.linear(&p("attn_v"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?,
+            o: l.linear(&p("attn_output"), h, cfg.num_heads * hd, false)?,
+            q_norm,
+            k_norm,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f64).sqrt(),
+        })
+    }
+
+    /// `x: [seq, hidden]` at positions `cache.len()..+seq` → `[seq, hidden]`. `mask: [seq, total]`
+    /// additive (0 / -inf), `None` for a single token.
+    pub fn forward(&self, x: &Tensor, layer: usize, cache: &mut KvCache, rope: &RotaryEmbedding, mask: Option<&Tensor>) -> Result<Tensor> {
+        let seq = x.dim(0)?;
+        let pos = cache.len();
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let heads = |t: Tensor, n: usize, norm: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
+            let t = t.reshape((seq, n, hd))?;
+            let t = match norm {
+                Some(nm) => nm.forward(&t)?,
+                None => t,
+            };
+            t.transpose(0, 1)?.unsqueeze(0)?.contiguous()
+        };
+        let q = heads(self.q.forward(x)?, nh, &self.q_norm)?;
+        let k = heads(self.k.forward(x)?, nkv, &self.k_norm)?;
+        let v = heads(self.v.forward(x)?, nkv, &None)?;
+        let q = rope.apply(&q, pos)?;
+        let k = rope.apply(&k, pos)?;
+        let (k_all, v_all) = cache.append(layer, &k, &v)?;
+        let total = k_all.dim(2)?;
+        // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
+        let n_rep = nh / nkv;
+        let q = q.reshape((1, nkv, n_rep * seq, hd))?;
+        let att = (q.matmul(&k_all.t()?)? * self.scale)?;
+        let att = match mask {
+            Some(m) => att.reshape((1, nkv, n_rep, seq, total))?.broadcast_add(m)?.reshape((1, nkv, n_rep * seq, total))?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let out = att.matmul(&v_all)?; // [1, nkv, n_rep·seq, hd]
+        let out = out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?;
+        Ok(self.o.forward(&out)?)
+    }
+}
+
+/// Additive causal mask `[seq, past + seq]`: query i may see keys `0..=past + i`.
+pub fn causal_mask(seq: usize, past: usize, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    let total = past + seq;
+    let mask: Vec<f32> = (0..seq)
+        .flat_map(|i| (0..total).map(move |j| if j <= past + i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(mask, (seq, total), device)
+}
+

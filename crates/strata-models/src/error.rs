@@ -1,0 +1,25 @@
+//! Model construction and forward errors.
+
+use strata_formats::FormatError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("tensor `{name}`: {source}")]
+    Tensor { name: String, source: candle_core::Error },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("context full: {needed} tokens needed but the KV cache holds {capacity}")]
+    ContextFull { needed: usize, capacity: usize },
+    #[error("token id {id} is outside the vocabulary ({vocab})")]
+    BadToken { id: u32, vocab: usize },
+}
+
+impl ModelError {
+    pub(crate) fn tensor(name: &str, source: candle_core::Error) -> Self {
+        ModelError::Tensor { name: name.to_string(), source }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;

@@ -1,0 +1,107 @@
+//! Rotary position embeddings (Su et al. 2021, RoFormer) with the frequency scalings of transformers'
+//! `modeling_rope_utils.py`: linear, YaRN (`_compute_yarn_parameters`) and Llama 3
+//! (`_compute_llama3_parameters`).
+
+use candle_core::{Device, Tensor, D};
+use strata_formats::{RopeScaling, RopeStyle};
+
+/// Precomputed cos/sin tables `[max_positions, rope_dim / 2]`.
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    cos: Tensor,
+    sin: Tensor,
+    rope_dim: usize,
+    style: RopeStyle,
+}
+
+/// Inverse frequencies `[rope_dim / 2]` and the attention (magnitude) factor.
+pub fn inv_freq(theta: f64, rope_dim: usize, scaling: &RopeScaling) -> (Vec<f64>, f64) {
+    let half = rope_dim / 2;
+    let base: Vec<f64> = (0..half).map(|i| 1.0 / theta.powf(2.0 * i as f64 / rope_dim as f64)).collect();
+    match *scaling {
+        RopeScaling::None => (base, 1.0),
+        RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+            let old = original_max_position as f64;
+            let low_wl = old / low_freq_factor;
+            let high_wl = old / high_freq_factor;
+            let f = base
+                .iter()
+                .map(|&freq| {
+                    let wl = 2.0 * std::f64::consts::PI / freq;
+                    if wl < high_wl {
+                        freq
+                    } else if wl > low_wl {
+                        freq / factor
+                    } else {
+                        let smooth = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    }
+                })
+                .collect();
+            (f, 1.0)
+        }
+        RopeScaling::Yarn { factor, original_max_position, beta_fast, beta_slow, attention_factor } => {
+            let d = rope_dim as f64;
+            let corr = |rot: f64| (d * (original_max_position as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
+            let low = corr(beta_fast).floor().max(0.0);
+            let high = corr(beta_slow).ceil().min(d - 1.0);
+            let high = if (high - low).abs() < f64::EPSILON { high + 0.001 } else { high };
+            let f = base
+                .iter()
+                .enumerate()
+                .map(|(i, &extra)| {
+                    let inter = extra / factor;
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extra_factor = 1.0 - ramp;
+                    inter * (1.0 - extra_factor) + extra * extra_factor
+                })
+                .collect();
+            let mscale = attention_factor.unwrap_or(if factor > 1.0 { 0.1 * factor.ln() + 1.0 } else { 1.0 });
+            (f, mscale)
+        }
+    }
+}
+
+impl RotaryEmbedding {
+    pub fn new(theta: f64, rope_dim: usize, scaling: &RopeScaling, style: RopeStyle, max_positions: usize, device: &Device) -> candle_core::Result<Self> {
+        let (freqs, mscale) = inv_freq(theta, rope_dim, scaling);
+        let half = rope_dim / 2;
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for f in &freqs {
+                let a = p as f64 * f;
+                cos.push((a.cos() * mscale) as f32);
+                sin.push((a.sin() * mscale) as f32);
+            }
+        }
+        Ok(Self {
+            cos: Tensor::from_vec(cos, (max_positions, half), device)?,
+            sin: Tensor::from_vec(sin, (max_positions, half), device)?,
+            rope_dim,
+            style,
+        })
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Rotates `x: [1, heads, seq, head_dim]` for positions `pos..pos+seq`.
+    pub fn apply(&self, x: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
+        let (_, _, seq, head_dim) = x.dims4()?;
+        let cos = self.cos.narrow(0, pos, seq)?;
+        let sin = self.sin.narrow(0, pos, seq)?;
+        let rot = |t: &Tensor| match self.style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(t, &cos, &sin),
+            RopeStyle::Neox => candle_nn::rotary_emb::rope(t, &cos, &sin),
+        };
+        if self.rope_dim == head_dim {
+            return rot(&x.contiguous()?);
+        }
+        let head = rot(&x.narrow(D::Minus1, 0, self.rope_dim)?.contiguous()?)?;
+        let tail = x.narrow(D::Minus1, self.rope_dim, head_dim - self.rope_dim)?;
+        Tensor::cat(&[&head, &tail], D::Minus1)
+    }
+}
