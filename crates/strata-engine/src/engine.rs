@@ -55,6 +55,8 @@ impl Engine {
     /// Opens and loads a model. `progress(done, total)` is called as layers load.
     pub fn load(path: &std::path::Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
         let files = ModelFiles::open(path)?;
+        // Architecture and dimensions first: the most fundamental error is reported.
+        files.config()?;
         let tokenizer = files.tokenizer()?;
         let chat_template = files.chat_template(&tokenizer)?;
         let model = Transformer::load(&files, &opts.device, opts.ctx_size, progress)?;

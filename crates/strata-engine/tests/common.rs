@@ -30,3 +30,14 @@ pub fn load_smollm2(ctx: usize) -> strata_engine::Engine {
     let opts = strata_engine::LoadOptions { ctx_size: ctx, device: candle_core::Device::Cpu };
     strata_engine::Engine::load(&smollm2_path(), &opts, &mut |_, _| {}).expect("load SmolLM2")
 }
+
+/// The committed tiny Qwen3 (dense) HF checkpoint from `tests/fixtures/dflash-tiny/target`
+/// (copied from `../shared/fixtures/dflash-tiny`, made with transformers 5.23).
+pub fn tiny_qwen3_dir() -> PathBuf {
+    repo_root().join("tests/fixtures/dflash-tiny/target")
+}
+
+pub fn load(path: &std::path::Path, ctx: usize) -> strata_engine::Engine {
+    let opts = strata_engine::LoadOptions { ctx_size: ctx, device: candle_core::Device::Cpu };
+    strata_engine::Engine::load(path, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
+}

