@@ -6,6 +6,7 @@
 //! kernels follow ggml exactly (`ggml/src/ggml-quants.c` `quantize_row_q8_1_ref`,
 //! `ggml-cpu/ggml-cpu-quants.c` `ggml_vec_dot_q4_1_q8_1`) with an AVX2 path and a scalar fallback.
 
+pub mod attention;
 pub mod matrix;
 pub mod q8_1;
 

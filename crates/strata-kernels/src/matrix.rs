@@ -43,6 +43,17 @@ impl QuantMatrix {
         Ok(Self { format, data, rows, cols })
     }
 
+    /// Stacks matrices with the same format and column count row-wise (e.g. q, k and v into one
+    /// matrix so that one pass quantizes the activations and one dispatch computes all three).
+    pub fn concat_rows(parts: &[&QuantMatrix]) -> Option<QuantMatrix> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+            return None;
+        }
+        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        Some(QuantMatrix { format: first.format, data, rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols })
+    }
+
     pub fn format(&self) -> BlockFormat {
         self.format
     }

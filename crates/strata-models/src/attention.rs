@@ -16,6 +16,8 @@ pub struct Attention {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// q, k and v stacked (one activation quantization, one dispatch) when the format allows.
+    qkv: Option<Linear>,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     num_heads: usize,
@@ -36,10 +38,15 @@ impl Attention {
         } else {
             (None, None)
         };
+        let q = l.linear(&p("attn_q"), cfg.num_heads * hd, h, cfg.attention_bias)?;
+        let k = l.linear(&p("attn_k"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?;
+        let v = l.linear(&p("attn_v"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?;
+        let qkv = Linear::fuse(&[&q, &k, &v])?;
         Ok(Self {
-            q: l.linear(&p("attn_q"), cfg.num_heads * hd, h, cfg.attention_bias)?,
-            k: l.linear(&p("attn_k"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?,
-            v: l.linear(&p("attn_v"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?,
+            q,
+            k,
+            v,
+            qkv,
             o: l.linear(&p("attn_output"), h, cfg.num_heads * hd, false)?,
             q_norm,
             k_norm,
@@ -64,12 +71,26 @@ impl Attention {
             };
             t.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };
-        let q = heads(self.q.forward(x)?, nh, &self.q_norm)?;
-        let k = heads(self.k.forward(x)?, nkv, &self.k_norm)?;
-        let v = heads(self.v.forward(x)?, nkv, &None)?;
+        let (q, k, v) = match &self.qkv {
+            Some(qkv) => {
+                let y = qkv.forward(x)?;
+                (y.narrow(1, 0, nh * hd)?, y.narrow(1, nh * hd, nkv * hd)?, y.narrow(1, (nh + nkv) * hd, nkv * hd)?)
+            }
+            None => (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?),
+        };
+        let q = heads(q.contiguous()?, nh, &self.q_norm)?;
+        let k = heads(k.contiguous()?, nkv, &self.k_norm)?;
+        let v = heads(v.contiguous()?, nkv, &None)?;
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
         let (k_all, v_all) = cache.append(layer, &k, &v)?;
+        if seq == 1 {
+            let qv = q.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(out) = cache.attend_one(layer, &qv, nh, self.scale as f32)? {
+                let out = Tensor::from_vec(out, (1, nh * hd), x.device())?;
+                return Ok(self.o.forward(&out)?);
+            }
+        }
         let total = k_all.dim(2)?;
         // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
         let n_rep = nh / nkv;

@@ -5,6 +5,10 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
+thread_local! {
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 #[derive(Debug)]
 pub struct KvCache {
     k: Vec<Tensor>,
@@ -56,6 +60,22 @@ impl KvCache {
         self.v[layer].slice_set(&v.contiguous()?, 2, self.len)?;
         let total = self.len + n;
         Ok((self.k[layer].narrow(2, 0, total)?, self.v[layer].narrow(2, 0, total)?))
+    }
+
+    /// Decode fast path (CPU): attention of one query `q: [n_heads · head_dim]` over positions
+    /// `0..=len` of `layer` (the token just appended included); returns `[n_heads · head_dim]`.
+    /// `None` when the cache is not on the CPU.
+    pub fn attend_one(&self, layer: usize, q: &[f32], n_heads: usize, scale: f32) -> candle_core::Result<Option<Vec<f32>>> {
+        let (ks, kl) = self.k[layer].storage_and_layout();
+        let (vs, vl) = self.v[layer].storage_and_layout();
+        let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&*ks, &*vs) else { return Ok(None) };
+        let k = &kc.as_slice::<f32>()?[kl.start_offset()..];
+        let v = &vc.as_slice::<f32>()?[vl.start_offset()..];
+        let (_, n_kv_heads, capacity, head_dim) = self.k[layer].dims4()?;
+        let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
+        let mut out = vec![0f32; n_heads * head_dim];
+        SCORES.with(|s| strata_kernels::attention::attend_one(q, k, v, layout, n_heads, self.len + 1, scale, &mut out, &mut s.borrow_mut()));
+        Ok(Some(out))
     }
 
     /// Commits `n` appended tokens.

@@ -97,6 +97,30 @@ impl Linear {
         Ok(Self { w, b: None, out_dim: rows })
     }
 
+    /// One layer computing `parts` side by side (outputs concatenated on the last dim), when they
+    /// all run on our kernels with the same format; `None` otherwise.
+    pub fn fuse(parts: &[&Linear]) -> candle_core::Result<Option<Linear>> {
+        let mut mats = Vec::with_capacity(parts.len());
+        for p in parts {
+            match &p.w {
+                LinearWeight::Kernel(m) => mats.push(m.as_ref()),
+                LinearWeight::Candle(_) => return Ok(None),
+            }
+        }
+        let Some(m) = strata_kernels::QuantMatrix::concat_rows(&mats) else { return Ok(None) };
+        let b = if parts.iter().any(|p| p.b.is_some()) {
+            let bs = parts
+                .iter()
+                .map(|p| p.b.clone().map_or_else(|| Tensor::zeros(p.out_dim, candle_core::DType::F32, &candle_core::Device::Cpu), Ok))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        let out_dim = m.rows();
+        Ok(Some(Linear { w: LinearWeight::Kernel(std::sync::Arc::new(m)), b, out_dim }))
+    }
+
     pub fn out_dim(&self) -> usize {
         self.out_dim
     }
