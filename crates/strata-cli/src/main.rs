@@ -4,6 +4,7 @@ mod default_model;
 mod generate;
 mod measure;
 mod model_args;
+mod serve;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -17,6 +18,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the model over the OpenAI HTTP API (chat/completions, completions, models, health, metrics).
+    Serve(serve::ServeArgs),
     /// Generate text from a prompt (streams to stdout, stats on stderr).
     Generate(generate::GenerateArgs),
     /// Perplexity over a text file, scored like llama-perplexity.
@@ -30,6 +33,7 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let res: Result<()> = match cli.command {
+        Command::Serve(a) => serve::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Perplexity(a) => measure::perplexity(a),
         Command::Bench(a) => measure::bench(a),

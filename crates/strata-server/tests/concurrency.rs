@@ -1,0 +1,70 @@
+//! Many clients at once with one sequence slot: all finish (or get 503 past the queue bound), none
+//! hang; a client that disconnects mid-stream frees its slot.
+
+mod common;
+mod http;
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+fn stream_body(n: usize) -> String {
+    json!({"messages": [{"role": "user", "content": format!("Write about the number {n}.")}], "max_tokens": 8, "temperature": 0, "stream": true}).to_string()
+}
+
+#[test]
+fn sixteen_streaming_clients_with_one_slot() {
+    let s = common::start(strata_server::ServerConfig { parallel: 1, queue_size: 16, ..common::config() });
+    let addr = s.addr;
+    let handles: Vec<_> = (0..16)
+        .map(|i| std::thread::spawn(move || http::request(addr, "POST", "/v1/chat/completions", &[], &stream_body(i))))
+        .collect();
+    let mut ok = 0;
+    for h in handles {
+        let r = h.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let data = r.sse_data();
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        let fin: serde_json::Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+        assert!(fin["choices"][0]["finish_reason"].is_string());
+        ok += 1;
+    }
+    assert_eq!(ok, 16);
+    let h = http::get(addr, "/health").json();
+    assert_eq!((h["slots"]["active"].as_u64(), h["slots"]["queued"].as_u64()), (Some(0), Some(0)));
+}
+
+#[test]
+fn full_queue_answers_503() {
+    let s = common::start(strata_server::ServerConfig { parallel: 1, queue_size: 1, ..common::config() });
+    let addr = s.addr;
+    let body = json!({"prompt": "Count slowly:", "max_tokens": 48, "temperature": 0}).to_string();
+    let handles: Vec<_> = (0..6).map(|_| { let b = body.clone(); std::thread::spawn(move || http::request(addr, "POST", "/v1/completions", &[], &b)) }).collect();
+    let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().unwrap().status).collect();
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 503), "{statuses:?}");
+    assert!(statuses.contains(&503), "6 requests on 1 slot + 1 queue place: some must be refused: {statuses:?}");
+    assert!(statuses.contains(&200), "{statuses:?}");
+}
+
+#[test]
+fn disconnect_cancels_generation() {
+    let s = common::start(strata_server::ServerConfig { max_tokens: 2000, ..common::config() });
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": true, "ignore_eos": true}).to_string();
+    let mut c = std::net::TcpStream::connect(s.addr).unwrap();
+    write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = [0u8; 512];
+    let _ = c.read(&mut buf).unwrap();
+    let h = http::get(s.addr, "/health").json();
+    assert_eq!(h["slots"]["active"], 1, "generating");
+    drop(c);
+    let t = Instant::now();
+    loop {
+        let h = http::get(s.addr, "/health").json();
+        if h["slots"]["active"] == 0 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "generation not cancelled after the client left");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

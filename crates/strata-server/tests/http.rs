@@ -1,0 +1,73 @@
+//! A minimal HTTP/1.1 client for the tests (no extra dependencies): one request per connection.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+pub struct Resp {
+    pub status: u16,
+    pub headers: String,
+    pub body: String,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    /// `data:` payloads of a server-sent-event stream.
+    pub fn sse_data(&self) -> Vec<String> {
+        self.body.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
+    }
+}
+
+pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    parse(&raw)
+}
+
+pub fn parse(raw: &[u8]) -> Resp {
+    let text = String::from_utf8_lossy(raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    let body = if chunked { dechunk(rest) } else { rest.to_string() };
+    Resp { status, headers: head.to_string(), body }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let Some((size, rest)) = s.split_once("\r\n") else { break };
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || rest.len() < n {
+            out.push_str(&rest[..n.min(rest.len())]);
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Resp {
+    request(addr, "POST", path, &[], &body.to_string())
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> Resp {
+    request(addr, "GET", path, &[], "")
+}
