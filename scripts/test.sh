@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "cargo (Rust stable) is required" >&2; exit 1; }
+# The official OpenAI Python client, for the end-to-end client test (skips cleanly without it).
+python3 -m pip install --quiet --disable-pip-version-check openai >/dev/null 2>&1 || echo "warning: could not install the openai package; its test will skip" >&2
 cargo build --release --workspace --all-targets
 ./target/release/strata fetch-default
 cargo test --release --workspace "$@"

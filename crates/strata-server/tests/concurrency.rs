@@ -13,10 +13,24 @@ fn stream_body(n: usize) -> String {
     json!({"messages": [{"role": "user", "content": format!("Write about the number {n}.")}], "max_tokens": 8, "temperature": 0, "stream": true}).to_string()
 }
 
+fn rss_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0)
+}
+
+fn sixteen_clients(addr: std::net::SocketAddr) -> Vec<http::Resp> {
+    let handles: Vec<_> = (0..16)
+        .map(|i| std::thread::spawn(move || http::request(addr, "POST", "/v1/chat/completions", &[], &stream_body(i))))
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 #[test]
 fn sixteen_streaming_clients_with_one_slot() {
     let s = common::start(strata_server::ServerConfig { parallel: 1, queue_size: 16, ..common::config() });
     let addr = s.addr;
+    sixteen_clients(addr); // warm-up: allocator pools, thread-local scratch
+    let before = rss_kib();
     let handles: Vec<_> = (0..16)
         .map(|i| std::thread::spawn(move || http::request(addr, "POST", "/v1/chat/completions", &[], &stream_body(i))))
         .collect();
@@ -31,6 +45,9 @@ fn sixteen_streaming_clients_with_one_slot() {
         ok += 1;
     }
     assert_eq!(ok, 16);
+    let after = rss_kib();
+    eprintln!("RSS before {before} KiB, after {after} KiB");
+    assert!(after as f64 <= before as f64 * 1.10, "RSS grew from {before} KiB to {after} KiB");
     let h = http::get(addr, "/health").json();
     assert_eq!((h["slots"]["active"].as_u64(), h["slots"]["queued"].as_u64()), (Some(0), Some(0)));
 }
