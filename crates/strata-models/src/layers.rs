@@ -70,21 +70,19 @@ pub struct Linear {
 
 impl Linear {
     pub fn new(w: Weight, b: Option<Tensor>) -> candle_core::Result<Self> {
-        let out_dim = w.shape()[0];
-        let w = match w {
-            Weight::Quantized(q) if kernel_format(q.dtype()).is_some() && q.device().is_cpu() => {
-                let (rows, cols) = q.shape().dims2()?;
-                let format = kernel_format(q.dtype()).expect("checked");
-                let m = strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols).map_err(candle_core::Error::msg)?;
-                LinearWeight::Kernel(std::sync::Arc::new(m))
+        let mut l = match w {
+            Weight::Quantized(q) => Self::from_shared(std::sync::Arc::new(q))?,
+            Weight::Dense(t) => {
+                let out_dim = t.dims()[0];
+                Self { w: LinearWeight::Candle(QMatMul::Tensor(t)), b: None, out_dim }
             }
-            Weight::Quantized(q) => LinearWeight::Candle(QMatMul::from_qtensor(q)?),
-            Weight::Dense(t) => LinearWeight::Candle(QMatMul::Tensor(t)),
         };
-        Ok(Self { w, b, out_dim })
+        l.b = b;
+        Ok(l)
     }
 
-    /// A linear layer sharing an already loaded quantized tensor (tied embeddings).
+    /// A linear layer over a quantized tensor, which may be shared (tied embeddings). Formats our
+    /// kernels implement are copied into them; others use candle's `QMatMul`.
     pub fn from_shared(q: std::sync::Arc<QTensor>) -> candle_core::Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
         let w = match kernel_format(q.dtype()) {

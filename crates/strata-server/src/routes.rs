@@ -121,7 +121,7 @@ async fn run(st: Arc<AppState>, prompt: Prompt, p: GenParams, kind: Kind) -> Res
     // Dropping `_guard` (client went away, the handler future is dropped) cancels the generation.
     let _guard = CancelOnDrop(cancel);
     let (gen, logprobs) = collect(rx).await?;
-    record(&st, &gen, start);
+    record(&st, &meta.id, &gen, start);
     Ok(Json(meta.full_response(&st, &gen, logprobs, p.logprobs.is_some())).into_response())
 }
 
@@ -148,7 +148,7 @@ async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> Result<(Generation, Vec
     Err(ApiError::internal("generation ended without a result"))
 }
 
-fn record(st: &AppState, gen: &Generation, start: Instant) {
+fn record(st: &AppState, id: &str, gen: &Generation, start: Instant) {
     let m = &st.metrics;
     m.prompt_tokens.inc_by(gen.prompt_tokens as u64);
     m.generated_tokens.inc_by(gen.tokens.len() as u64);
@@ -158,6 +158,7 @@ fn record(st: &AppState, gen: &Generation, start: Instant) {
     }
     m.queue_depth.set(st.scheduler.queue_depth() as i64);
     tracing::info!(
+        id,
         prompt_tokens = gen.prompt_tokens,
         generated = gen.tokens.len(),
         ttft_ms = format!("{:.0}", gen.timings.ttft_ms),
@@ -265,7 +266,7 @@ async fn stream_events(
                 }
             }
             GenEvent::Done(gen) => {
-                record(&st, &gen, start);
+                record(&st, &meta.id, &gen, start);
                 let empty = if meta.kind == Kind::Chat { json!({}) } else { json!("") };
                 send(meta.chunk(empty, Value::Null, Some(finish_str(gen.finish_reason))));
                 if p.include_usage {

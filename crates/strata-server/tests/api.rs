@@ -226,3 +226,13 @@ fn panic_in_generation_is_a_500_and_the_server_keeps_serving() {
     assert_eq!(data.last().unwrap(), "[DONE]");
     assert_eq!(http::post(s.addr, "/v1/completions", &json!({"prompt": "Hello", "max_tokens": 2})).status, 200);
 }
+
+#[test]
+fn cors_preflight_and_headers() {
+    let s = common::start(strata_server::ServerConfig { cors: Some("http://app.example".into()), ..common::config() });
+    let r = http::request(s.addr, "OPTIONS", "/v1/chat/completions", &[("Origin", "http://app.example"), ("Access-Control-Request-Method", "POST")], "");
+    assert!(r.status < 300, "{}", r.status);
+    assert!(r.headers.to_ascii_lowercase().contains("access-control-allow-origin: http://app.example"), "{}", r.headers);
+    let r = http::request(s.addr, "GET", "/v1/models", &[("Origin", "http://app.example")], "");
+    assert!(r.headers.to_ascii_lowercase().contains("access-control-allow-origin: http://app.example"), "{}", r.headers);
+}
