@@ -152,12 +152,16 @@ impl Linear {
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     w: Tensor,
+    /// `w` on the host, for the CPU path (read once at load, not per call).
+    w_host: Vec<f32>,
     eps: f32,
 }
 
 impl RmsNorm {
     pub fn load(l: &WeightLoader, name: &str, dim: usize, eps: f64) -> Result<Self> {
-        Ok(Self { w: l.dense(name, &[dim])?, eps: eps as f32 })
+        let w = l.dense(name, &[dim])?;
+        let w_host = w.to_vec1::<f32>().map_err(|e| ModelError::tensor(name, e))?;
+        Ok(Self { w, w_host, eps: eps as f32 })
     }
 
     /// Over the last dim of `x`. On CPU this follows ggml's `ggml_compute_forward_rms_norm_f32`
@@ -170,12 +174,12 @@ impl RmsNorm {
         let dims = x.dims().to_vec();
         let n = *dims.last().unwrap_or(&1);
         let mut v = x.flatten_all()?.to_vec1::<f32>()?;
-        let w = self.w.to_vec1::<f32>()?;
+        let w = &self.w_host;
         for row in v.chunks_exact_mut(n) {
             let sum: f64 = row.iter().map(|&a| (a * a) as f64).sum();
             let mean = (sum / n as f64) as f32;
             let scale = 1.0f32 / (mean + self.eps).sqrt();
-            for (a, &g) in row.iter_mut().zip(&w) {
+            for (a, &g) in row.iter_mut().zip(w) {
                 *a = (*a * scale) * g;
             }
         }
