@@ -258,7 +258,7 @@ async fn stream_events(
                     (Some(l), true) => logprobs_json(&st, &[(t.id, l.clone())], meta.kind),
                     _ => Value::Null,
                 };
-                if (t.text.is_empty() && lp.is_null()) || t.id == u32::MAX && t.text.is_empty() {
+                if t.text.is_empty() && lp.is_null() {
                     continue;
                 }
                 if !send(meta.chunk(meta.text_delta(&t.text), lp, None)) {
