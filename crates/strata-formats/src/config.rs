@@ -14,16 +14,29 @@ pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    /// Qwen1.5-MoE / Qwen2-MoE: routed experts plus a sigmoid-gated shared expert.
+    Qwen2Moe,
+    /// Qwen3-MoE: routed experts, q/k norm, optional dense layers.
+    Qwen3Moe,
+    /// Mixtral: Llama attention, routed experts with renormalised top-k weights.
+    Mixtral,
+    /// OLMoE: q/k RMSNorm over the whole projection, routed experts.
+    Olmoe,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3 (GGUF: llama, qwen2, qwen3; HF: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe \
+        (GGUF: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe; HF model_type: llama, mistral, qwen2, qwen3, \
+        qwen2_moe, qwen3_moe, mixtral, olmoe)";
 
     fn from_gguf(name: &str) -> Option<Self> {
         Some(match name {
             "llama" => Self::Llama,
             "qwen2" => Self::Qwen2,
             "qwen3" => Self::Qwen3,
+            "qwen2moe" => Self::Qwen2Moe,
+            "qwen3moe" => Self::Qwen3Moe,
+            "olmoe" => Self::Olmoe,
             _ => return None,
         })
     }
@@ -33,6 +46,10 @@ impl Architecture {
             "llama" | "mistral" => Self::Llama,
             "qwen2" => Self::Qwen2,
             "qwen3" => Self::Qwen3,
+            "qwen2_moe" => Self::Qwen2Moe,
+            "qwen3_moe" => Self::Qwen3Moe,
+            "mixtral" => Self::Mixtral,
+            "olmoe" => Self::Olmoe,
             _ => return None,
         })
     }
@@ -42,8 +59,61 @@ impl Architecture {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Qwen2Moe => "qwen2_moe",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Mixtral => "mixtral",
+            Self::Olmoe => "olmoe",
         }
     }
+
+    /// RMSNorm of q and k before RoPE, as the architecture defines it.
+    fn qk_norm(&self) -> QkNorm {
+        match self {
+            Self::Qwen3 | Self::Qwen3Moe => QkNorm::PerHead,
+            Self::Olmoe => QkNorm::Full,
+            _ => QkNorm::None,
+        }
+    }
+}
+
+/// Where q/k RMSNorm applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    None,
+    /// Per head over `head_dim` (Qwen3): weights `[head_dim]`.
+    PerHead,
+    /// Over the whole projection before splitting heads (OLMoE): weights `[heads·head_dim]`.
+    Full,
+}
+
+/// How router logits become expert scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouterScoring {
+    /// Softmax over all experts, then top-k (Mixtral, Qwen-MoE, OLMoE).
+    Softmax,
+    /// Independent sigmoid per expert, then top-k (DeepSeek-V3 style; HF `scoring_func: "sigmoid"`).
+    Sigmoid,
+}
+
+/// Mixture-of-Experts hyper-parameters (Shazeer et al. 2017; Fedus et al. 2021).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer (E).
+    pub num_experts: usize,
+    /// Experts each token is routed to (top-k).
+    pub experts_per_token: usize,
+    /// Intermediate size of one routed expert's SwiGLU.
+    pub expert_intermediate_size: usize,
+    /// Renormalise the top-k weights to sum to one.
+    pub norm_topk_prob: bool,
+    pub scoring: RouterScoring,
+    /// Intermediate size of the always-active shared expert (qwen2_moe), if any.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Layer `i` is sparse when `(i + 1) % decoder_sparse_step == 0` and `i` is not in `mlp_only_layers`.
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
 }
 
 /// How rotary embeddings pair up dimensions.
@@ -91,8 +161,12 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2).
     pub attention_bias: bool,
-    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
-    pub qk_norm: bool,
+    /// RMSNorm of q and k before RoPE (Qwen3 per head, OLMoE over the whole projection).
+    pub qk_norm: QkNorm,
+    /// Clamp q, k and v to `[-c, c]` after projection (OLMoE `clip_qkv`).
+    pub clip_qkv: Option<f64>,
+    /// Present for MoE models.
+    pub moe: Option<MoeConfig>,
 }
 
 fn hf_err(path: &Path, key: &str) -> FormatError {
@@ -103,7 +177,11 @@ impl ModelConfig {
     /// Reads the config from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, …).
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let arch_name = g.get_str("general.architecture")?;
-        let arch = Architecture::from_gguf(arch_name).ok_or_else(|| FormatError::UnknownArchitecture {
+        let expert_count = g.get_u64(&format!("{arch_name}.expert_count")).unwrap_or(0) as usize;
+        let arch = Architecture::from_gguf(arch_name)
+            // llama.cpp converts Mixtral as `llama` with experts
+            .map(|a| if a == Architecture::Llama && expert_count > 0 { Architecture::Mixtral } else { a })
+            .ok_or_else(|| FormatError::UnknownArchitecture {
             path: g.path.clone(),
             arch: arch_name.to_string(),
             supported: Architecture::SUPPORTED.to_string(),
@@ -134,11 +212,36 @@ impl ModelConfig {
             _ => RopeScaling::None,
         };
         let has_output = g.tensors.contains_key("output.weight");
+        let ffn = g.get_u64(&k("feed_forward_length"))? as usize;
+        let moe = if expert_count > 0 {
+            Some(MoeConfig {
+                num_experts: expert_count,
+                experts_per_token: g.get_u64(&k("expert_used_count"))? as usize,
+                expert_intermediate_size: g.get_u64(&k("expert_feed_forward_length")).map(|v| v as usize).unwrap_or(ffn),
+                // llama.cpp's graph: qwen3moe and llama (Mixtral) renormalise, qwen2moe and olmoe do not,
+                // unless the file says otherwise.
+                norm_topk_prob: g
+                    .get_bool(&k("expert_weights_norm"))
+                    .unwrap_or(matches!(arch, Architecture::Qwen3Moe | Architecture::Mixtral)),
+                scoring: match g.get_u64(&k("expert_gating_func")) {
+                    Ok(2) => RouterScoring::Sigmoid,
+                    _ => RouterScoring::Softmax,
+                },
+                shared_expert_intermediate_size: g.get_u64(&k("expert_shared_feed_forward_length")).ok().map(|v| v as usize),
+                // GGUF names every layer's tensors; dense layers are those without `ffn_gate_inp`.
+                decoder_sparse_step: 1,
+                mlp_only_layers: (0..g.get_u64(&k("block_count"))? as usize)
+                    .filter(|i| !g.tensors.contains_key(&format!("blk.{i}.ffn_gate_inp.weight")))
+                    .collect(),
+            })
+        } else {
+            None
+        };
         let cfg = ModelConfig {
             arch,
             vocab_size,
             hidden_size: hidden,
-            intermediate_size: g.get_u64(&k("feed_forward_length"))? as usize,
+            intermediate_size: ffn,
             num_layers: g.get_u64(&k("block_count"))? as usize,
             num_heads,
             num_kv_heads,
@@ -147,13 +250,15 @@ impl ModelConfig {
             rope_theta: g.get_f64(&k("rope.freq_base")).unwrap_or(10_000.0),
             rope_dim: g.get_u64(&k("rope.dimension_count")).map(|v| v as usize).unwrap_or(head_dim),
             // llama.cpp: LLM_ARCH_LLAMA uses LLAMA_ROPE_TYPE_NORM (its converter permutes q/k);
-            // qwen2/qwen3 use LLAMA_ROPE_TYPE_NEOX.
-            rope_style: if arch == Architecture::Llama { RopeStyle::Interleaved } else { RopeStyle::Neox },
+            // qwen2/qwen3/qwen2moe/qwen3moe/olmoe use LLAMA_ROPE_TYPE_NEOX. Mixtral is `llama` in GGUF.
+            rope_style: if matches!(arch, Architecture::Llama | Architecture::Mixtral) { RopeStyle::Interleaved } else { RopeStyle::Neox },
             rope_scaling,
             max_position_embeddings: g.get_u64(&k("context_length")).unwrap_or(4096) as usize,
             tie_word_embeddings: !has_output,
             attention_bias: g.tensors.contains_key("blk.0.attn_q.bias"),
-            qk_norm: g.tensors.contains_key("blk.0.attn_q_norm.weight"),
+            qk_norm: if g.tensors.contains_key("blk.0.attn_q_norm.weight") { arch.qk_norm() } else { QkNorm::None },
+            clip_qkv: g.get_f64(&k("attention.clamp_kqv")).ok(),
+            moe,
         };
         cfg.validate(&g.path)
     }
@@ -181,11 +286,17 @@ impl ModelConfig {
             .unwrap_or(10_000.0);
         let rope_scaling = rope_params.map(|r| parse_hf_rope_scaling(path, r)).transpose()?.unwrap_or(RopeScaling::None);
         let partial = f("partial_rotary_factor").unwrap_or(1.0);
+        let moe = hf_moe_config(path, arch, v)?;
+        let intermediate_size = match arch {
+            // Mixtral and OLMoE have no dense FFN: `intermediate_size` is the expert's.
+            Architecture::Mixtral | Architecture::Olmoe => moe.as_ref().map_or(0, |m| m.expert_intermediate_size),
+            _ => u("intermediate_size")?,
+        };
         let cfg = ModelConfig {
             arch,
             vocab_size: u("vocab_size")?,
             hidden_size: hidden,
-            intermediate_size: u("intermediate_size")?,
+            intermediate_size,
             num_layers: u("num_hidden_layers")?,
             num_heads,
             num_kv_heads: u("num_key_value_heads").unwrap_or(num_heads),
@@ -199,9 +310,12 @@ impl ModelConfig {
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
             attention_bias: v
                 .get("attention_bias")
+                .or_else(|| v.get("qkv_bias"))
                 .and_then(|x| x.as_bool())
-                .unwrap_or(arch == Architecture::Qwen2),
-            qk_norm: arch == Architecture::Qwen3,
+                .unwrap_or(matches!(arch, Architecture::Qwen2 | Architecture::Qwen2Moe)),
+            qk_norm: arch.qk_norm(),
+            clip_qkv: f("clip_qkv"),
+            moe,
         };
         cfg.validate(path)
     }
@@ -217,13 +331,63 @@ impl ModelConfig {
         if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
             return bad(format!("rope dimension {} does not fit head dim {}", self.rope_dim, self.head_dim));
         }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return bad(format!("top-{} of {} experts is not a valid routing", m.experts_per_token, m.num_experts));
+            }
+            if m.expert_intermediate_size == 0 || m.decoder_sparse_step == 0 {
+                return bad(format!("MoE config has a zero dimension: {m:?}"));
+            }
+        }
         Ok(self)
+    }
+
+    /// Whether layer `i` has a sparse MoE block (else a dense SwiGLU of `intermediate_size`).
+    /// transformers `Qwen2MoeDecoderLayer.__init__`.
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0)
     }
 
     /// Bytes of KV cache per token (f32 K and V for every layer).
     pub fn kv_bytes_per_token(&self) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
     }
+}
+
+/// The MoE part of an HF config (`num_experts` / `num_local_experts`, `num_experts_per_tok`,
+/// `moe_intermediate_size`, …); `None` for dense architectures.
+fn hf_moe_config(path: &Path, arch: Architecture, v: &serde_json::Value) -> Result<Option<MoeConfig>> {
+    if !matches!(arch, Architecture::Qwen2Moe | Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::Olmoe) {
+        return Ok(None);
+    }
+    let u = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize);
+    let need = |key: &str| u(key).ok_or_else(|| hf_err(path, key));
+    let num_experts = u("num_experts").or_else(|| u("num_local_experts")).ok_or_else(|| hf_err(path, "num_experts"))?;
+    let expert_intermediate_size = match arch {
+        Architecture::Mixtral | Architecture::Olmoe => need("intermediate_size")?,
+        _ => need("moe_intermediate_size")?,
+    };
+    let mlp_only_layers = v
+        .get("mlp_only_layers")
+        .and_then(|x| x.as_array())
+        .map(|a| a.iter().filter_map(|i| i.as_u64().map(|i| i as usize)).collect())
+        .unwrap_or_default();
+    Ok(Some(MoeConfig {
+        num_experts,
+        experts_per_token: need("num_experts_per_tok")?,
+        expert_intermediate_size,
+        norm_topk_prob: arch == Architecture::Mixtral
+            || v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false),
+        scoring: match v.get("scoring_func").and_then(|x| x.as_str()) {
+            Some("sigmoid") => RouterScoring::Sigmoid,
+            _ => RouterScoring::Softmax,
+        },
+        shared_expert_intermediate_size: u("shared_expert_intermediate_size").filter(|&s| s > 0),
+        decoder_sparse_step: u("decoder_sparse_step").unwrap_or(1).max(1),
+        mlp_only_layers,
+    }))
 }
 
 fn parse_hf_rope_scaling(path: &Path, r: &serde_json::Value) -> Result<RopeScaling> {

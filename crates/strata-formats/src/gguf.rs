@@ -300,11 +300,37 @@ impl GgufFile {
     /// Reads one tensor's bytes from disk into a [`QTensor`] on `device`.
     pub fn read_qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         let info = self.tensor_info(name)?;
-        let mut file = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;
-        file.seek(SeekFrom::Start(info.offset)).map_err(|e| FormatError::io(&self.path, e))?;
-        let mut buf = vec![0u8; info.size as usize];
-        file.read_exact(&mut buf).map_err(|e| FormatError::io(&self.path, e))?;
+        let buf = self.read_range(info.offset, info.size)?;
         qtensor_from_bytes(&self.path, name, info.dtype, &info.shape, &buf, device)
+    }
+
+    /// Byte range `(offset, len)` of `tensor[index]`, a slice along the outermost dim (one expert of
+    /// a 3-D `ffn_*_exps` tensor: ggml stores it contiguously).
+    pub fn index_range(&self, name: &str, index: usize) -> Result<(u64, u64)> {
+        let info = self.tensor_info(name)?;
+        let n = info.shape.first().copied().unwrap_or(0);
+        let per_elems: usize = info.shape[1..].iter().product();
+        if index >= n || per_elems % info.dtype.block_size() != 0 {
+            return Err(FormatError::invalid(&self.path, format!("tensor `{name}`: cannot take slice {index} of shape {:?}", info.shape)));
+        }
+        let per = info.size / n as u64;
+        Ok((info.offset + per * index as u64, per))
+    }
+
+    /// Reads `tensor[index]` (shape `shape[1..]`) into a [`QTensor`]: one expert, reading only its bytes.
+    pub fn read_qtensor_index(&self, name: &str, index: usize, device: &Device) -> Result<QTensor> {
+        let info = self.tensor_info(name)?;
+        let (offset, len) = self.index_range(name, index)?;
+        let buf = self.read_range(offset, len)?;
+        qtensor_from_bytes(&self.path, name, info.dtype, &info.shape[1..], &buf, device)
+    }
+
+    fn read_range(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let mut file = File::open(&self.path).map_err(|e| FormatError::io(&self.path, e))?;
+        file.seek(SeekFrom::Start(offset)).map_err(|e| FormatError::io(&self.path, e))?;
+        let mut buf = vec![0u8; len as usize];
+        file.read_exact(&mut buf).map_err(|e| FormatError::io(&self.path, e))?;
+        Ok(buf)
     }
 }
 

@@ -8,6 +8,7 @@
 pub mod chat;
 pub mod config;
 pub mod error;
+mod experts;
 pub mod gguf;
 mod model_files;
 pub mod names;
@@ -15,7 +16,8 @@ pub mod safetensors;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{Architecture, ModelConfig, RopeScaling, RopeStyle};
+pub use config::{Architecture, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
 pub use error::{FormatError, Result};
+pub use experts::{ExpertDims, ExpertLayout, ExpertTensors};
 pub use model_files::{GenerationDefaults, ModelFiles, Weight};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

@@ -10,7 +10,7 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::{FormatError, Result};
 use crate::gguf::GgufFile;
-use crate::names::gguf_to_hf;
+use crate::names::gguf_to_hf_candidates;
 use crate::safetensors::{hf_weight_files, SafetensorsSet};
 use crate::tokenizer::{read_json_opt, TextTokenizer};
 
@@ -143,8 +143,16 @@ impl ModelFiles {
     pub fn tensor_shape(&self, name: &str) -> Option<Vec<usize>> {
         match self {
             ModelFiles::Gguf(g) => g.tensors.get(name).map(|t| t.shape.clone()),
-            ModelFiles::Hf(h) => h.weights.info(&gguf_to_hf(name)?).map(|t| t.shape.clone()),
+            ModelFiles::Hf(h) => h.weights.info(&self.hf_name(name)?).map(|t| t.shape.clone()),
         }
+    }
+
+    /// The HF name under which this checkpoint stores the tensor with GGUF name `name` (the first
+    /// candidate present; the primary candidate when none is).
+    fn hf_name(&self, name: &str) -> Option<String> {
+        let ModelFiles::Hf(h) = self else { return None };
+        let c = gguf_to_hf_candidates(name);
+        c.iter().find(|n| h.weights.info(n).is_some()).or(c.first()).cloned()
     }
 
     pub fn has_tensor(&self, name: &str) -> bool {
@@ -159,7 +167,7 @@ impl ModelFiles {
         let (file_name, actual) = match self {
             ModelFiles::Gguf(_) => (name.to_string(), self.tensor_shape(name)),
             ModelFiles::Hf(_) => {
-                let hf = gguf_to_hf(name).unwrap_or_else(|| name.to_string());
+                let hf = self.hf_name(name).unwrap_or_else(|| name.to_string());
                 (hf, self.tensor_shape(name))
             }
         };

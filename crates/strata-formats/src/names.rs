@@ -1,6 +1,14 @@
 //! Tensor names. Model code uses llama.cpp's GGUF names (`token_embd.weight`,
 //! `blk.N.attn_q.weight`, …); [`gguf_to_hf`] maps them onto transformers' names.
 
+/// HF names a GGUF tensor may have, most common first (Mixtral checkpoints name the MoE block
+/// `block_sparse_moe`, the Qwen and OLMoE ones `mlp`).
+pub fn gguf_to_hf_candidates(name: &str) -> Vec<String> {
+    let Some(primary) = gguf_to_hf(name) else { return Vec::new() };
+    let alt = primary.contains(".mlp.gate.").then(|| primary.replace(".mlp.gate.", ".block_sparse_moe.gate."));
+    std::iter::once(primary).chain(alt).collect()
+}
+
 /// Maps a GGUF tensor name to the HF (transformers) name of the same tensor, if there is one.
 pub fn gguf_to_hf(name: &str) -> Option<String> {
     let fixed = match name {
@@ -27,6 +35,11 @@ pub fn gguf_to_hf(name: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_inp_shexp" => "mlp.shared_expert_gate",
+        "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp" => "mlp.shared_expert.up_proj",
+        "ffn_down_shexp" => "mlp.shared_expert.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
@@ -43,5 +56,10 @@ mod tests {
         assert_eq!(gguf_to_hf("blk.3.ffn_down.weight").as_deref(), Some("model.layers.3.mlp.down_proj.weight"));
         assert_eq!(gguf_to_hf("output.weight").as_deref(), Some("lm_head.weight"));
         assert_eq!(gguf_to_hf("blk.3.unknown.weight"), None);
+        assert_eq!(
+            gguf_to_hf_candidates("blk.1.ffn_gate_inp.weight"),
+            ["model.layers.1.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"]
+        );
+        assert_eq!(gguf_to_hf("blk.0.ffn_up_shexp.weight").as_deref(), Some("model.layers.0.mlp.shared_expert.up_proj.weight"));
     }
 }

@@ -113,6 +113,16 @@ impl SafetensorsSet {
 
     /// Loads one tensor as f32 on `device` (F32/F16/BF16 sources).
     pub fn load_f32(&self, name: &str, device: &Device) -> Result<Tensor> {
+        self.load_f32_part(name, None, device)
+    }
+
+    /// Loads `tensor[index]` (a slice along dim 0, shape `shape[1..]`) as f32: one expert of a fused
+    /// `[experts, ..]` tensor. Reads only that slice's bytes.
+    pub fn load_f32_index(&self, name: &str, index: usize, device: &Device) -> Result<Tensor> {
+        self.load_f32_part(name, Some(index), device)
+    }
+
+    fn load_f32_part(&self, name: &str, index: Option<usize>, device: &Device) -> Result<Tensor> {
         let info = self
             .info(name)
             .ok_or_else(|| FormatError::MissingTensor { path: self.files.first().cloned().unwrap_or_default(), tensor: name.to_string() })?;
@@ -125,7 +135,19 @@ impl SafetensorsSet {
                 return Err(FormatError::UnsupportedTensorType { path: path.clone(), tensor: name.to_string(), dtype: other.to_string() })
             }
         };
-        let t = Tensor::from_raw_buffer(self.bytes(info), dtype, &info.shape, &Device::Cpu)
+        let all = self.bytes(info);
+        let (bytes, shape) = match index {
+            None => (all, info.shape.clone()),
+            Some(i) => {
+                let n = info.shape.first().copied().unwrap_or(0);
+                if i >= n {
+                    return Err(FormatError::invalid(path, format!("tensor `{name}`: index {i} out of {n}")));
+                }
+                let per = all.len() / n;
+                (&all[i * per..(i + 1) * per], info.shape[1..].to_vec())
+            }
+        };
+        let t = Tensor::from_raw_buffer(bytes, dtype, &shape, &Device::Cpu)
             .and_then(|t| t.to_dtype(DType::F32))
             .and_then(|t| t.to_device(device))
             .map_err(|e| FormatError::candle(path, e))?;

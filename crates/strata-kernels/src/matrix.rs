@@ -58,6 +58,11 @@ impl QuantMatrix {
         self.format
     }
 
+    /// Bytes of the quantized blocks.
+    pub fn size_in_bytes(&self) -> usize {
+        self.data.len()
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }

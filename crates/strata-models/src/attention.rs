@@ -1,9 +1,10 @@
-//! Grouped-query self-attention (Ainslie et al. 2023) with RoPE, optional q/k RMSNorm (Qwen3) and
+//! Grouped-query self-attention (Ainslie et al. 2023) with RoPE, optional q/k RMSNorm (Qwen3 per head,
+//! OLMoE over the whole projection), optional q/k/v clipping (OLMoE) and
 //! q/k/v bias (Qwen2), reading and writing the preallocated [`KvCache`].
 //! Reference: transformers `models/llama/modeling_llama.py`, `models/qwen3/modeling_qwen3.py`.
 
 use candle_core::Tensor;
-use strata_formats::ModelConfig;
+use strata_formats::{ModelConfig, QkNorm};
 
 use crate::error::Result;
 use crate::kv_cache::KvCache;
@@ -20,6 +21,9 @@ pub struct Attention {
     qkv: Option<Linear>,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// Where q/k norms apply (per head, or over the whole projection).
+    qk_norm: QkNorm,
+    clip_qkv: Option<f64>,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -30,13 +34,17 @@ impl Attention {
     pub fn load(l: &WeightLoader, cfg: &ModelConfig, layer: usize) -> Result<Self> {
         let p = |s: &str| format!("blk.{layer}.{s}");
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-        let (q_norm, k_norm) = if cfg.qk_norm {
-            (
-                Some(RmsNorm::load(l, &p("attn_q_norm.weight"), hd, cfg.rms_norm_eps)?),
-                Some(RmsNorm::load(l, &p("attn_k_norm.weight"), hd, cfg.rms_norm_eps)?),
-            )
-        } else {
+        let (q_dim, k_dim) = match cfg.qk_norm {
+            QkNorm::Full => (cfg.num_heads * hd, cfg.num_kv_heads * hd),
+            _ => (hd, hd),
+        };
+        let (q_norm, k_norm) = if cfg.qk_norm == QkNorm::None {
             (None, None)
+        } else {
+            (
+                Some(RmsNorm::load(l, &p("attn_q_norm.weight"), q_dim, cfg.rms_norm_eps)?),
+                Some(RmsNorm::load(l, &p("attn_k_norm.weight"), k_dim, cfg.rms_norm_eps)?),
+            )
         };
         let q = l.linear(&p("attn_q"), cfg.num_heads * hd, h, cfg.attention_bias)?;
         let k = l.linear(&p("attn_k"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?;
@@ -50,6 +58,8 @@ impl Attention {
             o: l.linear(&p("attn_output"), h, cfg.num_heads * hd, false)?,
             q_norm,
             k_norm,
+            qk_norm: cfg.qk_norm,
+            clip_qkv: cfg.clip_qkv,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: hd,
@@ -63,11 +73,21 @@ impl Attention {
         let seq = x.dim(0)?;
         let pos = cache.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let per_head = self.qk_norm == QkNorm::PerHead;
+        // transformers order: projection → norm (OLMoE: whole projection) → clip → split heads.
         let heads = |t: Tensor, n: usize, norm: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
+            let t = match norm {
+                Some(nm) if !per_head => nm.forward(&t)?,
+                _ => t,
+            };
+            let t = match self.clip_qkv {
+                Some(c) => t.clamp(-c, c)?,
+                None => t,
+            };
             let t = t.reshape((seq, n, hd))?;
             let t = match norm {
-                Some(nm) => nm.forward(&t)?,
-                None => t,
+                Some(nm) if per_head => nm.forward(&t)?,
+                _ => t,
             };
             t.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };

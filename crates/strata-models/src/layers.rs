@@ -5,7 +5,6 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 
 /// Formats that run on our kernels (`strata-kernels`) rather than candle's.
 fn kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
-    if std::env::var("XF32").is_ok() { return None; }
     match dtype {
         GgmlDType::Q4_1 => Some(strata_kernels::BlockFormat::Q4_1),
         GgmlDType::Q8_0 => Some(strata_kernels::BlockFormat::Q8_0),
@@ -121,6 +120,15 @@ impl Linear {
 
     pub fn out_dim(&self) -> usize {
         self.out_dim
+    }
+
+    /// Bytes of the weight as stored (quantized blocks, or f32 for dense weights).
+    pub fn weight_bytes(&self) -> usize {
+        match &self.w {
+            LinearWeight::Kernel(m) => m.size_in_bytes(),
+            LinearWeight::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            LinearWeight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
     }
 
     /// `x: [.., in] → [.., out]`.

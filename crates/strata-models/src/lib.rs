@@ -1,15 +1,19 @@
 //! Model definitions for Strata. Our own code (not candle-transformers) because the engine needs
-//! hooks those models lack: a preallocated, rollback-able KV cache, hidden-state taps, and (later)
-//! an expert provider for streamed MoE weights.
+//! hooks those models lack: a preallocated, rollback-able KV cache, hidden-state taps, observable MoE
+//! routing, and an [`ExpertProvider`] through which routed experts are read (resident or streamed).
 
 pub mod attention;
 pub mod error;
+pub mod experts;
 pub mod kv_cache;
 pub mod layers;
 pub mod mlp;
+pub mod moe;
 pub mod rope;
 pub mod transformer;
 
 pub use error::{ModelError, Result};
+pub use experts::{Expert, ExpertProvider, ResidentExperts};
 pub use kv_cache::KvCache;
+pub use moe::{LayerRouting, Router, SparseMoe};
 pub use transformer::{ForwardOutput, Logits, Transformer};

@@ -1,7 +1,7 @@
-//! SwiGLU feed-forward (Shazeer 2020): `down(silu(gate(x)) * up(x))`.
+//! SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer"): `down(silu(gate(x)) * up(x))`.
+//! Used for dense layers, routed experts and shared experts alike.
 
 use candle_core::Tensor;
-use strata_formats::ModelConfig;
 
 use crate::error::Result;
 use crate::layers::{Linear, WeightLoader};
@@ -16,13 +16,22 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn load(l: &WeightLoader, cfg: &ModelConfig, layer: usize) -> Result<Self> {
-        let p = |s: &str| format!("blk.{layer}.{s}");
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let gate = l.linear(&p("ffn_gate"), i, h, false)?;
-        let up = l.linear(&p("ffn_up"), i, h, false)?;
+    /// `gate`, `up`: `[inter, hidden]`; `down`: `[hidden, inter]`.
+    pub fn new(gate: Linear, up: Linear, down: Linear) -> Result<Self> {
         let gate_up = Linear::fuse(&[&gate, &up])?;
-        Ok(Self { gate, up, down: l.linear(&p("ffn_down"), h, i, false)?, gate_up })
+        Ok(Self { gate, up, down, gate_up })
+    }
+
+    /// Loads `{prefix}_gate`, `{prefix}_up`, `{prefix}_down` (GGUF names, e.g. `blk.3.ffn` or
+    /// `blk.3.ffn` + `_shexp` suffix handled by the caller through `suffix`).
+    pub fn load(l: &WeightLoader, layer: usize, suffix: &str, hidden: usize, inter: usize) -> Result<Self> {
+        let n = |p: &str| format!("blk.{layer}.ffn_{p}{suffix}");
+        Self::new(l.linear(&n("gate"), inter, hidden, false)?, l.linear(&n("up"), inter, hidden, false)?, l.linear(&n("down"), hidden, inter, false)?)
+    }
+
+    /// Bytes of the three weight matrices as stored.
+    pub fn weight_bytes(&self) -> usize {
+        self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
     }
 
     /// `x: [seq, hidden] → [seq, hidden]`.

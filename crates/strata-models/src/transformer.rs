@@ -1,9 +1,12 @@
-//! The Llama-family decoder (llama, qwen2, qwen3) as one parameterised implementation.
-//! Reference: transformers `models/llama/modeling_llama.py`, candle-transformers
+//! The Llama-family decoder as one parameterised implementation: dense (llama, qwen2, qwen3) and MoE
+//! (qwen2_moe, qwen3_moe, mixtral, olmoe) feed-forwards. Reference: transformers
+//! `models/llama/modeling_llama.py`, `models/qwen3_moe/modeling_qwen3_moe.py`, candle-transformers
 //! `models/quantized_llama.rs` and `models/qwen3.rs`.
 //!
 //! Weights are shared (`&self`); per-sequence state lives in a [`KvCache`], so several sequences can
 //! run on one loaded model.
+
+use std::sync::Arc;
 
 use candle_core::quantized::QMatMul;
 use candle_core::{Device, Tensor};
@@ -13,7 +16,9 @@ use crate::attention::{causal_mask, Attention};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::layers::{Linear, RmsNorm, WeightLoader};
+use crate::experts::{ExpertProvider, ResidentExperts};
 use crate::mlp::Mlp;
+use crate::moe::{LayerRouting, SparseMoe};
 use crate::rope::RotaryEmbedding;
 
 /// Which positions get logits.
@@ -32,11 +37,14 @@ pub struct ForwardOutput {
     pub logits: Tensor,
     /// Hidden states `[seq, hidden]` after each layer listed in the request's `taps`, in order.
     pub taps: Vec<Tensor>,
+    /// The routing of every MoE layer, in layer order (empty for dense models).
+    pub routing: Vec<LayerRouting>,
 }
 
 #[derive(Debug, Clone)]
 enum FeedForward {
     Dense(Mlp),
+    Moe(SparseMoe),
 }
 
 #[derive(Debug, Clone)]
@@ -60,15 +68,29 @@ pub struct Transformer {
     norm: RmsNorm,
     lm_head: Linear,
     rope: RotaryEmbedding,
+    experts: Arc<dyn ExpertProvider>,
     device: Device,
 }
 
 impl Transformer {
-    /// Loads every weight, checking shapes against the config. `max_positions` sizes the RoPE tables
-    /// (at least the context size that caches will use). `progress` is called after each layer with
-    /// `(done, total)`.
+    /// Loads every weight, routed experts included (held by a [`ResidentExperts`]), checking shapes
+    /// against the config. `max_positions` sizes the RoPE tables (at least the context size that
+    /// caches will use). `progress` is called after each layer with `(done, total)`.
     pub fn load(files: &ModelFiles, device: &Device, max_positions: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+        Self::load_with_experts(files, device, max_positions, None, progress)
+    }
+
+    /// Like [`Self::load`], but routed experts come from `experts` when given (an expert-streaming
+    /// provider) instead of being read into memory.
+    pub fn load_with_experts(
+        files: &ModelFiles,
+        device: &Device,
+        max_positions: usize,
+        experts: Option<Arc<dyn ExpertProvider>>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let cfg = files.config()?;
+        let mut resident = ResidentExperts::new(cfg.num_layers);
         let l = WeightLoader::new(files, device.clone());
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed_w = match l.weight("token_embd.weight", &[v, h])? {
@@ -84,7 +106,15 @@ impl Transformer {
                 attn_norm: RmsNorm::load(&l, &p("attn_norm.weight"), h, cfg.rms_norm_eps)?,
                 attn: Attention::load(&l, &cfg, i)?,
                 ffn_norm: RmsNorm::load(&l, &p("ffn_norm.weight"), h, cfg.rms_norm_eps)?,
-                ffn: FeedForward::Dense(Mlp::load(&l, &cfg, i)?),
+                ffn: match &cfg.moe {
+                    Some(m) if cfg.is_moe_layer(i) => {
+                        if experts.is_none() {
+                            resident.load_layer(files, &cfg, i, device)?;
+                        }
+                        FeedForward::Moe(SparseMoe::load(&l, &cfg, m, i)?)
+                    }
+                    _ => FeedForward::Dense(Mlp::load(&l, i, "", h, cfg.intermediate_size)?),
+                },
             });
             progress(i + 1, total);
         }
@@ -97,7 +127,8 @@ impl Transformer {
         progress(total, total);
         let positions = max_positions.max(1);
         let rope = RotaryEmbedding::new(cfg.rope_theta, cfg.rope_dim, &cfg.rope_scaling, cfg.rope_style, positions, device)?;
-        Ok(Self { cfg, embed, layers, norm, lm_head, rope, device: device.clone() })
+        let experts = experts.unwrap_or_else(|| Arc::new(resident));
+        Ok(Self { cfg, embed, layers, norm, lm_head, rope, experts, device: device.clone() })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -106,6 +137,11 @@ impl Transformer {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The provider routed experts are read through.
+    pub fn experts(&self) -> &Arc<dyn ExpertProvider> {
+        &self.experts
     }
 
     /// A KV cache for `capacity` tokens (clamped to the RoPE table size).
@@ -127,11 +163,18 @@ impl Transformer {
         let mut x = self.embed.0.embedding(&ids)?; // [seq, hidden]
         let mask = if seq > 1 { Some(causal_mask(seq, cache.len(), &self.device)?) } else { None };
         let mut tapped = Vec::with_capacity(taps.len());
+        let mut routing = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.attn.forward(&layer.attn_norm.forward(&x)?, i, cache, &self.rope, mask.as_ref())?;
             x = (x + h)?;
+            let xn = layer.ffn_norm.forward(&x)?;
             let h = match &layer.ffn {
-                FeedForward::Dense(m) => m.forward(&layer.ffn_norm.forward(&x)?)?,
+                FeedForward::Dense(m) => m.forward(&xn)?,
+                FeedForward::Moe(moe) => {
+                    let (h, r) = moe.forward(&xn, self.experts.as_ref())?;
+                    routing.push(r);
+                    h
+                }
             };
             x = (x + h)?;
             if taps.contains(&i) {
@@ -144,6 +187,6 @@ impl Transformer {
             Logits::All => x,
         };
         let logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
-        Ok(ForwardOutput { logits, taps: tapped })
+        Ok(ForwardOutput { logits, taps: tapped, routing })
     }
 }

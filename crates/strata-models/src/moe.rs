@@ -1,0 +1,181 @@
+//! Sparse Mixture-of-Experts block (Shazeer et al. 2017, "Outrageously Large Neural Networks";
+//! Mixtral: Jiang et al. 2024). Reference: transformers `models/qwen2_moe/modeling_qwen2_moe.py`
+//! (`Qwen2MoeTopKRouter`, `Qwen2MoeSparseMoeBlock`), `models/mixtral/modeling_mixtral.py`,
+//! `models/olmoe/modeling_olmoe.py`.
+//!
+//! `router logits = x Wᵣᵀ` → scores (softmax over experts, in f32, or sigmoid) → top-k → optional
+//! renormalisation → `Σₖ wₖ · expertₖ(x)`, plus `sigmoid(x W_gᵀ) · shared(x)` when there is a shared
+//! expert. Experts are read through an [`ExpertProvider`].
+
+use std::collections::BTreeMap;
+
+use candle_core::Tensor;
+use strata_formats::{ModelConfig, MoeConfig, RouterScoring};
+
+use crate::error::Result;
+use crate::experts::ExpertProvider;
+use crate::layers::{Linear, WeightLoader};
+use crate::mlp::Mlp;
+
+/// The routing decision of one MoE layer for a batch of tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerRouting {
+    pub layer: usize,
+    pub top_k: usize,
+    /// `[seq · top_k]`: token `t`'s experts are `expert_ids[t·k..(t+1)·k]`, highest score first.
+    pub expert_ids: Vec<u32>,
+    /// `[seq · top_k]`: the weights applied to those experts' outputs.
+    pub weights: Vec<f32>,
+}
+
+impl LayerRouting {
+    pub fn num_tokens(&self) -> usize {
+        self.expert_ids.len() / self.top_k.max(1)
+    }
+
+    /// Expert ids and weights of token `t`.
+    pub fn token(&self, t: usize) -> (&[u32], &[f32]) {
+        let r = t * self.top_k..(t + 1) * self.top_k;
+        (&self.expert_ids[r.clone()], &self.weights[r])
+    }
+
+    /// Distinct experts this batch touches, ascending.
+    pub fn distinct_experts(&self) -> Vec<u32> {
+        let mut v = self.expert_ids.clone();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+/// The top-k router: `gate: [E, H]`.
+#[derive(Debug, Clone)]
+pub struct Router {
+    gate: Linear,
+    top_k: usize,
+    norm_topk_prob: bool,
+    scoring: RouterScoring,
+}
+
+impl Router {
+    /// Routes `x: [seq, hidden]`; `layer` is recorded in the result.
+    pub fn route(&self, x: &Tensor, layer: usize) -> Result<LayerRouting> {
+        let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+        let mut routing = LayerRouting { layer, top_k: self.top_k, expert_ids: Vec::new(), weights: Vec::new() };
+        for row in &logits {
+            let (ids, w) = self.select(row);
+            routing.expert_ids.extend(ids);
+            routing.weights.extend(w);
+        }
+        Ok(routing)
+    }
+
+    /// Scores, top-k (ties to the lower expert id), renormalisation for one token's logits `[E]`.
+    pub fn select(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
+        let scores: Vec<f32> = match self.scoring {
+            RouterScoring::Softmax => {
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let exp: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+                let sum: f32 = exp.iter().sum();
+                exp.iter().map(|e| e / sum).collect()
+            }
+            RouterScoring::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+        };
+        let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+        order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+        order.truncate(self.top_k);
+        let mut w: Vec<f32> = order.iter().map(|&e| scores[e as usize]).collect();
+        if self.norm_topk_prob {
+            let s: f32 = w.iter().sum();
+            w.iter_mut().for_each(|x| *x /= s);
+        }
+        (order, w)
+    }
+}
+
+/// An always-active shared expert scaled by `sigmoid(x W_gᵀ)` (qwen2_moe).
+#[derive(Debug, Clone)]
+struct SharedExpert {
+    mlp: Mlp,
+    /// `[1, H]`.
+    gate: Linear,
+}
+
+/// The sparse MoE feed-forward block of one layer.
+#[derive(Debug, Clone)]
+pub struct SparseMoe {
+    layer: usize,
+    router: Router,
+    shared: Option<SharedExpert>,
+}
+
+impl SparseMoe {
+    /// Loads the router (`blk.L.ffn_gate_inp`) and the shared expert (`*_shexp`) if the config has
+    /// one. Routed experts are not loaded here: they come from the [`ExpertProvider`].
+    pub fn load(l: &WeightLoader, cfg: &ModelConfig, m: &MoeConfig, layer: usize) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let router = Router {
+            gate: l.linear(&format!("blk.{layer}.ffn_gate_inp"), m.num_experts, h, false)?,
+            top_k: m.experts_per_token,
+            norm_topk_prob: m.norm_topk_prob,
+            scoring: m.scoring,
+        };
+        let shared = match m.shared_expert_intermediate_size {
+            Some(i) => Some(SharedExpert {
+                mlp: Mlp::load(l, layer, "_shexp", h, i)?,
+                gate: l.linear(&format!("blk.{layer}.ffn_gate_inp_shexp"), 1, h, false)?,
+            }),
+            None => None,
+        };
+        Ok(Self { layer, router, shared })
+    }
+
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// `x: [seq, hidden] → [seq, hidden]` and the routing it used.
+    ///
+    /// Tokens are grouped by expert, so each selected expert runs once on all its tokens (one matmul
+    /// per expert for prefill, one matvec per selected expert for decode).
+    pub fn forward(&self, x: &Tensor, experts: &dyn ExpertProvider) -> Result<(Tensor, LayerRouting)> {
+        let (seq, h) = x.dims2()?;
+        let routing = self.router.route(x, self.layer)?;
+        experts.will_need(self.layer, &routing.expert_ids);
+        let mut by_expert: BTreeMap<u32, Vec<(u32, f32)>> = BTreeMap::new();
+        for t in 0..seq {
+            let (ids, ws) = routing.token(t);
+            for (&e, &w) in ids.iter().zip(ws) {
+                by_expert.entry(e).or_default().push((t as u32, w));
+            }
+        }
+        let mut out = vec![0f32; seq * h];
+        for (e, tokens) in by_expert {
+            let expert = experts.expert(self.layer, e as usize)?;
+            let xs = if tokens.len() == seq {
+                x.clone() // every token (always the case for decode): no gather
+            } else {
+                let idx: Vec<u32> = tokens.iter().map(|&(t, _)| t).collect();
+                x.index_select(&Tensor::new(idx.as_slice(), x.device())?, 0)?
+            };
+            let y = expert.mlp.forward(&xs)?.flatten_all()?.to_vec1::<f32>()?;
+            for (r, &(t, w)) in tokens.iter().enumerate() {
+                let dst = &mut out[t as usize * h..(t as usize + 1) * h];
+                for (d, &v) in dst.iter_mut().zip(&y[r * h..(r + 1) * h]) {
+                    *d += v * w;
+                }
+            }
+        }
+        if let Some(s) = &self.shared {
+            let y = s.mlp.forward(x)?.flatten_all()?.to_vec1::<f32>()?;
+            let g = s.gate.forward(x)?.flatten_all()?.to_vec1::<f32>()?; // [seq]
+            for t in 0..seq {
+                let gate = 1.0 / (1.0 + (-g[t]).exp());
+                for (d, &v) in out[t * h..(t + 1) * h].iter_mut().zip(&y[t * h..(t + 1) * h]) {
+                    *d += gate * v;
+                }
+            }
+        }
+        Ok((Tensor::from_vec(out, (seq, h), x.device())?, routing))
+    }
+}
