@@ -66,9 +66,77 @@ pub struct BenchArgs {
     /// Print results as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Benchmark one MoE layer of Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8, expert
+    /// intermediate 768) with synthetic weights instead of a model: ms per layer for 1 and
+    /// --n-prompt tokens against the RAM-bandwidth and compute floors.
+    #[arg(long)]
+    pub moe_layer: bool,
+    /// Quantization of the benchmarked experts (--moe-layer): q4k, q5k, q6k, q8_0, q4_0, q4_1.
+    #[arg(long, default_value = "q4k")]
+    pub moe_dtype: String,
+}
+
+fn parse_dtype(s: &str) -> Result<candle_core::quantized::GgmlDType> {
+    use candle_core::quantized::GgmlDType as D;
+    Ok(match s.to_ascii_lowercase().as_str() {
+        "q4k" | "q4_k" => D::Q4K,
+        "q5k" | "q5_k" => D::Q5K,
+        "q6k" | "q6_k" => D::Q6K,
+        "q8_0" => D::Q8_0,
+        "q4_0" => D::Q4_0,
+        "q4_1" => D::Q4_1,
+        other => anyhow::bail!("unsupported --moe-dtype `{other}` (q4k, q5k, q6k, q8_0, q4_0, q4_1)"),
+    })
+}
+
+fn bench_moe_layer(a: &BenchArgs) -> Result<()> {
+    use strata_engine::moe_bench;
+    a.model.set_threads();
+    let mut shape = moe_bench::MoeLayerShape::qwen3_30b_a3b();
+    shape.dtype = parse_dtype(&a.moe_dtype)?;
+    let rates = moe_bench::machine_rates(&shape, a.model.threads())?;
+    let bench = moe_bench::bench_moe_layer(&shape, &[1, a.n_prompt], a.reps.max(1), &rates)?;
+    if a.json {
+        println!("{}", serde_json::json!({"shape": shape, "machine": rates, "bench": bench}));
+        return Ok(());
+    }
+    println!(
+        "MoE layer: hidden {}, {} experts, top-{}, expert intermediate {}, {:?}, random router (near-uniform routing); {} threads\n\
+         measured: RAM read {:.1} GB/s, {:?} GEMM {:.1} GFLOP/s, f32 GEMM {:.1} GFLOP/s",
+        shape.hidden,
+        shape.experts,
+        shape.top_k,
+        shape.expert_intermediate,
+        shape.dtype,
+        rates.threads,
+        rates.ram_read_gbps,
+        shape.dtype,
+        rates.quant_gemm_gflops,
+        rates.f32_gemm_gflops
+    );
+    println!("| tokens | ms/layer (median of {}) | distinct experts | expert MB touched | MB/token | bandwidth floor ms | compute floor ms | floor/actual |", a.reps);
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &bench.results {
+        println!(
+            "| {} | {:.3} | {} | {:.1} | {:.2} | {:.3} | {:.3} | {:.2} |",
+            r.tokens,
+            r.ms_per_layer,
+            r.distinct_experts,
+            r.expert_bytes as f64 / 1e6,
+            r.expert_bytes_per_token / 1e6,
+            r.bandwidth_floor_ms,
+            r.compute_floor_ms,
+            r.ratio_to_floor
+        );
+    }
+    println!("first use of an expert (candle's one-time weight repack on x86): {:.2} ms per expert", bench.first_use_ms_per_expert);
+    Ok(())
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.moe_layer {
+        return bench_moe_layer(&a);
+    }
     let mut m = a.model.clone();
     m.ctx_size = m.ctx_size.max(a.n_prompt + a.n_gen + 1);
     let engine = m.load()?;

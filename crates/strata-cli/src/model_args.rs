@@ -28,9 +28,7 @@ impl ModelArgs {
     /// Sets the thread count (before candle starts its pool), resolves the model path and loads it
     /// with a progress bar.
     pub fn load(&self) -> Result<Engine> {
-        let threads = self.threads();
-        // candle reads RAYON_NUM_THREADS when it first builds its thread pool.
-        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+        self.set_threads();
         let path = match &self.model {
             Some(p) => p.clone(),
             None => crate::default_model::ensure()?,
@@ -45,6 +43,12 @@ impl ModelArgs {
         });
         bar.finish_and_clear();
         Ok(engine?)
+    }
+
+    /// Sets the CPU thread count; must run before candle's first parallel op.
+    pub fn set_threads(&self) {
+        // candle reads RAYON_NUM_THREADS when it first builds its thread pool.
+        std::env::set_var("RAYON_NUM_THREADS", self.threads().to_string());
     }
 
     pub fn threads(&self) -> usize {

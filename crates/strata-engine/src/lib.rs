@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod engine;
+pub mod moe_bench;
 pub mod perplexity;
 pub mod sampling;
 pub mod stop;

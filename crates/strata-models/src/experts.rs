@@ -57,6 +57,11 @@ impl ResidentExperts {
         Self { layers: vec![Vec::new(); num_layers] }
     }
 
+    /// From experts already built: `layers[l]` holds layer `l`'s experts (empty for dense layers).
+    pub fn from_layers(layers: Vec<Vec<Arc<Expert>>>) -> Self {
+        Self { layers }
+    }
+
     /// Resolves and checks layer `layer`'s expert tensors, then reads all of them.
     pub fn load_layer(&mut self, files: &ModelFiles, cfg: &ModelConfig, layer: usize, device: &Device) -> Result<()> {
         let Some(m) = &cfg.moe else { return Ok(()) };

@@ -122,6 +122,14 @@ impl Linear {
         self.out_dim
     }
 
+    /// The quantized tensor when this layer runs on candle's quantized matmul.
+    pub fn candle_qtensor(&self) -> Option<&std::sync::Arc<QTensor>> {
+        match &self.w {
+            LinearWeight::Candle(QMatMul::QTensor(q)) if self.b.is_none() => Some(q),
+            _ => None,
+        }
+    }
+
     /// Bytes of the weight as stored (quantized blocks, or f32 for dense weights).
     pub fn weight_bytes(&self) -> usize {
         match &self.w {

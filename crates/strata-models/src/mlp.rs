@@ -34,6 +34,20 @@ impl Mlp {
         self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
     }
 
+    /// gate and up through candle's fused kernel (one activation quantization, one parallel region)
+    /// when both are candle-quantized and the kernel supports the format; `None` otherwise.
+    fn fused_candle_gate_up(&self, x: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        let (Some(g), Some(u)) = (self.gate.candle_qtensor(), self.up.candle_qtensor()) else { return Ok(None) };
+        if !x.device().is_cpu() {
+            return Ok(None);
+        }
+        let x = x.contiguous()?;
+        Ok(candle_core::quantized::QTensor::gemv_fused_shared_lhs(&[g.as_ref(), u.as_ref()], &x)?.and_then(|mut v| {
+            let u = v.pop()?;
+            Some((v.pop()?, u))
+        }))
+    }
+
     /// `x: [seq, hidden] → [seq, hidden]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (g, u) = match &self.gate_up {
@@ -42,7 +56,10 @@ impl Mlp {
                 let i = self.gate.out_dim();
                 (y.narrow(1, 0, i)?, y.narrow(1, i, i)?)
             }
-            None => (self.gate.forward(x)?, self.up.forward(x)?),
+            None => match self.fused_candle_gate_up(x)? {
+                Some(gu) => gu,
+                None => (self.gate.forward(x)?, self.up.forward(x)?),
+            },
         };
         let g = candle_nn::ops::silu(&g.contiguous()?)?;
         self.down.forward(&(g * u)?)

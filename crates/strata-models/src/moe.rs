@@ -58,6 +58,11 @@ pub struct Router {
 }
 
 impl Router {
+    /// `gate: [E, H]` router weights.
+    pub fn new(gate: Linear, top_k: usize, norm_topk_prob: bool, scoring: RouterScoring) -> Self {
+        Self { gate, top_k, norm_topk_prob, scoring }
+    }
+
     /// Routes `x: [seq, hidden]`; `layer` is recorded in the result.
     pub fn route(&self, x: &Tensor, layer: usize) -> Result<LayerRouting> {
         let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
@@ -110,6 +115,11 @@ pub struct SparseMoe {
 }
 
 impl SparseMoe {
+    /// A block without a shared expert (benchmarks, tests).
+    pub fn new(layer: usize, router: Router) -> Self {
+        Self { layer, router, shared: None }
+    }
+
     /// Loads the router (`blk.L.ffn_gate_inp`) and the shared expert (`*_shexp`) if the config has
     /// one. Routed experts are not loaded here: they come from the [`ExpertProvider`].
     pub fn load(l: &WeightLoader, cfg: &ModelConfig, m: &MoeConfig, layer: usize) -> Result<Self> {
