@@ -110,12 +110,17 @@ pub fn f32_gemm_gflops() -> Result<f64> {
     let n = 1024;
     let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
     let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-    a.matmul(&b)?; // warm-up
+    best_gflops(2.0 * (n * n * n) as f64, || Ok(a.matmul(&b)?))
+}
+
+/// Best of 3 timed calls of `f` (after one warm-up) doing `flops` each, in GFLOP/s.
+fn best_gflops(flops: f64, f: impl Fn() -> Result<Tensor>) -> Result<f64> {
+    f()?;
     let mut best = 0f64;
     for _ in 0..3 {
         let t = Instant::now();
-        std::hint::black_box(a.matmul(&b)?);
-        best = best.max(2.0 * (n * n * n) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        std::hint::black_box(f()?);
+        best = best.max(flops / t.elapsed().as_secs_f64() / 1e9);
     }
     Ok(best)
 }
@@ -126,14 +131,7 @@ pub fn quant_gemm_gflops(shape: &MoeLayerShape) -> Result<f64> {
     let w = QTensor::quantize(&Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?, shape.dtype)?;
     let lin = Linear::new(Weight::Quantized(w), None)?;
     let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-    lin.forward(&x)?; // warm-up
-    let mut best = 0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        std::hint::black_box(lin.forward(&x)?);
-        best = best.max(2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    Ok(best)
+    best_gflops(2.0 * (m * n * k) as f64, || Ok(lin.forward(&x)?))
 }
 
 pub fn machine_rates(shape: &MoeLayerShape, threads: usize) -> Result<MachineRates> {

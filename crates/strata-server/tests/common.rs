@@ -48,7 +48,12 @@ impl Drop for Server {
 
 /// A server with `config`, running on its own runtime thread until dropped.
 pub fn start(config: ServerConfig) -> Server {
-    let st = AppState::new(engine(), config).expect("state");
+    start_with(engine(), config)
+}
+
+/// A server for `engine` with `config`.
+pub fn start_with(engine: Arc<Engine>, config: ServerConfig) -> Server {
+    let st = AppState::new(engine, config).expect("state");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let thread = std::thread::spawn(move || {
