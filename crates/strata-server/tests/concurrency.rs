@@ -72,8 +72,12 @@ fn disconnect_cancels_generation() {
     write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 512];
     let _ = c.read(&mut buf).unwrap();
-    let h = http::get(s.addr, "/health").json();
-    assert_eq!(h["slots"]["active"], 1, "generating");
+    // The response headers can precede the worker taking the job: wait (bounded) until it generates.
+    let t = Instant::now();
+    while http::get(s.addr, "/health").json()["slots"]["active"] != 1 {
+        assert!(t.elapsed() < Duration::from_secs(10), "the request never started generating");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     drop(c);
     let t = Instant::now();
     loop {
