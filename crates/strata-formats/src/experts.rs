@@ -91,7 +91,8 @@ impl ModelFiles {
         }
     }
 
-    fn check_shape(&self, name: &str, actual: Option<Vec<usize>>, expected: &[usize]) -> Result<()> {
+    /// `MissingTensor` when `actual` is `None`, `ShapeMismatch` when it differs from `expected`.
+    pub(crate) fn check_shape(&self, name: &str, actual: Option<Vec<usize>>, expected: &[usize]) -> Result<()> {
         let path = self.path().to_path_buf();
         let actual = actual.ok_or_else(|| FormatError::MissingTensor { path: path.clone(), tensor: name.to_string() })?;
         if actual != expected {

@@ -171,15 +171,7 @@ impl ModelFiles {
                 (hf, self.tensor_shape(name))
             }
         };
-        let actual = actual.ok_or_else(|| FormatError::MissingTensor { path: self.path().to_path_buf(), tensor: file_name.clone() })?;
-        if actual != expected {
-            return Err(FormatError::ShapeMismatch {
-                path: self.path().to_path_buf(),
-                tensor: file_name,
-                expected: expected.to_vec(),
-                actual,
-            });
-        }
+        self.check_shape(&file_name, actual, expected)?;
         match self {
             ModelFiles::Gguf(g) => g.read_qtensor(name, device).map(Weight::Quantized),
             ModelFiles::Hf(h) => h.weights.load_f32(&file_name, device).map(Weight::Dense),

@@ -22,8 +22,8 @@ impl Mlp {
         Ok(Self { gate, up, down, gate_up })
     }
 
-    /// Loads `{prefix}_gate`, `{prefix}_up`, `{prefix}_down` (GGUF names, e.g. `blk.3.ffn` or
-    /// `blk.3.ffn` + `_shexp` suffix handled by the caller through `suffix`).
+    /// Loads `blk.{layer}.ffn_{gate,up,down}{suffix}` (GGUF names): `suffix` is `""` for a dense
+    /// layer, `"_shexp"` for a shared expert.
     pub fn load(l: &WeightLoader, layer: usize, suffix: &str, hidden: usize, inter: usize) -> Result<Self> {
         let n = |p: &str| format!("blk.{layer}.ffn_{p}{suffix}");
         Self::new(l.linear(&n("gate"), inter, hidden, false)?, l.linear(&n("up"), inter, hidden, false)?, l.linear(&n("down"), hidden, inter, false)?)
