@@ -131,6 +131,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "prefill_tok_s": gen.prefill_tok_s(),
             "decode_tok_s": gen.decode_tok_s(),
             "threads": args.model.threads(),
+            "experts": gen.experts,
         });
         println!("{obj}");
     } else {
@@ -145,6 +146,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             gen.finish_reason.as_str(),
             args.model.threads()
         );
+        if let Some(x) = &gen.experts {
+            eprintln!("{}", crate::measure::expert_stats_line(x, gen.prompt_tokens + gen.tokens.len()));
+        }
     }
     Ok(())
 }

@@ -155,3 +155,18 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// One line of expert-streaming figures for a generation over `tokens` tokens (prompt + generated).
+pub fn expert_stats_line(x: &strata_engine::ExpertStats, tokens: usize) -> String {
+    let per = tokens.max(1) as f64;
+    format!(
+        "experts: hit rate {:.1}% | read {:.1} MB in {} reads = {:.2} MB/token at {:.2} GB/s while reading | stall {:.1} ms/token | touched {:.2} MB/token",
+        x.hit_rate() * 100.0,
+        x.bytes_read as f64 / 1e6,
+        x.reads,
+        x.bytes_read as f64 / 1e6 / per,
+        x.read_gbps(),
+        x.stall_ns as f64 / 1e6 / per,
+        x.touched_bytes as f64 / 1e6 / per,
+    )
+}

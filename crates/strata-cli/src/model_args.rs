@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use strata_engine::{Engine, LoadOptions};
+use strata_engine::{CacheBudget, Engine, EvictionPolicy, LoadOptions, StreamOptions};
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -22,6 +22,28 @@ pub struct ModelArgs {
     /// CPU threads (default: physical cores).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// MoE models: keep dense weights resident and read routed experts from the model file on
+    /// demand into the expert cache.
+    #[arg(long)]
+    pub stream_experts: bool,
+    /// Expert cache budget with --stream-experts: bytes (`6GiB`, `512MiB`), a percentage of the
+    /// model's expert bytes (`10%`), or `auto` (available memory, cgroup limit included, minus the
+    /// dense weights and a 1 GiB + 10% reserve).
+    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(CacheBudget))]
+    pub expert_cache: CacheBudget,
+    /// Read experts with O_DIRECT (bypassing the page cache; needs a filesystem that supports it).
+    #[arg(long)]
+    pub direct_io: bool,
+    /// Expert reads in flight at once (reader threads).
+    #[arg(long, default_value_t = 16)]
+    pub io_threads: usize,
+    /// Expert cache eviction policy: lru, lru2 (LRU-2, frequency-aware) or lfu.
+    #[arg(long, default_value = "lru", value_parser = clap::value_parser!(EvictionPolicy))]
+    pub expert_cache_policy: EvictionPolicy,
+    /// Use only the K best of the router's experts per token (renormalised to the full top-k's
+    /// weight). Trades quality for fewer expert bytes per token.
+    #[arg(long, env = "STRATA_MOE_TOP_K")]
+    pub moe_top_k: Option<usize>,
 }
 
 impl ModelArgs {
@@ -36,13 +58,27 @@ impl ModelArgs {
         let bar = ProgressBar::new(1);
         bar.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
         bar.set_message(path.display().to_string());
-        let opts = LoadOptions { ctx_size: self.ctx_size, device: candle_core::Device::Cpu };
+        let opts = self.load_options();
         let engine = Engine::load(&path, &opts, &mut |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
         });
         bar.finish_and_clear();
         Ok(engine?)
+    }
+
+    pub fn load_options(&self) -> LoadOptions {
+        let mut opts = LoadOptions::new(self.ctx_size, candle_core::Device::Cpu);
+        opts.moe_top_k = self.moe_top_k;
+        if self.stream_experts {
+            opts.stream_experts = Some(StreamOptions {
+                budget: self.expert_cache,
+                direct_io: self.direct_io,
+                io_threads: self.io_threads.max(1),
+                policy: self.expert_cache_policy,
+            });
+        }
+        opts
     }
 
     /// Sets the CPU thread count; must run before candle's first parallel op.

@@ -8,7 +8,8 @@ use std::time::Instant;
 use candle_core::Device;
 use serde::Serialize;
 use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer};
-use strata_models::{KvCache, Logits, Transformer};
+use strata_expert_store::{StreamOptions, StreamingExperts};
+use strata_models::{ExpertProvider, ExpertStats, KvCache, Logits, Transformer};
 
 use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
 use crate::stop::{StopMatcher, StopScan};
@@ -49,6 +50,16 @@ pub struct LoadOptions {
     /// Largest context any sequence will use (sizes RoPE tables).
     pub ctx_size: usize,
     pub device: Device,
+    /// Stream routed experts from the model file instead of loading them (`--stream-experts`).
+    pub stream_experts: Option<StreamOptions>,
+    /// Experts per token override (`--moe-top-k`, `STRATA_MOE_TOP_K`).
+    pub moe_top_k: Option<usize>,
+}
+
+impl LoadOptions {
+    pub fn new(ctx_size: usize, device: Device) -> Self {
+        Self { ctx_size, device, stream_experts: None, moe_top_k: None }
+    }
 }
 
 impl Engine {
@@ -59,7 +70,13 @@ impl Engine {
         files.config()?;
         let tokenizer = files.tokenizer()?;
         let chat_template = files.chat_template(&tokenizer)?;
-        let model = Transformer::load(&files, &opts.device, opts.ctx_size, progress)?;
+        let cfg = files.config()?;
+        let experts: Option<Arc<dyn ExpertProvider>> = match &opts.stream_experts {
+            Some(so) => Some(Arc::new(StreamingExperts::open(&files, &cfg, &opts.device, so)?)),
+            None => None,
+        };
+        let mut model = Transformer::load_with_experts(&files, &opts.device, opts.ctx_size, experts, progress)?;
+        model.set_moe_top_k(opts.moe_top_k);
         Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name() })
     }
 
@@ -92,6 +109,7 @@ impl Engine {
             return Err(EngineError::PromptTooLong { prompt: prompt.len(), ctx: cache.capacity() });
         }
         cache.clear();
+        let experts0 = self.model.experts().stats();
         let t0 = Instant::now();
         let chunk = req.prefill_chunk.max(1);
         let mut logits = None;
@@ -174,12 +192,17 @@ impl Engine {
             }
         }
         let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
+        let experts = match (self.model.experts().stats(), experts0) {
+            (Some(now), Some(before)) => Some(now.since(&before)),
+            _ => None,
+        };
         Ok(Generation {
             prompt_tokens: prompt.len(),
             tokens,
             text,
             finish_reason: finish,
             timings: Timings { prefill_ms, decode_ms, ttft_ms },
+            experts,
         })
     }
 }
@@ -259,6 +282,9 @@ pub struct Generation {
     pub text: String,
     pub finish_reason: FinishReason,
     pub timings: Timings,
+    /// Expert-streaming counters of this generation (`None` with resident experts). With several
+    /// generations running at once they include the others' reads.
+    pub experts: Option<ExpertStats>,
 }
 
 impl Generation {

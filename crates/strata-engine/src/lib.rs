@@ -10,3 +10,5 @@ pub mod stop;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent, TokenLogprobs};
 pub use sampling::{Sampler, SamplingParams};
+pub use strata_expert_store::{CacheBudget, EvictionPolicy, StreamOptions};
+pub use strata_models::ExpertStats;

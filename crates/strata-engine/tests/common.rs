@@ -27,7 +27,7 @@ pub fn shared(rel: &str) -> Option<PathBuf> {
 }
 
 pub fn load_smollm2(ctx: usize) -> strata_engine::Engine {
-    let opts = strata_engine::LoadOptions { ctx_size: ctx, device: candle_core::Device::Cpu };
+    let opts = strata_engine::LoadOptions::new(ctx, candle_core::Device::Cpu);
     strata_engine::Engine::load(&smollm2_path(), &opts, &mut |_, _| {}).expect("load SmolLM2")
 }
 
@@ -38,6 +38,6 @@ pub fn tiny_qwen3_dir() -> PathBuf {
 }
 
 pub fn load(path: &std::path::Path, ctx: usize) -> strata_engine::Engine {
-    let opts = strata_engine::LoadOptions { ctx_size: ctx, device: candle_core::Device::Cpu };
+    let opts = strata_engine::LoadOptions::new(ctx, candle_core::Device::Cpu);
     strata_engine::Engine::load(path, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
 }

@@ -15,7 +15,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn load_err(path: &Path) -> FormatError {
-    let opts = LoadOptions { ctx_size: 64, device: candle_core::Device::Cpu };
+    let opts = LoadOptions::new(64, candle_core::Device::Cpu);
     match Engine::load(path, &opts, &mut |_, _| {}) {
         Ok(_) => panic!("{} loaded but should not", path.display()),
         Err(EngineError::Format(e)) => e,

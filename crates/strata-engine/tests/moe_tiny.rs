@@ -212,7 +212,7 @@ fn qwen3_moe_hf_fused_expert_layout() {
 }
 
 fn load_error(path: &std::path::Path) -> String {
-    let opts = strata_engine::LoadOptions { ctx_size: 64, device: candle_core::Device::Cpu };
+    let opts = strata_engine::LoadOptions::new(64, candle_core::Device::Cpu);
     match strata_engine::Engine::load(path, &opts, &mut |_, _| {}) {
         Ok(_) => panic!("{} loaded but its expert shapes are inconsistent", path.display()),
         Err(e) => e.to_string(),

@@ -11,7 +11,10 @@
 //! Every shape is checked when the layout is resolved, so a file whose expert tensors disagree fails
 //! at load with the tensor named, never mid-token.
 
-use candle_core::Device;
+use std::path::PathBuf;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{FormatError, Result};
 use crate::model_files::{ModelFiles, Weight};
@@ -125,5 +128,121 @@ impl ModelFiles {
             }
             _ => Err(FormatError::invalid(self.path(), format!("expert layout {layout:?} does not belong to this file"))),
         }
+    }
+}
+
+/// A byte range in one of the model's weight files ([`ModelFiles::weight_files`] index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteRange {
+    pub file: usize,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// How an expert's projection bytes encode weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertEncoding {
+    /// ggml blocks (GGUF).
+    Ggml(GgmlDType),
+    /// Dense little-endian floats (safetensors F32, F16 or BF16).
+    Float(DType),
+}
+
+/// Where expert `e` of one layer lies on disk: gate `[I, H]`, up `[I, H]`, down `[H, I]` byte
+/// ranges (for GGUF, slices of the 3-D tensors; for HF fused, gate and up are adjacent halves of
+/// one `gate_up_proj` slice), each with its encoding (mixed quantizations such as Q4_K_M store
+/// `down` in another type than `gate`/`up`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertExtent {
+    pub parts: [ByteRange; 3],
+    pub encodings: [ExpertEncoding; 3],
+}
+
+impl ExpertExtent {
+    /// Bytes of the three projections as stored.
+    pub fn bytes(&self) -> u64 {
+        self.parts.iter().map(|p| p.len).sum()
+    }
+}
+
+fn float_dtype(path: &std::path::Path, name: &str, dtype: &str) -> Result<DType> {
+    match dtype {
+        "F32" => Ok(DType::F32),
+        "F16" => Ok(DType::F16),
+        "BF16" => Ok(DType::BF16),
+        other => Err(FormatError::UnsupportedTensorType { path: path.to_path_buf(), tensor: name.to_string(), dtype: other.to_string() }),
+    }
+}
+
+impl ModelFiles {
+    /// The files byte ranges point into: the GGUF file, or the safetensors shards in index order.
+    pub fn weight_files(&self) -> Vec<PathBuf> {
+        match self {
+            ModelFiles::Gguf(g) => vec![g.path.clone()],
+            ModelFiles::Hf(hf) => hf.weights.files.clone(),
+        }
+    }
+
+    /// The byte ranges of expert `expert` of a layer whose layout was resolved (and shapes checked)
+    /// by [`Self::expert_layout`]. Reads nothing.
+    pub fn expert_extent(&self, layout: &ExpertLayout, expert: usize) -> Result<ExpertExtent> {
+        let path = self.path();
+        match (self, layout) {
+            (ModelFiles::Gguf(g), ExpertLayout::Gguf { gate, up, down }) => {
+                let r = |n: &str| -> Result<ByteRange> {
+                    let (offset, len) = g.index_range(n, expert)?;
+                    Ok(ByteRange { file: 0, offset, len })
+                };
+                let e = |n: &str| -> Result<ExpertEncoding> { Ok(ExpertEncoding::Ggml(g.tensor_info(n)?.dtype)) };
+                Ok(ExpertExtent { parts: [r(gate)?, r(up)?, r(down)?], encodings: [e(gate)?, e(up)?, e(down)?] })
+            }
+            (ModelFiles::Hf(hf), ExpertLayout::HfPerExpert { prefix, projections }) => {
+                let mut parts = [ByteRange { file: 0, offset: 0, len: 0 }; 3];
+                let mut encodings = [ExpertEncoding::Float(DType::F32); 3];
+                for ((part, enc), p) in parts.iter_mut().zip(&mut encodings).zip(projections) {
+                    let name = format!("{prefix}.{expert}.{p}.weight");
+                    let info = hf.weights.info(&name).ok_or_else(|| FormatError::MissingTensor { path: path.to_path_buf(), tensor: name.clone() })?;
+                    *enc = ExpertEncoding::Float(float_dtype(&hf.weights.files[info.file], &name, &info.dtype)?);
+                    *part = ByteRange { file: info.file, offset: info.offset, len: info.size };
+                }
+                Ok(ExpertExtent { parts, encodings })
+            }
+            (ModelFiles::Hf(hf), ExpertLayout::HfFused { gate_up, down }) => {
+                let slice = |name: &str| -> Result<(ByteRange, DType)> {
+                    let info = hf.weights.info(name).ok_or_else(|| FormatError::MissingTensor { path: path.to_path_buf(), tensor: name.to_string() })?;
+                    let n = info.shape.first().copied().unwrap_or(0) as u64;
+                    if expert as u64 >= n {
+                        return Err(FormatError::invalid(path, format!("tensor `{name}`: expert {expert} out of {n}")));
+                    }
+                    let per = info.size / n;
+                    let d = float_dtype(&hf.weights.files[info.file], name, &info.dtype)?;
+                    Ok((ByteRange { file: info.file, offset: info.offset + per * expert as u64, len: per }, d))
+                };
+                let (gu, d) = slice(gate_up)?;
+                let (dn, d2) = slice(down)?;
+                let half = gu.len / 2;
+                let gate = ByteRange { len: half, ..gu };
+                let up = ByteRange { offset: gu.offset + half, len: half, ..gu };
+                let (e, e2) = (ExpertEncoding::Float(d), ExpertEncoding::Float(d2));
+                Ok(ExpertExtent { parts: [gate, up, dn], encodings: [e, e, e2] })
+            }
+            _ => Err(FormatError::invalid(path, format!("expert layout {layout:?} does not belong to this file"))),
+        }
+    }
+}
+
+/// Builds one projection's weight `[rows, cols]` from its bytes as read from disk. Dense floats
+/// become f32 tensors; ggml blocks stay quantized. `name` is used in errors.
+///
+/// Errors: a byte count that does not match the shape.
+pub fn weight_from_bytes(encoding: ExpertEncoding, shape: [usize; 2], bytes: &[u8], name: &str, device: &Device) -> Result<Weight> {
+    let path = std::path::Path::new(name);
+    match encoding {
+        ExpertEncoding::Ggml(dtype) => crate::gguf::qtensor_from_bytes(path, name, dtype, &shape, bytes, device).map(Weight::Quantized),
+        ExpertEncoding::Float(dtype) => Tensor::from_raw_buffer(bytes, dtype, &shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.to_device(device))
+            .map(Weight::Dense)
+            .map_err(|e| FormatError::candle(path, e)),
     }
 }

@@ -18,6 +18,6 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
 pub use error::{FormatError, Result};
-pub use experts::{ExpertDims, ExpertLayout, ExpertTensors};
+pub use experts::{weight_from_bytes, ByteRange, ExpertDims, ExpertEncoding, ExpertExtent, ExpertLayout, ExpertTensors};
 pub use model_files::{GenerationDefaults, ModelFiles, Weight};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

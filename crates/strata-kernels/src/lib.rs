@@ -7,9 +7,11 @@
 //! `ggml-cpu/ggml-cpu-quants.c` `ggml_vec_dot_q4_1_q8_1`) with an AVX2 path and a scalar fallback.
 
 pub mod attention;
+pub mod bytes;
 pub mod matrix;
 pub mod q8_1;
 
+pub use bytes::WeightBytes;
 pub use matrix::{BlockFormat, QuantMatrix};
 
 /// A raw pointer that may cross threads; each task writes disjoint elements.

@@ -4,6 +4,7 @@
 
 use half::f16;
 
+use crate::bytes::WeightBytes;
 use crate::q8_1::{quantize_row, BlockQ8_1, QK};
 use crate::SendPtr;
 
@@ -28,14 +29,15 @@ impl BlockFormat {
 #[derive(Debug, Clone)]
 pub struct QuantMatrix {
     format: BlockFormat,
-    data: Vec<u8>,
+    data: WeightBytes,
     rows: usize,
     cols: usize,
 }
 
 impl QuantMatrix {
     /// `data` must hold `rows · cols / 32` blocks; `cols` must be a multiple of 32.
-    pub fn new(format: BlockFormat, data: Vec<u8>, rows: usize, cols: usize) -> Result<Self, String> {
+    pub fn new(format: BlockFormat, data: impl Into<WeightBytes>, rows: usize, cols: usize) -> Result<Self, String> {
+        let data = data.into();
         let need = rows * cols / QK * format.block_bytes();
         if cols % QK != 0 || data.len() != need {
             return Err(format!("{format:?} matrix [{rows}, {cols}] needs {need} bytes, got {}", data.len()));
@@ -50,8 +52,8 @@ impl QuantMatrix {
         if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
             return None;
         }
-        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
-        Some(QuantMatrix { format: first.format, data, rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols })
+        let data: Vec<u8> = parts.iter().flat_map(|p| p.data.as_slice().iter().copied()).collect();
+        Some(QuantMatrix { format: first.format, data: data.into(), rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols })
     }
 
     pub fn format(&self) -> BlockFormat {
@@ -71,9 +73,14 @@ impl QuantMatrix {
         self.cols
     }
 
+    #[cfg(test)]
     fn row(&self, r: usize) -> &[u8] {
-        let rb = self.cols / QK * self.format.block_bytes();
-        &self.data[r * rb..(r + 1) * rb]
+        let rb = self.row_bytes();
+        &self.data.as_slice()[r * rb..(r + 1) * rb]
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / QK * self.format.block_bytes()
     }
 
     /// `out[t, r] = Σ_c x[t, c] · W[r, c]` for `m` activation rows; `x: [m, cols]`, `out: [m, rows]`.
@@ -91,12 +98,13 @@ impl QuantMatrix {
         // Rows per task: enough work to amortise scheduling, few enough to balance threads.
         let ptr = SendPtr(out.as_mut_ptr());
         let dot = select_dot(self.format);
+        let (data, rb) = (self.data.as_slice(), self.row_bytes());
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
         // ones candle's own ops use, so no second pool competes for the cores.
         candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
             let p = ptr;
             for r in range {
-                let w = self.row(r);
+                let w = &data[r * rb..(r + 1) * rb];
                 for t in 0..m {
                     let v = dot(w, &qx[t * nb..(t + 1) * nb]);
                     // SAFETY: each (t, r) is written by exactly one task, and out has m·rows elements.

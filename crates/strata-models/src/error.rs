@@ -14,6 +14,9 @@ pub enum ModelError {
     ContextFull { needed: usize, capacity: usize },
     #[error("token id {id} is outside the vocabulary ({vocab})")]
     BadToken { id: u32, vocab: usize },
+    /// Reading a streamed expert failed (I/O error, short read, file changed).
+    #[error("expert {expert} of layer {layer}: {message}")]
+    ExpertRead { layer: usize, expert: usize, message: String },
 }
 
 impl ModelError {

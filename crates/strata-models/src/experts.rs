@@ -28,6 +28,11 @@ impl Expert {
         let mlp = Mlp::new(lin(t.gate)?, lin(t.up)?, lin(t.down)?)?;
         Ok(Self { bytes: mlp.weight_bytes(), mlp })
     }
+
+    /// An expert over weights already built (a streamed expert: `bytes` is its stored size).
+    pub fn new(mlp: Mlp, bytes: usize) -> Self {
+        Self { mlp, bytes }
+    }
 }
 
 /// Source of routed experts' weights for the MoE blocks.
@@ -43,6 +48,57 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     /// Routing for `layer` is known: `experts` (ids, possibly repeated) will be asked for next. A
     /// streaming provider may start reading them all concurrently. The default does nothing.
     fn will_need(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Cumulative streaming counters (`None` for resident experts).
+    fn stats(&self) -> Option<ExpertStats> {
+        None
+    }
+}
+
+/// Cumulative counters of a streaming provider. Subtract two snapshots ([`Self::since`]) for one
+/// generation's figures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ExpertStats {
+    /// `expert()` calls answered from the cache.
+    pub hits: u64,
+    /// `expert()` calls that had to wait for (or issue) a read.
+    pub misses: u64,
+    /// Bytes read from the model files.
+    pub bytes_read: u64,
+    /// Read requests issued.
+    pub reads: u64,
+    /// Nanoseconds `expert()` callers spent waiting for reads.
+    pub stall_ns: u64,
+    /// Nanoseconds during which at least one read was in flight.
+    pub io_busy_ns: u64,
+    /// Stored bytes of every expert used (hits and misses): what a token touches.
+    pub touched_bytes: u64,
+}
+
+impl ExpertStats {
+    /// The counters accumulated since `earlier`.
+    pub fn since(&self, earlier: &ExpertStats) -> ExpertStats {
+        ExpertStats {
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            reads: self.reads - earlier.reads,
+            stall_ns: self.stall_ns - earlier.stall_ns,
+            io_busy_ns: self.io_busy_ns - earlier.io_busy_ns,
+            touched_bytes: self.touched_bytes - earlier.touched_bytes,
+        }
+    }
+
+    /// Fraction of expert lookups served from the cache (1.0 when there were none).
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 { 1.0 } else { self.hits as f64 / n as f64 }
+    }
+
+    /// Achieved read bandwidth while reads were in flight, GB/s (10⁹ bytes per second).
+    pub fn read_gbps(&self) -> f64 {
+        if self.io_busy_ns == 0 { 0.0 } else { self.bytes_read as f64 / self.io_busy_ns as f64 }
+    }
 }
 
 /// Every expert of every MoE layer held in memory.

@@ -4,7 +4,7 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 
 /// Formats that run on our kernels (`strata-kernels`) rather than candle's.
-fn kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
+pub fn kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
     match dtype {
         GgmlDType::Q4_1 => Some(strata_kernels::BlockFormat::Q4_1),
         GgmlDType::Q8_0 => Some(strata_kernels::BlockFormat::Q8_0),
@@ -92,6 +92,12 @@ impl Linear {
             _ => LinearWeight::Candle(QMatMul::from_arc(q)?),
         };
         Ok(Self { w, b: None, out_dim: rows })
+    }
+
+    /// A linear layer over a matrix already in our kernels' layout (a streamed expert's bytes).
+    pub fn from_kernel(m: strata_kernels::QuantMatrix) -> Self {
+        let out_dim = m.rows();
+        Self { w: LinearWeight::Kernel(std::sync::Arc::new(m)), b: None, out_dim }
     }
 
     /// One layer computing `parts` side by side (outputs concatenated on the last dim), when they

@@ -13,7 +13,7 @@ pub mod rope;
 pub mod transformer;
 
 pub use error::{ModelError, Result};
-pub use experts::{Expert, ExpertProvider, ResidentExperts};
+pub use experts::{Expert, ExpertProvider, ExpertStats, ResidentExperts};
 pub use kv_cache::KvCache;
 pub use moe::{LayerRouting, Router, SparseMoe};
 pub use transformer::{ForwardOutput, Logits, Transformer};

@@ -6,20 +6,36 @@ use candle_core::Tensor;
 use crate::error::Result;
 use crate::layers::{Linear, WeightLoader};
 
+/// The gate and up projections: stacked into one `[2I, H]` matrix when the format allows (one
+/// activation quantization, one parallel region), else two.
+#[derive(Debug, Clone)]
+enum GateUp {
+    Fused { gate_up: Linear, inter: usize },
+    Separate { gate: Linear, up: Linear },
+}
+
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
+    gate_up: GateUp,
     down: Linear,
-    /// gate and up stacked when the format allows.
-    gate_up: Option<Linear>,
 }
 
 impl Mlp {
-    /// `gate`, `up`: `[inter, hidden]`; `down`: `[hidden, inter]`.
+    /// `gate`, `up`: `[inter, hidden]`; `down`: `[hidden, inter]`. Stacks gate and up when both run
+    /// on our kernels (the separate copies are then dropped).
     pub fn new(gate: Linear, up: Linear, down: Linear) -> Result<Self> {
-        let gate_up = Linear::fuse(&[&gate, &up])?;
-        Ok(Self { gate, up, down, gate_up })
+        let gate_up = match Linear::fuse(&[&gate, &up])? {
+            Some(gate_up) => GateUp::Fused { gate_up, inter: gate.out_dim() },
+            None => GateUp::Separate { gate, up },
+        };
+        Ok(Self { gate_up, down })
+    }
+
+    /// From gate and up already stacked: `gate_up: [2·inter, hidden]` (gate rows first), `down:
+    /// [hidden, inter]`.
+    pub fn from_fused(gate_up: Linear, down: Linear) -> Self {
+        let inter = gate_up.out_dim() / 2;
+        Self { gate_up: GateUp::Fused { gate_up, inter }, down }
     }
 
     /// Loads `blk.{layer}.ffn_{gate,up,down}{suffix}` (GGUF names): `suffix` is `""` for a dense
@@ -29,15 +45,19 @@ impl Mlp {
         Self::new(l.linear(&n("gate"), inter, hidden, false)?, l.linear(&n("up"), inter, hidden, false)?, l.linear(&n("down"), hidden, inter, false)?)
     }
 
-    /// Bytes of the three weight matrices as stored.
+    /// Bytes of the weight matrices as held.
     pub fn weight_bytes(&self) -> usize {
-        self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
+        let gu = match &self.gate_up {
+            GateUp::Fused { gate_up, .. } => gate_up.weight_bytes(),
+            GateUp::Separate { gate, up } => gate.weight_bytes() + up.weight_bytes(),
+        };
+        gu + self.down.weight_bytes()
     }
 
     /// gate and up through candle's fused kernel (one activation quantization, one parallel region)
     /// when both are candle-quantized and the kernel supports the format; `None` otherwise.
-    fn fused_candle_gate_up(&self, x: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
-        let (Some(g), Some(u)) = (self.gate.candle_qtensor(), self.up.candle_qtensor()) else { return Ok(None) };
+    fn fused_candle_gate_up(gate: &Linear, up: &Linear, x: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        let (Some(g), Some(u)) = (gate.candle_qtensor(), up.candle_qtensor()) else { return Ok(None) };
         if !x.device().is_cpu() {
             return Ok(None);
         }
@@ -51,14 +71,13 @@ impl Mlp {
     /// `x: [seq, hidden] → [seq, hidden]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (g, u) = match &self.gate_up {
-            Some(gu) => {
-                let y = gu.forward(x)?;
-                let i = self.gate.out_dim();
-                (y.narrow(1, 0, i)?, y.narrow(1, i, i)?)
+            GateUp::Fused { gate_up, inter } => {
+                let y = gate_up.forward(x)?;
+                (y.narrow(1, 0, *inter)?, y.narrow(1, *inter, *inter)?)
             }
-            None => match self.fused_candle_gate_up(x)? {
+            GateUp::Separate { gate, up } => match Self::fused_candle_gate_up(gate, up, x)? {
                 Some(gu) => gu,
-                None => (self.gate.forward(x)?, self.up.forward(x)?),
+                None => (gate.forward(x)?, up.forward(x)?),
             },
         };
         let g = candle_nn::ops::silu(&g.contiguous()?)?;

@@ -55,18 +55,32 @@ pub struct Router {
     top_k: usize,
     norm_topk_prob: bool,
     scoring: RouterScoring,
+    /// Runtime override (`--moe-top-k`): keep the `k` best of the router's top-k.
+    top_k_override: Option<usize>,
 }
 
 impl Router {
     /// `gate: [E, H]` router weights.
     pub fn new(gate: Linear, top_k: usize, norm_topk_prob: bool, scoring: RouterScoring) -> Self {
-        Self { gate, top_k, norm_topk_prob, scoring }
+        Self { gate, top_k, norm_topk_prob, scoring, top_k_override: None }
+    }
+
+    /// Uses only the `k` best of the router's top-k choices (`None`: the model's top-k). Their
+    /// weights are rescaled to the top-k's total weight, so outputs keep their scale (SwiftLM's
+    /// `SWIFTLM_TOP_K`). `k` at or above the model's top-k changes nothing.
+    pub fn set_top_k_override(&mut self, k: Option<usize>) {
+        self.top_k_override = k.map(|k| k.max(1)).filter(|&k| k < self.top_k);
+    }
+
+    /// Experts used per token.
+    pub fn top_k(&self) -> usize {
+        self.top_k_override.unwrap_or(self.top_k)
     }
 
     /// Routes `x: [seq, hidden]`; `layer` is recorded in the result.
     pub fn route(&self, x: &Tensor, layer: usize) -> Result<LayerRouting> {
         let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-        let mut routing = LayerRouting { layer, top_k: self.top_k, expert_ids: Vec::new(), weights: Vec::new() };
+        let mut routing = LayerRouting { layer, top_k: self.top_k(), expert_ids: Vec::new(), weights: Vec::new() };
         for row in &logits {
             let (ids, w) = self.select(row);
             routing.expert_ids.extend(ids);
@@ -93,6 +107,13 @@ impl Router {
         if self.norm_topk_prob {
             let s: f32 = w.iter().sum();
             w.iter_mut().for_each(|x| *x /= s);
+        }
+        if let Some(k) = self.top_k_override {
+            let mass: f32 = w.iter().sum();
+            order.truncate(k);
+            w.truncate(k);
+            let kept: f32 = w.iter().sum();
+            w.iter_mut().for_each(|x| *x *= mass / kept);
         }
         (order, w)
     }
@@ -124,12 +145,8 @@ impl SparseMoe {
     /// one. Routed experts are not loaded here: they come from the [`ExpertProvider`].
     pub fn load(l: &WeightLoader, cfg: &ModelConfig, m: &MoeConfig, layer: usize) -> Result<Self> {
         let h = cfg.hidden_size;
-        let router = Router {
-            gate: l.linear(&format!("blk.{layer}.ffn_gate_inp"), m.num_experts, h, false)?,
-            top_k: m.experts_per_token,
-            norm_topk_prob: m.norm_topk_prob,
-            scoring: m.scoring,
-        };
+        let gate = l.linear(&format!("blk.{layer}.ffn_gate_inp"), m.num_experts, h, false)?;
+        let router = Router::new(gate, m.experts_per_token, m.norm_topk_prob, m.scoring);
         let shared = match m.shared_expert_intermediate_size {
             Some(i) => Some(SharedExpert {
                 mlp: Mlp::load(l, layer, "_shexp", h, i)?,
@@ -142,6 +159,10 @@ impl SparseMoe {
 
     pub fn router(&self) -> &Router {
         &self.router
+    }
+
+    pub fn router_mut(&mut self) -> &mut Router {
+        &mut self.router
     }
 
     /// `x: [seq, hidden] → [seq, hidden]` and the routing it used.

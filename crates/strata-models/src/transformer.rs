@@ -139,6 +139,16 @@ impl Transformer {
         &self.device
     }
 
+    /// `--moe-top-k`: every MoE layer uses only the `k` best of its router's choices (see
+    /// [`crate::Router::set_top_k_override`]); `None` restores the model's top-k.
+    pub fn set_moe_top_k(&mut self, k: Option<usize>) {
+        for l in &mut self.layers {
+            if let FeedForward::Moe(m) = &mut l.ffn {
+                m.router_mut().set_top_k_override(k);
+            }
+        }
+    }
+
     /// The provider routed experts are read through.
     pub fn experts(&self) -> &Arc<dyn ExpertProvider> {
         &self.experts

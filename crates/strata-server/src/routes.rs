@@ -304,6 +304,9 @@ pub async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
 pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     st.metrics.queue_depth.set(st.scheduler.queue_depth() as i64);
     st.metrics.active.set(st.scheduler.active() as i64);
+    if let Some(x) = st.engine.model.experts().stats() {
+        st.metrics.experts.observe(x);
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render()).into_response()
 }
 

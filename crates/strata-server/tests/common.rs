@@ -19,7 +19,7 @@ pub fn smollm2_path() -> PathBuf {
 pub fn engine() -> Arc<Engine> {
     static E: OnceLock<Arc<Engine>> = OnceLock::new();
     E.get_or_init(|| {
-        let opts = LoadOptions { ctx_size: 2048, device: candle_core::Device::Cpu };
+        let opts = LoadOptions::new(2048, candle_core::Device::Cpu);
         Arc::new(Engine::load(&smollm2_path(), &opts, &mut |_, _| {}).expect("load SmolLM2"))
     })
     .clone()

@@ -17,7 +17,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn check(model: &str) {
-    let opts = LoadOptions { ctx_size: 256, device: candle_core::Device::Cpu };
+    let opts = LoadOptions::new(256, candle_core::Device::Cpu);
     let engine = Arc::new(Engine::load(&fixture(model), &opts, &mut |_, _| {}).unwrap());
     let cfg = strata_server::ServerConfig { ctx_size: 256, max_tokens: 16, sampling: SamplingParams::greedy(), ..Default::default() };
     let server = common::start_with(engine.clone(), cfg);

@@ -1,0 +1,109 @@
+//! The expert cache's byte budget (`--expert-cache`): a size (`6GiB`, `512MiB`, `2G`, `1000000`),
+//! a percentage of the model's expert bytes (`10%`), or `auto` (from available memory).
+
+use std::str::FromStr;
+
+/// What the user asked for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CacheBudget {
+    Bytes(u64),
+    /// Percent of the model's total routed-expert bytes.
+    Percent(f64),
+    /// Available memory (cgroup limit included) minus the dense weights and a reserve.
+    Auto,
+}
+
+impl FromStr for CacheBudget {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
+        if let Some(p) = t.strip_suffix('%') {
+            let v: f64 = p.trim().parse().map_err(|_| format!("bad percentage `{s}`"))?;
+            if !(v > 0.0 && v <= 100.0) {
+                return Err(format!("expert cache percentage must be in (0, 100], got `{s}`"));
+            }
+            return Ok(Self::Percent(v));
+        }
+        parse_bytes(t).map(Self::Bytes)
+    }
+}
+
+/// `123`, `4k`/`4KB`/`4KiB`, `5M`, `6G`, `1T` (powers of 1024 for every suffix, like llama.cpp and
+/// most memory flags).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num.parse().map_err(|_| format!("bad size `{s}` (examples: 6GiB, 512MiB, 10%)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("bad size unit `{other}` in `{s}` (examples: 6GiB, 512MiB, 10%)")),
+    };
+    Ok((v * mult as f64) as u64)
+}
+
+impl CacheBudget {
+    /// Bytes for a model with `expert_bytes` of routed experts and `dense_bytes` of everything
+    /// else, given `available` bytes of memory.
+    pub fn resolve(self, expert_bytes: u64, dense_bytes: u64, available: u64) -> u64 {
+        match self {
+            Self::Bytes(b) => b,
+            Self::Percent(p) => (expert_bytes as f64 * p / 100.0) as u64,
+            // Keep 1 GiB + 10% of what is left for the KV cache, activations and the OS.
+            Self::Auto => {
+                let left = available.saturating_sub(dense_bytes).saturating_sub(1 << 30);
+                (left - left / 10).min(expert_bytes)
+            }
+        }
+    }
+}
+
+/// Memory this process may still use (bytes): `MemAvailable` from `/proc/meminfo`, capped by the
+/// cgroup (v2 `memory.max` or v1 `memory.limit_in_bytes`) limit minus its current usage.
+pub fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let avail = meminfo.lines().find_map(|l| l.strip_prefix("MemAvailable:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())? * 1024;
+    Some(match cgroup_headroom() {
+        Some(c) => avail.min(c),
+        None => avail,
+    })
+}
+
+/// The cgroup memory limit minus usage, when a limit applies.
+pub fn cgroup_headroom() -> Option<u64> {
+    let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let (limit, usage) = match read("/sys/fs/cgroup/memory.max") {
+        Some(l) => (l, read("/sys/fs/cgroup/memory.current")?),
+        None => (read("/sys/fs/cgroup/memory/memory.limit_in_bytes")?, read("/sys/fs/cgroup/memory/memory.usage_in_bytes")?),
+    };
+    // v1 reports "no limit" as a huge number.
+    (limit < 1 << 60).then(|| limit.saturating_sub(usage))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes_and_percentages() {
+        assert_eq!("6GiB".parse::<CacheBudget>().unwrap(), CacheBudget::Bytes(6 << 30));
+        assert_eq!("512M".parse::<CacheBudget>().unwrap(), CacheBudget::Bytes(512 << 20));
+        assert_eq!("1.5g".parse::<CacheBudget>().unwrap(), CacheBudget::Bytes(3 << 29));
+        assert_eq!("4096".parse::<CacheBudget>().unwrap(), CacheBudget::Bytes(4096));
+        assert_eq!("10%".parse::<CacheBudget>().unwrap(), CacheBudget::Percent(10.0));
+        assert_eq!("auto".parse::<CacheBudget>().unwrap(), CacheBudget::Auto);
+        for bad in ["", "x", "10 parsecs", "0%", "150%", "%"] {
+            assert!(bad.parse::<CacheBudget>().is_err(), "{bad}");
+        }
+        assert_eq!(CacheBudget::Percent(10.0).resolve(1000, 0, 0), 100);
+        assert_eq!(CacheBudget::Auto.resolve(1 << 40, 1 << 30, 4 << 30), (2u64 << 30) - (2u64 << 30) / 10);
+    }
+}

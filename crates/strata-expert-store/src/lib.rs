@@ -1,0 +1,18 @@
+//! Expert streaming (`--stream-experts`): MoE models larger than memory run with the dense weights
+//! resident and the routed experts read on demand from the model file(s).
+//!
+//! - [`io`]: the I/O engine: reader threads issuing concurrent `pread`s (optionally `O_DIRECT`).
+//! - [`slab`]: the cache's memory, fixed 4 KiB-aligned slots allocated once.
+//! - [`policy`]: eviction policies (LRU, LRU-2, LFU).
+//! - [`budget`]: `--expert-cache` sizes and available memory (cgroup limits included).
+//! - [`provider`]: [`StreamingExperts`], the [`strata_models::ExpertProvider`] tying them together.
+
+pub mod budget;
+pub mod io;
+pub mod policy;
+pub mod provider;
+pub mod slab;
+
+pub use budget::{available_memory, parse_bytes, CacheBudget};
+pub use policy::EvictionPolicy;
+pub use provider::{StreamOptions, StreamingExperts};
