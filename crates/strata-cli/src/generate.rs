@@ -92,6 +92,7 @@ impl SamplingArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    let rss_before_load = strata_engine::expert_store::process_rss().map(|r| r.0);
     let engine = args.model.load()?;
     let prompt = if let Some(chat) = &args.chat {
         engine.chat_prompt(&[ChatMessage::new("user", chat.as_str())])?.1
@@ -132,6 +133,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "decode_tok_s": gen.decode_tok_s(),
             "threads": args.model.threads(),
             "experts": gen.experts,
+            "memory": memory_report(&engine, &cache, rss_before_load),
         });
         println!("{obj}");
     } else {
@@ -151,4 +153,17 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// What the process holds (bytes): weights outside the expert provider, the provider's budget, the
+/// KV cache, and the RSS before loading and at its peak.
+fn memory_report(engine: &strata_engine::Engine, cache: &strata_models::KvCache, rss_before_load: Option<u64>) -> serde_json::Value {
+    let rss = strata_engine::expert_store::process_rss();
+    serde_json::json!({
+        "resident_weight_bytes": engine.resident_weight_bytes,
+        "experts_bytes": engine.model.experts().memory_bytes(),
+        "kv_cache_bytes": cache.bytes(),
+        "rss_before_load_bytes": rss_before_load,
+        "rss_peak_bytes": rss.map(|r| r.1),
+    })
 }

@@ -5,6 +5,7 @@ mod generate;
 mod measure;
 mod model_args;
 mod serve;
+mod synth;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -26,6 +27,8 @@ enum Command {
     Perplexity(measure::PerplexityArgs),
     /// Throughput: prompt processing (pp) and text generation (tg) tok/s, like llama-bench.
     Bench(measure::BenchArgs),
+    /// Write a synthetic (random-weight) MoE GGUF with a real model's dimensions, for benchmarks.
+    Synth(synth::SynthArgs),
     /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/ and print its path.
     FetchDefault,
 }
@@ -37,6 +40,7 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Perplexity(a) => measure::perplexity(a),
         Command::Bench(a) => measure::bench(a),
+        Command::Synth(a) => synth::run(a),
         Command::FetchDefault => default_model::ensure().map(|p| println!("{}", p.display())),
     };
     if let Err(e) = res {

@@ -74,6 +74,33 @@ pub struct BenchArgs {
     /// Quantization of the benchmarked experts (--moe-layer): q4k, q5k, q6k, q8_0, q4_0, q4_1.
     #[arg(long, default_value = "q4k")]
     pub moe_dtype: String,
+    /// Measure the drive holding FILE instead of a model (like fio randread): GB/s for 1 and 4 MiB
+    /// random reads at queue depth 1, 8, 32, 64, through the page cache (its pages dropped first)
+    /// and with O_DIRECT. Use a file of several GB on the drive the models live on.
+    #[arg(long, value_name = "FILE")]
+    pub disk: Option<PathBuf>,
+    /// Seconds per --disk configuration.
+    #[arg(long, default_value_t = 1.5)]
+    pub disk_seconds: f64,
+}
+
+fn bench_disk(a: &BenchArgs, file: &std::path::Path) -> Result<()> {
+    use strata_engine::expert_store::disk_bench;
+    let results = disk_bench::bench_disk(file, &[1 << 20, 4 << 20], &[1, 8, 32, 64], &[false, true], std::time::Duration::from_secs_f64(a.disk_seconds))
+        .map_err(anyhow::Error::msg)?;
+    let peak = results.iter().map(|r| r.gbps).fold(0.0, f64::max);
+    if a.json {
+        println!("{}", serde_json::json!({"file": file, "results": results, "peak_gbps": peak}));
+        return Ok(());
+    }
+    println!("| file | O_DIRECT | block | queue depth | GB/s |");
+    println!("|---|---|---|---|---|");
+    for r in &results {
+        println!("| {} | {} | {} MiB | {} | {:.2} |", file.display(), r.direct, r.block_bytes >> 20, r.queue_depth, r.gbps);
+    }
+    let best = results.iter().max_by(|a, b| a.gbps.total_cmp(&b.gbps)).map(|r| format!("O_DIRECT {}, {} MiB, QD {}", r.direct, r.block_bytes >> 20, r.queue_depth));
+    println!("peak random read: {peak:.2} GB/s ({})", best.unwrap_or_default());
+    Ok(())
 }
 
 fn parse_dtype(s: &str) -> Result<candle_core::quantized::GgmlDType> {
@@ -134,6 +161,9 @@ fn bench_moe_layer(a: &BenchArgs) -> Result<()> {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    if let Some(f) = &a.disk {
+        return bench_disk(&a, f);
+    }
     if a.moe_layer {
         return bench_moe_layer(&a);
     }

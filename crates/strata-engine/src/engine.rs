@@ -42,6 +42,9 @@ pub struct Engine {
     pub defaults: GenerationDefaults,
     /// Short model name (file stem / directory name).
     pub name: String,
+    /// Bytes of the weights loaded into memory at start (everything but streamed experts), as
+    /// stored in the file.
+    pub resident_weight_bytes: u64,
 }
 
 /// Options for loading.
@@ -71,13 +74,18 @@ impl Engine {
         let tokenizer = files.tokenizer()?;
         let chat_template = files.chat_template(&tokenizer)?;
         let cfg = files.config()?;
+        let mut resident_weight_bytes = files.total_tensor_bytes();
         let experts: Option<Arc<dyn ExpertProvider>> = match &opts.stream_experts {
-            Some(so) => Some(Arc::new(StreamingExperts::open(&files, &cfg, &opts.device, so)?)),
+            Some(so) => {
+                let s = StreamingExperts::open(&files, &cfg, &opts.device, so)?;
+                resident_weight_bytes -= s.expert_bytes_total();
+                Some(Arc::new(s))
+            }
             None => None,
         };
         let mut model = Transformer::load_with_experts(&files, &opts.device, opts.ctx_size, experts, progress)?;
         model.set_moe_top_k(opts.moe_top_k);
-        Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name() })
+        Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name(), resident_weight_bytes })
     }
 
     /// Renders messages through the chat template (with the generation prompt) and tokenizes the

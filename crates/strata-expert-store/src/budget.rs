@@ -107,3 +107,11 @@ mod tests {
         assert_eq!(CacheBudget::Auto.resolve(1 << 40, 1 << 30, 4 << 30), (2u64 << 30) - (2u64 << 30) / 10);
     }
 }
+
+/// This process's resident set size now and at its peak (`VmRSS`, `VmHWM` of `/proc/self/status`),
+/// bytes.
+pub fn process_rss() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024);
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}

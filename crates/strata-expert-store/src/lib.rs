@@ -5,14 +5,16 @@
 //! - [`slab`]: the cache's memory, fixed 4 KiB-aligned slots allocated once.
 //! - [`policy`]: eviction policies (LRU, LRU-2, LFU).
 //! - [`budget`]: `--expert-cache` sizes and available memory (cgroup limits included).
+//! - [`disk_bench`]: `strata bench --disk`, the drive's random-read bandwidth.
 //! - [`provider`]: [`StreamingExperts`], the [`strata_models::ExpertProvider`] tying them together.
 
 pub mod budget;
+pub mod disk_bench;
 pub mod io;
 pub mod policy;
 pub mod provider;
 pub mod slab;
 
-pub use budget::{available_memory, parse_bytes, CacheBudget};
+pub use budget::{available_memory, parse_bytes, process_rss, CacheBudget};
 pub use policy::EvictionPolicy;
 pub use provider::{StreamOptions, StreamingExperts};

@@ -427,6 +427,10 @@ impl ExpertProvider for StreamingExperts {
         }
     }
 
+    fn memory_bytes(&self) -> u64 {
+        self.cache_bytes()
+    }
+
     fn stats(&self) -> Option<ExpertStats> {
         let io = self.io.counters();
         Some(ExpertStats {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 mod experts;
 pub mod gguf;
+pub mod gguf_write;
 mod model_files;
 pub mod names;
 pub mod safetensors;

@@ -11,14 +11,18 @@ use crate::kv_cache::KvCache;
 use crate::layers::{Linear, RmsNorm, WeightLoader};
 use crate::rope::RotaryEmbedding;
 
+/// The q, k and v projections: stacked into one matrix (one activation quantization, one dispatch)
+/// when the format allows, the separate copies then dropped.
+#[derive(Debug, Clone)]
+enum Qkv {
+    Fused(Linear),
+    Separate { q: Linear, k: Linear, v: Linear },
+}
+
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    qkv: Qkv,
     o: Linear,
-    /// q, k and v stacked (one activation quantization, one dispatch) when the format allows.
-    qkv: Option<Linear>,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     /// Where q/k norms apply (per head, or over the whole projection).
@@ -49,11 +53,11 @@ impl Attention {
         let q = l.linear(&p("attn_q"), cfg.num_heads * hd, h, cfg.attention_bias)?;
         let k = l.linear(&p("attn_k"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?;
         let v = l.linear(&p("attn_v"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?;
-        let qkv = Linear::fuse(&[&q, &k, &v])?;
+        let qkv = match Linear::fuse(&[&q, &k, &v])? {
+            Some(f) => Qkv::Fused(f),
+            None => Qkv::Separate { q, k, v },
+        };
         Ok(Self {
-            q,
-            k,
-            v,
             qkv,
             o: l.linear(&p("attn_output"), h, cfg.num_heads * hd, false)?,
             q_norm,
@@ -92,11 +96,11 @@ impl Attention {
             t.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };
         let (q, k, v) = match &self.qkv {
-            Some(qkv) => {
+            Qkv::Fused(qkv) => {
                 let y = qkv.forward(x)?;
                 (y.narrow(1, 0, nh * hd)?, y.narrow(1, nh * hd, nkv * hd)?, y.narrow(1, (nh + nkv) * hd, nkv * hd)?)
             }
-            None => (self.q.forward(x)?, self.k.forward(x)?, self.v.forward(x)?),
+            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
         };
         let q = heads(q.contiguous()?, nh, &self.q_norm)?;
         let k = heads(k.contiguous()?, nkv, &self.k_norm)?;

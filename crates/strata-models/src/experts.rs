@@ -53,6 +53,10 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     fn stats(&self) -> Option<ExpertStats> {
         None
     }
+
+    /// Bytes of memory the provider holds at most (all experts when resident; the expert cache when
+    /// streaming).
+    fn memory_bytes(&self) -> u64;
 }
 
 /// Cumulative counters of a streaming provider. Subtract two snapshots ([`Self::since`]) for one
@@ -141,6 +145,10 @@ impl ResidentExperts {
 }
 
 impl ExpertProvider for ResidentExperts {
+    fn memory_bytes(&self) -> u64 {
+        self.bytes() as u64
+    }
+
     fn expert(&self, layer: usize, expert: usize) -> Result<Arc<Expert>> {
         self.layers
             .get(layer)

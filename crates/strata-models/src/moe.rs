@@ -145,7 +145,9 @@ impl SparseMoe {
     /// one. Routed experts are not loaded here: they come from the [`ExpertProvider`].
     pub fn load(l: &WeightLoader, cfg: &ModelConfig, m: &MoeConfig, layer: usize) -> Result<Self> {
         let h = cfg.hidden_size;
-        let gate = l.linear(&format!("blk.{layer}.ffn_gate_inp"), m.num_experts, h, false)?;
+        // A router bias (`ffn_gate_inp.bias`) is optional: synthetic models plant routing skew there.
+        let name = format!("blk.{layer}.ffn_gate_inp");
+        let gate = l.linear(&name, m.num_experts, h, l.has(&format!("{name}.bias")))?;
         let router = Router::new(gate, m.experts_per_token, m.norm_topk_prob, m.scoring);
         let shared = match m.shared_expert_intermediate_size {
             Some(i) => Some(SharedExpert {

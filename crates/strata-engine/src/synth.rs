@@ -1,0 +1,359 @@
+//! Synthetic MoE models for benchmarks (`strata synth`): valid GGUF files with a real
+//! architecture's dimensions, random weights from a seeded PRNG, and a byte-level tokenizer.
+//!
+//! Speed does not depend on weight values, but cache behaviour depends on routing. Random routers
+//! route near-uniformly with no temporal locality (a worst case for an expert cache);
+//! `routing_skew = S` writes a router bias `ffn_gate_inp.bias[e] = -S · ln(rank(e))` (a random
+//! rank per layer), which multiplies expert `e`'s softmax score by `rank^-S`: a Zipf(S) popularity.
+//! llama.cpp does not load that extra tensor; files without skew follow llama.cpp's `qwen3moe` /
+//! `llama` (Mixtral) layouts exactly.
+//!
+//! Quantized blocks get random quants with fixed scales chosen so that weights are zero-mean with a
+//! standard deviation of about 0.02 (Q4_K: `d = 2.5e-4`, `dmin = 1.875e-3`, as the synthetic
+//! Qwen3-30B-A3B in `../shared/tools/make_synth_qwen3moe.py`).
+
+use std::path::Path;
+
+use candle_core::quantized::GgmlDType;
+use half::f16;
+use strata_formats::gguf_write::{write_gguf, MetaValue, TensorSpec};
+
+/// Dimensions of a synthetic model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthPreset {
+    pub name: &'static str,
+    /// GGUF architecture: `qwen3moe` or `llama` (Mixtral).
+    pub arch: &'static str,
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_ffn: usize,
+    pub vocab: usize,
+    pub rope_theta: f32,
+    pub rms_eps: f32,
+    pub context: usize,
+    /// q/k RMSNorm per head (Qwen3).
+    pub qk_norm: bool,
+}
+
+impl SynthPreset {
+    pub const NAMES: [&'static str; 3] = ["qwen3-30b-a3b", "mixtral-8x7b", "tiny-moe"];
+
+    /// Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B), Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1),
+    /// and a 4-layer model small enough for tests.
+    pub fn by_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "qwen3-30b-a3b" => Self {
+                name: "qwen3-30b-a3b",
+                arch: "qwen3moe",
+                layers: 48,
+                hidden: 2048,
+                heads: 32,
+                kv_heads: 4,
+                head_dim: 128,
+                experts: 128,
+                top_k: 8,
+                expert_ffn: 768,
+                vocab: 151_936,
+                rope_theta: 1e6,
+                rms_eps: 1e-6,
+                context: 32_768,
+                qk_norm: true,
+            },
+            "mixtral-8x7b" => Self {
+                name: "mixtral-8x7b",
+                arch: "llama",
+                layers: 32,
+                hidden: 4096,
+                heads: 32,
+                kv_heads: 8,
+                head_dim: 128,
+                experts: 8,
+                top_k: 2,
+                expert_ffn: 14_336,
+                vocab: 32_000,
+                rope_theta: 1e6,
+                rms_eps: 1e-5,
+                context: 32_768,
+                qk_norm: false,
+            },
+            "tiny-moe" => Self {
+                name: "tiny-moe",
+                arch: "qwen3moe",
+                layers: 4,
+                hidden: 256,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                experts: 16,
+                top_k: 4,
+                expert_ffn: 256,
+                vocab: 512,
+                rope_theta: 1e6,
+                rms_eps: 1e-6,
+                context: 4096,
+                qk_norm: true,
+            },
+            _ => return None,
+        })
+    }
+}
+
+/// What to write.
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    pub preset: SynthPreset,
+    /// Type of every 2-D/3-D weight (routers stay F32): Q4_K, Q4_1, Q8_0 or F32.
+    pub quant: GgmlDType,
+    pub seed: u64,
+    /// Zipf exponent of expert popularity (see the module docs); `None`: uniform routing.
+    pub routing_skew: Option<f64>,
+}
+
+/// Sizes of the written file.
+#[derive(Debug, Clone, Copy)]
+pub struct SynthReport {
+    pub file_bytes: u64,
+    /// Routed experts' bytes (all layers).
+    pub expert_bytes: u64,
+}
+
+/// Parses `Q4_K`, `Q4_1`, `Q8_0`, `F32` (case-insensitive, `_` optional).
+pub fn parse_quant(s: &str) -> Result<GgmlDType, String> {
+    match s.to_ascii_uppercase().replace('_', "").as_str() {
+        "Q4K" => Ok(GgmlDType::Q4K),
+        "Q41" => Ok(GgmlDType::Q4_1),
+        "Q80" => Ok(GgmlDType::Q8_0),
+        "F32" => Ok(GgmlDType::F32),
+        _ => Err(format!("unsupported --quant `{s}` (Q4_K, Q4_1, Q8_0, F32)")),
+    }
+}
+
+/// How a tensor's values are generated.
+#[derive(Debug, Clone)]
+enum Fill {
+    Random,
+    Ones,
+    Values(Vec<f32>),
+}
+
+/// wyrand (Wang Yi): a fast 64-bit PRNG; reproducible from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0xA076_1D64_78BD_642F);
+        let t = (self.0 as u128).wrapping_mul((self.0 ^ 0xE703_7ED1_A0B4_28DB) as u128);
+        ((t >> 64) ^ t) as u64
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// GPT-2's byte-to-unicode table (256 printable symbols, in HF tokenizers' order).
+fn byte_symbols() -> Vec<String> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    cs.into_iter().map(|c| char::from_u32(c).map(String::from).unwrap_or_default()).collect()
+}
+
+/// Byte-level BPE vocabulary: 256 byte symbols, "ĠĠ" (the one merge), fillers, and
+/// `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (at Qwen's ids when the vocabulary is Qwen's).
+fn vocab(size: usize) -> (Vec<String>, Vec<i32>, [u32; 3]) {
+    let special_at = if size == 151_936 { 151_643 } else { size - 3 };
+    let names = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+    let mut toks = byte_symbols();
+    toks.push("\u{120}\u{120}".into());
+    let mut types = vec![1; toks.len()];
+    while toks.len() < size {
+        let i = toks.len();
+        if (special_at..special_at + 3).contains(&i) {
+            toks.push(names[i - special_at].into());
+            types.push(3);
+        } else {
+            toks.push(format!("fill{i}"));
+            types.push(1);
+        }
+    }
+    let s = special_at as u32;
+    (toks, types, [s, s + 1, s + 2])
+}
+
+fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
+    let a = p.arch;
+    let k = |s: &str| format!("{a}.{s}");
+    let (toks, types, [eot, _, im_end]) = vocab(p.vocab);
+    let mut m = vec![
+        ("general.architecture".into(), MetaValue::Str(a.into())),
+        ("general.name".into(), MetaValue::Str(format!("{} synthetic ({quant:?}, random weights, {} layers)", p.name, p.layers))),
+        ("general.alignment".into(), MetaValue::U32(strata_formats::gguf_write::ALIGNMENT as u32)),
+        (k("block_count"), MetaValue::U32(p.layers as u32)),
+        (k("context_length"), MetaValue::U32(p.context as u32)),
+        (k("embedding_length"), MetaValue::U32(p.hidden as u32)),
+        (k("feed_forward_length"), MetaValue::U32((p.expert_ffn * p.top_k) as u32)),
+        (k("attention.head_count"), MetaValue::U32(p.heads as u32)),
+        (k("attention.head_count_kv"), MetaValue::U32(p.kv_heads as u32)),
+        (k("attention.key_length"), MetaValue::U32(p.head_dim as u32)),
+        (k("attention.value_length"), MetaValue::U32(p.head_dim as u32)),
+        (k("rope.freq_base"), MetaValue::F32(p.rope_theta)),
+        (k("rope.dimension_count"), MetaValue::U32(p.head_dim as u32)),
+        (k("attention.layer_norm_rms_epsilon"), MetaValue::F32(p.rms_eps)),
+        (k("expert_count"), MetaValue::U32(p.experts as u32)),
+        (k("expert_used_count"), MetaValue::U32(p.top_k as u32)),
+        ("tokenizer.ggml.model".into(), MetaValue::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), MetaValue::Str("qwen2".into())),
+        ("tokenizer.ggml.tokens".into(), MetaValue::StrArray(toks)),
+        ("tokenizer.ggml.token_type".into(), MetaValue::I32Array(types)),
+        ("tokenizer.ggml.merges".into(), MetaValue::StrArray(vec!["\u{120} \u{120}".into()])),
+        ("tokenizer.ggml.bos_token_id".into(), MetaValue::U32(eot)),
+        ("tokenizer.ggml.eos_token_id".into(), MetaValue::U32(im_end)),
+        ("tokenizer.ggml.add_bos_token".into(), MetaValue::Bool(false)),
+    ];
+    if a == "qwen3moe" {
+        m.push((k("expert_feed_forward_length"), MetaValue::U32(p.expert_ffn as u32)));
+    } else {
+        // Mixtral in llama.cpp: feed_forward_length is the expert FFN size.
+        m.retain(|(key, _)| key != &k("feed_forward_length"));
+        m.push((k("feed_forward_length"), MetaValue::U32(p.expert_ffn as u32)));
+    }
+    m
+}
+
+fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
+    let p = &o.preset;
+    let q = o.quant;
+    let t = |name: String, shape: Vec<usize>, dtype| TensorSpec { name, shape, dtype };
+    let (h, hd, e, i) = (p.hidden, p.head_dim, p.experts, p.expert_ffn);
+    let mut rng = Rng::new(o.seed ^ 0x5EED);
+    let mut v = vec![(t("token_embd.weight".into(), vec![p.vocab, h], q), Fill::Random)];
+    for l in 0..p.layers {
+        let b = |s: &str| format!("blk.{l}.{s}");
+        v.push((t(b("attn_norm.weight"), vec![h], GgmlDType::F32), Fill::Ones));
+        v.push((t(b("attn_q.weight"), vec![p.heads * hd, h], q), Fill::Random));
+        v.push((t(b("attn_k.weight"), vec![p.kv_heads * hd, h], q), Fill::Random));
+        v.push((t(b("attn_v.weight"), vec![p.kv_heads * hd, h], q), Fill::Random));
+        v.push((t(b("attn_output.weight"), vec![h, p.heads * hd], q), Fill::Random));
+        if p.qk_norm {
+            v.push((t(b("attn_q_norm.weight"), vec![hd], GgmlDType::F32), Fill::Ones));
+            v.push((t(b("attn_k_norm.weight"), vec![hd], GgmlDType::F32), Fill::Ones));
+        }
+        v.push((t(b("ffn_norm.weight"), vec![h], GgmlDType::F32), Fill::Ones));
+        v.push((t(b("ffn_gate_inp.weight"), vec![e, h], GgmlDType::F32), Fill::Random));
+        if let Some(s) = o.routing_skew {
+            // A random rank per expert (Fisher-Yates), bias -S·ln(rank).
+            let mut ranks: Vec<usize> = (1..=e).collect();
+            for j in (1..e).rev() {
+                ranks.swap(j, (rng.next() % (j as u64 + 1)) as usize);
+            }
+            let bias = ranks.iter().map(|&r| -(s * (r as f64).ln()) as f32).collect();
+            v.push((t(b("ffn_gate_inp.bias"), vec![e], GgmlDType::F32), Fill::Values(bias)));
+        }
+        v.push((t(b("ffn_gate_exps.weight"), vec![e, i, h], q), Fill::Random));
+        v.push((t(b("ffn_up_exps.weight"), vec![e, i, h], q), Fill::Random));
+        v.push((t(b("ffn_down_exps.weight"), vec![e, h, i], q), Fill::Random));
+    }
+    v.push((t("output_norm.weight".into(), vec![h], GgmlDType::F32), Fill::Ones));
+    v.push((t("output.weight".into(), vec![p.vocab, h], q), Fill::Random));
+    v
+}
+
+/// Random blocks of `dtype` into `buf` (whole blocks). Weights have std ≈ 0.02.
+fn fill_random(dtype: GgmlDType, buf: &mut [u8], rng: &mut Rng) {
+    for c in buf.chunks_mut(8) {
+        let r = rng.next().to_le_bytes();
+        c.copy_from_slice(&r[..c.len()]);
+    }
+    let put = |b: &mut [u8], at: usize, v: f32| b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+    match dtype {
+        GgmlDType::Q4K => buf.chunks_exact_mut(144).for_each(|b| {
+            put(b, 0, 2.5e-4);
+            put(b, 2, 1.875e-3);
+        }),
+        GgmlDType::Q4_1 => buf.chunks_exact_mut(20).for_each(|b| {
+            put(b, 0, 0.009);
+            put(b, 2, -0.0675);
+        }),
+        GgmlDType::Q8_0 => buf.chunks_exact_mut(34).for_each(|b| put(b, 0, 2.7e-4)),
+        _ => buf.chunks_exact_mut(4).for_each(|b| b.copy_from_slice(&(0.0346 * rng.unit()).to_le_bytes())),
+    }
+}
+
+/// Writes the synthetic model to `out`. `progress(done, total)` in bytes.
+///
+/// Errors: I/O, or dimensions that do not fit the block type (Q4_K needs multiples of 256).
+pub fn synth(out: &Path, o: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<SynthReport, String> {
+    let ts = tensors(o);
+    let meta = metadata(&o.preset, o.quant);
+    let specs: Vec<TensorSpec> = ts.iter().map(|(s, _)| s.clone()).collect();
+    let mut expert_bytes = 0;
+    for s in &specs {
+        if s.name.contains("_exps.") {
+            expert_bytes += s.bytes()?;
+        }
+    }
+    let seed = o.seed;
+    let mut fill = |i: usize, offset: u64, buf: &mut [u8]| {
+        let (spec, how) = &ts[i];
+        match how {
+            Fill::Random => {
+                let mut rng = Rng::new(seed ^ (i as u64).wrapping_mul(0x1000_0000_01B3) ^ offset.rotate_left(17));
+                fill_random(spec.dtype, buf, &mut rng);
+            }
+            Fill::Ones => buf.chunks_exact_mut(4).for_each(|b| b.copy_from_slice(&1f32.to_le_bytes())),
+            Fill::Values(v) => {
+                let start = offset as usize / 4;
+                for (b, x) in buf.chunks_exact_mut(4).zip(&v[start..]) {
+                    b.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+    };
+    write_gguf(out, &meta, &specs, 16 << 20, &mut fill, progress)?;
+    let file_bytes = std::fs::metadata(out).map_err(|e| format!("{}: {e}", out.display()))?.len();
+    Ok(SynthReport { file_bytes, expert_bytes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_symbols_are_gpt2s() {
+        let s = byte_symbols();
+        assert_eq!(s.len(), 256);
+        assert_eq!(s[0], "!");
+        // Bytes outside the printable ranges follow them in byte order: 0x00 at 188, space at 220 ('Ġ').
+        assert_eq!(s[188], "\u{100}");
+        assert_eq!(s[220], "\u{120}");
+        let mut u = s.clone();
+        u.sort();
+        u.dedup();
+        assert_eq!(u.len(), 256);
+    }
+
+    #[test]
+    fn presets_exist_and_quants_parse() {
+        for n in SynthPreset::NAMES {
+            assert!(SynthPreset::by_name(n).is_some(), "{n}");
+        }
+        assert_eq!(parse_quant("q4_k").unwrap(), GgmlDType::Q4K);
+        assert!(parse_quant("q3_k").is_err());
+    }
+}
