@@ -64,7 +64,19 @@ impl ModelArgs {
             bar.set_position(done as u64);
         });
         bar.finish_and_clear();
-        Ok(engine?)
+        let engine = engine?;
+        if let Some(s) = &opts.stream_experts {
+            eprintln!(
+                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}), policy {}, {} reads in flight, O_DIRECT {}",
+                engine.resident_weight_bytes as f64 / 1e9,
+                engine.model.experts().memory_bytes() as f64 / 1e9,
+                s.budget,
+                s.policy.name(),
+                s.io_threads,
+                s.direct_io
+            );
+        }
+        Ok(engine)
     }
 
     pub fn load_options(&self) -> LoadOptions {

@@ -155,7 +155,7 @@ fn build_layer(shape: &MoeLayerShape) -> Result<(SparseMoe, ResidentExperts, usi
     let (gb, ub, db) = (bytes(&gate)?, bytes(&up)?, bytes(&down)?);
     let copy = |b: &[u8], rows: usize, cols: usize| -> Result<Linear> {
         let storage = candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(b.to_vec()), &Device::Cpu, shape.dtype)?;
-        Ok(Linear::new(Weight::Quantized(QTensor::new(storage, (rows, cols))?), None)?)
+        Ok(Linear::for_expert(Weight::Quantized(QTensor::new(storage, (rows, cols))?))?)
     };
     let mut experts = Vec::with_capacity(shape.experts);
     for _ in 0..shape.experts {

@@ -77,15 +77,30 @@ pub fn available_memory() -> Option<u64> {
     })
 }
 
-/// The cgroup memory limit minus usage, when a limit applies.
+/// The cgroup memory limit minus usage, when a limit applies: this process's own cgroup (from
+/// `/proc/self/cgroup`), v2 `memory.max`/`memory.current` or v1
+/// `memory.limit_in_bytes`/`memory.usage_in_bytes`.
 pub fn cgroup_headroom() -> Option<u64> {
     let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok());
-    let (limit, usage) = match read("/sys/fs/cgroup/memory.max") {
-        Some(l) => (l, read("/sys/fs/cgroup/memory.current")?),
-        None => (read("/sys/fs/cgroup/memory/memory.limit_in_bytes")?, read("/sys/fs/cgroup/memory/memory.usage_in_bytes")?),
-    };
-    // v1 reports "no limit" as a huge number.
-    (limit < 1 << 60).then(|| limit.saturating_sub(usage))
+    let groups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut candidates = Vec::new();
+    for line in groups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
+        if controllers.split(',').any(|c| c == "memory") {
+            candidates.push((format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"), format!("/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")));
+        } else if controllers.is_empty() {
+            candidates.push((format!("/sys/fs/cgroup{path}/memory.max"), format!("/sys/fs/cgroup{path}/memory.current")));
+        }
+    }
+    // Inside a container the paths above may not exist: its own cgroup is mounted at the root.
+    candidates.push(("/sys/fs/cgroup/memory.max".into(), "/sys/fs/cgroup/memory.current".into()));
+    candidates.push(("/sys/fs/cgroup/memory/memory.limit_in_bytes".into(), "/sys/fs/cgroup/memory/memory.usage_in_bytes".into()));
+    candidates.into_iter().find_map(|(limit, usage)| {
+        let (limit, usage) = (read(&limit)?, read(&usage)?);
+        // "no limit" reads as a huge number (v1) or fails to parse ("max", v2).
+        (limit < 1 << 60).then(|| limit.saturating_sub(usage))
+    })
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! expert gets a slot (evicting by the policy; experts of the current request are protected) and
 //! the reads of all of them are queued on the I/O engine at once. `expert(layer, e)` then returns a
 //! cached expert, or waits for its read (stall time) and builds it in place: formats our kernels run
-//! (Q4_1, Q8_0) use the slot's bytes directly; others are decoded into candle tensors beside the
+//! (Q4_1, Q8_0, Q4_K) use the slot's bytes directly; others are decoded into candle tensors beside the
 //! slot. An expert leaves the cache on eviction; its slot returns to the free list when the last
 //! forward pass using it drops it.
 
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use strata_formats::{ExpertDims, ExpertEncoding, ExpertExtent, ModelConfig, ModelFiles};
 use strata_kernels::{QuantMatrix, WeightBytes};
-use strata_models::layers::{kernel_format, Linear};
+use strata_models::layers::{expert_kernel_format, Linear};
 use strata_models::mlp::Mlp;
 use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError};
 
@@ -322,7 +322,7 @@ impl StreamingExperts {
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = slot.clone();
         let name = format!("blk.{layer}.ffn_exps[{expert}]");
         let kernel = |enc: ExpertEncoding| match enc {
-            ExpertEncoding::Ggml(dt) if self.device.is_cpu() => kernel_format(dt),
+            ExpertEncoding::Ggml(dt) if self.device.is_cpu() => expert_kernel_format(dt),
             _ => None,
         };
         let bad = |e: String| ModelError::ExpertRead { layer, expert, message: e };
@@ -336,7 +336,7 @@ impl StreamingExperts {
                 None => {
                     let bytes = &(*slot).as_ref()[offs[k]..offs[k] + lens[k]];
                     let w = strata_formats::weight_from_bytes(extent.encodings[k], shapes[k], bytes, &name, &self.device)?;
-                    Linear::new(w, None).map_err(|e| ModelError::Tensor { name: name.clone(), source: e })
+                    Linear::for_expert(w).map_err(|e| ModelError::Tensor { name: name.clone(), source: e })
                 }
             }
         };
@@ -356,7 +356,7 @@ fn decoded_bytes(x: &ExpertExtent, dims: ExpertDims) -> u64 {
         .iter()
         .zip(&x.parts)
         .map(|(enc, p)| match enc {
-            ExpertEncoding::Ggml(dt) if kernel_format(*dt).is_some() => 0,
+            ExpertEncoding::Ggml(dt) if expert_kernel_format(*dt).is_some() => 0,
             ExpertEncoding::Ggml(_) => p.len,
             ExpertEncoding::Float(_) => elems * 4,
         })

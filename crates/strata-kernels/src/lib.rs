@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod bytes;
 pub mod matrix;
+pub mod q4k;
 pub mod q8_1;
 
 pub use bytes::WeightBytes;

@@ -1,6 +1,7 @@
 //! Block-quantized weight matrices times f32 activations quantized to 8 bits per ggml's pairing:
 //! - Q4_1 (block: f16 d, f16 m, 16 bytes of nibbles; `w = d·q + m`) × Q8_1,
-//! - Q8_0 (block: f16 d, 32 int8; `w = d·q`) × Q8_0.
+//! - Q8_0 (block: f16 d, 32 int8; `w = d·q`) × Q8_0,
+//! - Q4_K (256-weight super-blocks, see [`crate::q4k`]) × Q8_K.
 
 use half::f16;
 
@@ -13,14 +14,24 @@ use crate::SendPtr;
 pub enum BlockFormat {
     Q4_1,
     Q8_0,
+    Q4K,
 }
 
 impl BlockFormat {
-    /// Bytes per 32-weight block.
+    /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
         match self {
             BlockFormat::Q4_1 => 20,
             BlockFormat::Q8_0 => 34,
+            BlockFormat::Q4K => crate::q4k::BLOCK_BYTES,
+        }
+    }
+
+    /// Weights per block.
+    pub const fn block_elems(self) -> usize {
+        match self {
+            BlockFormat::Q4K => crate::q4k::QK_K,
+            _ => QK,
         }
     }
 }
@@ -35,11 +46,12 @@ pub struct QuantMatrix {
 }
 
 impl QuantMatrix {
-    /// `data` must hold `rows · cols / 32` blocks; `cols` must be a multiple of 32.
+    /// `data` must hold `rows · cols / block_elems` blocks; `cols` must be a multiple of the
+    /// format's block size (32, or 256 for Q4_K).
     pub fn new(format: BlockFormat, data: impl Into<WeightBytes>, rows: usize, cols: usize) -> Result<Self, String> {
         let data = data.into();
-        let need = rows * cols / QK * format.block_bytes();
-        if cols % QK != 0 || data.len() != need {
+        let need = rows * cols / format.block_elems() * format.block_bytes();
+        if cols % format.block_elems() != 0 || data.len() != need {
             return Err(format!("{format:?} matrix [{rows}, {cols}] needs {need} bytes, got {}", data.len()));
         }
         Ok(Self { format, data, rows, cols })
@@ -74,19 +86,28 @@ impl QuantMatrix {
     }
 
     #[cfg(test)]
-    fn row(&self, r: usize) -> &[u8] {
+    pub(crate) fn row(&self, r: usize) -> &[u8] {
         let rb = self.row_bytes();
         &self.data.as_slice()[r * rb..(r + 1) * rb]
     }
 
     fn row_bytes(&self) -> usize {
-        self.cols / QK * self.format.block_bytes()
+        self.cols / self.format.block_elems() * self.format.block_bytes()
     }
 
     /// `out[t, r] = Σ_c x[t, c] · W[r, c]` for `m` activation rows; `x: [m, cols]`, `out: [m, rows]`.
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(x.len(), m * self.cols);
         assert_eq!(out.len(), m * self.rows);
+        if self.format == BlockFormat::Q4K {
+            let mut qx = Vec::with_capacity(m * self.cols / crate::q4k::QK_K);
+            let mut tmp = Vec::new();
+            for t in 0..m {
+                crate::q4k::quantize_row_q8k(&x[t * self.cols..(t + 1) * self.cols], &mut tmp);
+                qx.extend_from_slice(&tmp);
+            }
+            return self.run(&qx, m, out, select_dot_q4k());
+        }
         let nb = self.cols / QK;
         let mut qx = Vec::with_capacity(m * nb);
         let mut tmp = Vec::with_capacity(nb);
@@ -94,10 +115,14 @@ impl QuantMatrix {
             quantize_row(&x[t * self.cols..(t + 1) * self.cols], &mut tmp);
             qx.extend_from_slice(&tmp);
         }
+        self.run(&qx, m, out, select_dot(self.format));
+    }
+
+    /// Every (row, token) dot product over quantized activations `qx: [m, blocks per row]`.
+    fn run<A: Sync>(&self, qx: &[A], m: usize, out: &mut [f32], dot: fn(&[u8], &[A]) -> f32) {
+        let nb = qx.len() / m.max(1);
         let rows = self.rows;
-        // Rows per task: enough work to amortise scheduling, few enough to balance threads.
         let ptr = SendPtr(out.as_mut_ptr());
-        let dot = select_dot(self.format);
         let (data, rb) = (self.data.as_slice(), self.row_bytes());
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
         // ones candle's own ops use, so no second pool competes for the cores.
@@ -115,6 +140,16 @@ impl QuantMatrix {
     }
 }
 
+fn select_dot_q4k() -> fn(&[u8], &[crate::q4k::BlockQ8K]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
+            return |w, a| unsafe { crate::q4k::dot_q4k_avx2(w, a) };
+        }
+    }
+    crate::q4k::dot_q4k_scalar
+}
+
 type DotFn = fn(&[u8], &[BlockQ8_1]) -> f32;
 
 fn select_dot(format: BlockFormat) -> DotFn {
@@ -124,12 +159,14 @@ fn select_dot(format: BlockFormat) -> DotFn {
             return match format {
                 BlockFormat::Q4_1 => |w, a| unsafe { dot_q4_1_avx2(w, a) },
                 BlockFormat::Q8_0 => |w, a| unsafe { dot_q8_0_avx2(w, a) },
+                BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_dot_q4k)"),
             };
         }
     }
     match format {
         BlockFormat::Q4_1 => dot_q4_1_scalar,
         BlockFormat::Q8_0 => dot_q8_0_scalar,
+        BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_dot_q4k)"),
     }
 }
 
@@ -162,7 +199,7 @@ pub fn dot_q4_1_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
+pub(crate) unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
     use std::arch::x86_64::*;
     let hi = _mm256_extractf128_ps(acc, 1);
     let s = _mm_add_ps(hi, _mm256_castps256_ps128(acc));
@@ -175,7 +212,7 @@ unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn h2f(bits: u16) -> f32 {
+pub(crate) unsafe fn h2f(bits: u16) -> f32 {
     use std::arch::x86_64::*;
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }

@@ -24,7 +24,7 @@ pub struct Expert {
 impl Expert {
     /// Builds an expert from its three tensors (quantized GGUF slices or dense f32).
     pub fn from_tensors(t: ExpertTensors, name: &str) -> Result<Self> {
-        let lin = |w| Linear::new(w, None).map_err(|e| ModelError::tensor(name, e));
+        let lin = |w| Linear::for_expert(w).map_err(|e| ModelError::tensor(name, e));
         let mlp = Mlp::new(lin(t.gate)?, lin(t.up)?, lin(t.down)?)?;
         Ok(Self { bytes: mlp.weight_bytes(), mlp })
     }

@@ -11,6 +11,17 @@ pub fn kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
         _ => None,
     }
 }
+
+/// Formats routed experts run on our kernels: those of [`kernel_format`] and Q4_K, whose candle
+/// x86 path repacks each matrix on first use (a second copy of 1.33× its size and ~6 ms per
+/// expert: too costly for experts that come and go with streaming). Dense Q4_K layers keep
+/// candle's repacked GEMM, faster for prefill.
+pub fn expert_kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
+    match dtype {
+        GgmlDType::Q4K => Some(strata_kernels::BlockFormat::Q4K),
+        other => kernel_format(other),
+    }
+}
 use candle_core::{Device, Module, Tensor};
 use strata_formats::{ModelFiles, Weight};
 
@@ -80,11 +91,24 @@ impl Linear {
         Ok(l)
     }
 
+    /// A routed expert's projection: like [`Self::new`] without bias, with the expert kernel
+    /// formats ([`expert_kernel_format`]).
+    pub fn for_expert(w: Weight) -> candle_core::Result<Self> {
+        match w {
+            Weight::Quantized(q) => Self::from_shared_with(std::sync::Arc::new(q), expert_kernel_format),
+            dense => Self::new(dense, None),
+        }
+    }
+
     /// A linear layer over a quantized tensor, which may be shared (tied embeddings). Formats our
     /// kernels implement are copied into them; others use candle's `QMatMul`.
     pub fn from_shared(q: std::sync::Arc<QTensor>) -> candle_core::Result<Self> {
+        Self::from_shared_with(q, kernel_format)
+    }
+
+    fn from_shared_with(q: std::sync::Arc<QTensor>, formats: fn(GgmlDType) -> Option<strata_kernels::BlockFormat>) -> candle_core::Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
-        let w = match kernel_format(q.dtype()) {
+        let w = match formats(q.dtype()) {
             Some(format) if q.device().is_cpu() => {
                 let m = strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols).map_err(candle_core::Error::msg)?;
                 LinearWeight::Kernel(std::sync::Arc::new(m))
