@@ -153,3 +153,44 @@ fn moe_top_k_override_keeps_the_best_experts() {
         }
     }
 }
+
+/// Mean KL(full top-k ‖ reduced top-k) of the next-token distributions over every prompt position.
+fn mean_kl(full: &[Vec<f32>], reduced: &[Vec<f32>]) -> f64 {
+    let logp = |row: &[f32]| strata_engine::sampling::log_softmax(row);
+    let mut total = 0f64;
+    for (a, b) in full.iter().zip(reduced) {
+        let (la, lb) = (logp(a), logp(b));
+        total += la.iter().zip(&lb).map(|(&p, &q)| (p.exp() * (p - q)) as f64).sum::<f64>();
+    }
+    total / full.len() as f64
+}
+
+/// `--moe-top-k`'s quality cost on the fixtures: KL divergence of the next-token distribution from
+/// the model's own top-k, for every smaller k (printed; docs/performance.md records them).
+#[test]
+fn moe_top_k_quality_cost_is_measured() {
+    for name in ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"] {
+        let path = fixture(&format!("{name}.gguf"));
+        let path = if path.exists() { path } else { fixture(name) };
+        let full = load(&path, None);
+        let top_k = full.model.config().moe.as_ref().unwrap().experts_per_token;
+        let logits = |engine: &Engine| {
+            let mut cache = engine.new_cache(128).unwrap();
+            engine.model.forward(&PROMPT, &mut cache, Logits::All, &[]).unwrap().logits.to_vec2::<f32>().unwrap()
+        };
+        let want = logits(&full);
+        let mut line = format!("{name} (top-{top_k}):");
+        for k in 1..=top_k {
+            let mut opts = LoadOptions::new(128, candle_core::Device::Cpu);
+            opts.moe_top_k = Some(k);
+            let kl = mean_kl(&want, &logits(&Engine::load(&path, &opts, &mut |_, _| {}).unwrap()));
+            line += &format!(" k={k}: KL {kl:.4}");
+            if k == top_k {
+                assert!(kl.abs() < 1e-9, "{name}: the full top-k must not change logits (KL {kl})");
+            } else {
+                assert!(kl > 0.0 && kl.is_finite(), "{name}: k={k} KL {kl}");
+            }
+        }
+        eprintln!("{line}");
+    }
+}

@@ -47,3 +47,42 @@ fn serves_qwen3_moe_hf_dir() {
 fn serves_mixtral_gguf() {
     check("mixtral.gguf");
 }
+
+/// With `--stream-experts`: requests are answered, `/metrics` reports the expert reads, and a model
+/// file truncated under the running server fails requests with a 5xx naming it while `/health`
+/// keeps answering; once the file is back the server serves again.
+#[test]
+fn streams_experts_reports_metrics_and_survives_a_truncated_file() {
+    let dir = std::env::temp_dir().join(format!("strata-server-stream-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("m.gguf");
+    std::fs::copy(fixture("qwen3_moe.gguf"), &path).unwrap();
+    let mut opts = LoadOptions::new(256, candle_core::Device::Cpu);
+    opts.stream_experts = Some(strata_engine::StreamOptions { budget: strata_engine::CacheBudget::Percent(10.0), ..Default::default() });
+    let engine = Arc::new(Engine::load(&path, &opts, &mut |_, _| {}).unwrap());
+    let cfg = strata_server::ServerConfig { ctx_size: 256, max_tokens: 16, sampling: SamplingParams::greedy(), ..Default::default() };
+    let server = common::start_with(engine, cfg);
+    let body = json!({"prompt": [364, 223, 397, 100, 250], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    assert_eq!(http::post(server.addr, "/v1/completions", &body).status, 200);
+    let metrics = http::get(server.addr, "/metrics").body;
+    let read: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("strata_expert_read_bytes_total "))
+        .unwrap_or_else(|| panic!("no expert metrics in:\n{metrics}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(read > 0.0, "{metrics}");
+    assert!(metrics.contains("strata_ssd_read_bytes_per_second"), "{metrics}");
+
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    let other = json!({"prompt": [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 101, 102, 103], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    let r = http::post(server.addr, "/v1/completions", &other);
+    assert!(r.status >= 500, "{} {}", r.status, r.body);
+    assert!(r.body.contains("m.gguf"), "error names the file: {}", r.body);
+    assert_eq!(http::get(server.addr, "/health").status, 200);
+    std::fs::copy(fixture("qwen3_moe.gguf"), &path).unwrap();
+    assert_eq!(http::post(server.addr, "/v1/completions", &other).status, 200);
+    let _ = std::fs::remove_dir_all(&dir);
+}
