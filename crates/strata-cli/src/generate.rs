@@ -38,6 +38,10 @@ pub struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// With --stream-experts: print a per-token trace to stderr (expert hits, misses, bytes read,
+    /// stall ms and elapsed ms of the step that produced each token).
+    #[arg(long, short = 'v')]
+    pub verbose: bool,
 }
 
 /// Sampling flags (llama.cpp names). Unset flags take the model's generation_config, then
@@ -111,7 +115,27 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut cache = engine.new_cache(args.model.ctx_size)?;
     let stdout = std::io::stdout();
     let json = args.json;
+    let experts = engine.model.experts().clone();
+    let mut trace = args.verbose.then(|| (experts.stats(), std::time::Instant::now(), 0usize));
     let gen = engine.generate(&mut cache, &req, &mut |ev| {
+        if let Some((Some(last), t, i)) = trace.as_mut() {
+            if let Some(now) = experts.stats() {
+                let d = now.since(last);
+                eprintln!(
+                    "[token {i}] id {} | experts {} hit {} miss | read {:.2} MB in {} reads | stall {:.1} ms | step {:.1} ms",
+                    ev.id,
+                    d.hits,
+                    d.misses,
+                    d.bytes_read as f64 / 1e6,
+                    d.reads,
+                    d.stall_ns as f64 / 1e6,
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+                *last = now;
+                *t = std::time::Instant::now();
+                *i += 1;
+            }
+        }
         if !json && !ev.text.is_empty() {
             let mut out = stdout.lock();
             let _ = out.write_all(ev.text.as_bytes());
