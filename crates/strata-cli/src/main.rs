@@ -2,6 +2,7 @@
 
 mod default_model;
 mod generate;
+mod info;
 mod measure;
 mod model_args;
 mod serve;
@@ -27,6 +28,9 @@ enum Command {
     Perplexity(measure::PerplexityArgs),
     /// Throughput: prompt processing (pp) and text generation (tg) tok/s, like llama-bench.
     Bench(measure::BenchArgs),
+    /// The memory plan: model facts, memory, strategy (resident / expert streaming / too large),
+    /// expert cache and estimated speed, from metadata only; --calibrate measures the bandwidths.
+    Info(info::InfoArgs),
     /// Write a synthetic (random-weight) MoE GGUF with a real model's dimensions, for benchmarks.
     Synth(synth::SynthArgs),
     /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/ and print its path.
@@ -41,9 +45,14 @@ fn main() {
         Command::Perplexity(a) => measure::perplexity(a),
         Command::Bench(a) => measure::bench(a),
         Command::Synth(a) => synth::run(a),
+        Command::Info(a) => info::run(a),
         Command::FetchDefault => default_model::ensure().map(|p| println!("{}", p.display())),
     };
     if let Err(e) = res {
+        if let Some(refused) = e.downcast_ref::<model_args::PlanRefused>() {
+            eprintln!("strata: {refused}");
+            std::process::exit(2);
+        }
         eprintln!("strata: error: {e:#}");
         std::process::exit(1);
     }

@@ -6,6 +6,19 @@ use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use strata_engine::{CacheBudget, Engine, EvictionPolicy, LoadOptions, StreamOptions};
+use strata_plan::{Plan, PlanRequest, Strategy, StreamMode};
+
+/// The plan says the model cannot run here: `main` prints the reason and exits with status 2.
+#[derive(Debug)]
+pub struct PlanRefused(pub String);
+
+impl std::fmt::Display for PlanRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PlanRefused {}
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -23,9 +36,13 @@ pub struct ModelArgs {
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
     /// MoE models: keep dense weights resident and read routed experts from the model file on
-    /// demand into the expert cache.
-    #[arg(long)]
-    pub stream_experts: bool,
+    /// demand into the expert cache. `auto` (default) streams only when the memory plan says the
+    /// model does not fit; `--stream-experts` alone means `on`.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on", value_parser = clap::value_parser!(StreamMode))]
+    pub stream_experts: StreamMode,
+    /// Plan as if the machine had this much available RAM (e.g. `16GiB`; also $STRATA_RAM_BYTES).
+    #[arg(long, value_parser = strata_engine::expert_store::parse_bytes)]
+    pub ram: Option<u64>,
     /// Expert cache budget with --stream-experts: bytes (`6GiB`, `512MiB`), a percentage of the
     /// model's expert bytes (`10%`), or `auto` (available memory, cgroup limit included, minus the
     /// dense weights and a 1 GiB + 10% reserve).
@@ -47,18 +64,48 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Sets the thread count (before candle starts its pool), resolves the model path and loads it
-    /// with a progress bar.
+    /// Sets the thread count, resolves the model path, makes the memory plan and loads the model
+    /// as the plan says, with a progress bar.
     pub fn load(&self) -> Result<Engine> {
-        self.set_threads();
-        let path = match &self.model {
-            Some(p) => p.clone(),
-            None => crate::default_model::ensure()?,
+        self.load_with_plan().map(|(e, _)| e)
+    }
+
+    /// The model path (fetching the default model when none is given).
+    pub fn model_path(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => crate::default_model::ensure(),
+        }
+    }
+
+    /// The memory plan for this model and these flags (reads metadata only).
+    pub fn plan(&self, path: &std::path::Path, draft: Option<&std::path::Path>) -> Result<Plan> {
+        let files = strata_formats::ModelFiles::open(path)?;
+        let facts = strata_plan::ModelFacts::read(&files)?;
+        let draft = match draft {
+            Some(d) => Some(strata_plan::ModelFacts::read(&strata_formats::ModelFiles::open(d)?)?),
+            None => None,
         };
+        let req = PlanRequest { ctx_size: self.ctx_size, prefill_chunk: self.prefill_chunk, stream: self.stream_experts, expert_cache: self.expert_cache, draft };
+        Ok(strata_plan::make_plan(&facts, &strata_plan::SystemMemory::detect(self.ram), strata_plan::calibrate::load(path), &req))
+    }
+
+    /// Like [`Self::load`], also returning the plan. A TOO-LARGE plan is a [`PlanRefused`] error.
+    pub fn load_with_plan(&self) -> Result<(Engine, Plan)> {
+        self.set_threads();
+        let path = self.model_path()?;
+        let plan = self.plan(&path, None)?;
+        eprintln!("{}", plan.summary());
+        for w in &plan.warnings {
+            eprintln!("warning: {w}");
+        }
+        if plan.strategy == Strategy::TooLarge {
+            return Err(PlanRefused(format!("{} does not fit: {} (see `strata info --model {}`)", path.display(), plan.reason, path.display())).into());
+        }
         let bar = ProgressBar::new(1);
         bar.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
         bar.set_message(path.display().to_string());
-        let opts = self.load_options();
+        let opts = self.load_options(&plan);
         let engine = Engine::load(&path, &opts, &mut |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
@@ -76,15 +123,21 @@ impl ModelArgs {
                 s.direct_io
             );
         }
-        Ok(engine)
+        Ok((engine, plan))
     }
 
-    pub fn load_options(&self) -> LoadOptions {
+    /// Load options that follow `plan`: experts stream when its strategy is EXPERT-STREAMING, into
+    /// the cache size it chose (from `--expert-cache` or what is left).
+    pub fn load_options(&self, plan: &Plan) -> LoadOptions {
         let mut opts = LoadOptions::new(self.ctx_size, candle_core::Device::Cpu);
         opts.moe_top_k = self.moe_top_k;
-        if self.stream_experts {
+        if plan.strategy == Strategy::ExpertStreaming {
+            let budget = match (self.expert_cache, plan.expert_cache_bytes) {
+                (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),
+                (asked, _) => asked,
+            };
             opts.stream_experts = Some(StreamOptions {
-                budget: self.expert_cache,
+                budget,
                 direct_io: self.direct_io,
                 io_threads: self.io_threads.max(1),
                 policy: self.expert_cache_policy,

@@ -45,7 +45,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let engine = Arc::new(a.model.load()?);
+    let (engine, plan) = a.model.load_with_plan()?;
+    let engine = Arc::new(engine);
     let config = ServerConfig {
         host: a.host.clone(),
         port: a.port,
@@ -59,6 +60,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         prefill_chunk: a.model.prefill_chunk,
         sampling: a.sampling.params(&engine),
         panic_trigger: None,
+        plan: serde_json::to_value(&plan).ok(),
     };
     let state = AppState::new(engine, config).map_err(|e| anyhow!(e))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

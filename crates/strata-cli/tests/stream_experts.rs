@@ -65,5 +65,24 @@ fn streamed_rss_stays_within_weights_kv_and_cache() {
     // And the model's experts are far larger than what was held.
     let file = std::fs::metadata(&model).unwrap().len();
     assert!(used * 3 < file, "RSS {used} vs file {file}: streaming held most of the model");
+
+    // The memory plan decides: on a (simulated) machine with 1.3 GB the model does not fit resident,
+    // so `--stream-experts auto` (the default) streams; with 200 MB nothing fits: exit status 2.
+    let out = strata().env("STRATA_RAM_BYTES", "1300MB").args(["info", "--json", "--ctx-size", "256", "-m"]).arg(&model).output().unwrap();
+    let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["strategy"], "EXPERT-STREAMING", "{plan}");
+    let auto = strata()
+        .env("STRATA_RAM_BYTES", "1300MB")
+        .args(["generate", "--prompt", "hello", "--max-tokens", "4", "--temp", "0", "--ctx-size", "256", "--json", "-m"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(auto.status.success(), "{}", String::from_utf8_lossy(&auto.stderr));
+    let v: Value = serde_json::from_slice(&auto.stdout).unwrap();
+    assert!(v["experts"]["bytes_read"].as_u64().unwrap() > 0, "auto did not stream: {v}");
+    assert!(String::from_utf8_lossy(&auto.stderr).contains("plan: EXPERT-STREAMING"));
+    let refused = strata().env("STRATA_RAM_BYTES", "200MB").args(["generate", "--prompt", "hello", "--max-tokens", "4", "-m"]).arg(&model).output().unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{}", String::from_utf8_lossy(&refused.stderr));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&refused.stderr));
     let _ = std::fs::remove_file(&model);
 }

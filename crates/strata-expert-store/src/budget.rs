@@ -81,6 +81,16 @@ pub fn available_memory() -> Option<u64> {
 /// `/proc/self/cgroup`), v2 `memory.max`/`memory.current` or v1
 /// `memory.limit_in_bytes`/`memory.usage_in_bytes`.
 pub fn cgroup_headroom() -> Option<u64> {
+    cgroup_memory().map(|(limit, usage)| limit.saturating_sub(usage))
+}
+
+/// The cgroup memory limit of this process, when one applies.
+pub fn cgroup_limit() -> Option<u64> {
+    cgroup_memory().map(|(limit, _)| limit)
+}
+
+/// (limit, usage) of this process's memory cgroup, when it has a limit.
+fn cgroup_memory() -> Option<(u64, u64)> {
     let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok());
     let groups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
     let mut candidates = Vec::new();
@@ -99,7 +109,7 @@ pub fn cgroup_headroom() -> Option<u64> {
     candidates.into_iter().find_map(|(limit, usage)| {
         let (limit, usage) = (read(&limit)?, read(&usage)?);
         // "no limit" reads as a huge number (v1) or fails to parse ("max", v2).
-        (limit < 1 << 60).then(|| limit.saturating_sub(usage))
+        (limit < 1 << 60).then_some((limit, usage))
     })
 }
 

@@ -20,5 +20,5 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
 pub use error::{FormatError, Result};
 pub use experts::{weight_from_bytes, ByteRange, ExpertDims, ExpertEncoding, ExpertExtent, ExpertLayout, ExpertTensors};
-pub use model_files::{GenerationDefaults, ModelFiles, Weight};
+pub use model_files::{GenerationDefaults, ModelFiles, TensorEntry, Weight};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

@@ -57,6 +57,26 @@ pub struct HfDir {
     pub weights: SafetensorsSet,
 }
 
+/// One tensor of [`ModelFiles::tensor_table`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorEntry {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: String,
+    pub bytes: u64,
+}
+
+impl TensorEntry {
+    /// A routed expert tensor (GGUF `ffn_*_exps`, HF `.experts.`): shared experts are not.
+    pub fn is_routed_expert(&self) -> bool {
+        self.name.contains("_exps.") || (self.name.contains(".experts.") && !self.name.contains("shared_expert"))
+    }
+
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
+
 /// An opened model: metadata and tensor tables, no weights read yet.
 #[derive(Debug)]
 pub enum ModelFiles {
@@ -175,6 +195,24 @@ impl ModelFiles {
         match self {
             ModelFiles::Gguf(g) => g.read_qtensor(name, device).map(Weight::Quantized),
             ModelFiles::Hf(h) => h.weights.load_f32(&file_name, device).map(Weight::Dense),
+        }
+    }
+
+    /// Every tensor's name (as stored), shape, type name (`Q4K`, `BF16`, …) and bytes, reading no
+    /// weights.
+    pub fn tensor_table(&self) -> Vec<TensorEntry> {
+        match self {
+            ModelFiles::Gguf(g) => g
+                .tensors
+                .iter()
+                .map(|(n, t)| TensorEntry { name: n.clone(), shape: t.shape.clone(), dtype: format!("{:?}", t.dtype), bytes: t.size })
+                .collect(),
+            ModelFiles::Hf(h) => h
+                .weights
+                .tensors
+                .iter()
+                .map(|(n, t)| TensorEntry { name: n.clone(), shape: t.shape.clone(), dtype: t.dtype.clone(), bytes: t.size })
+                .collect(),
         }
     }
 

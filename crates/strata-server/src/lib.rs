@@ -50,6 +50,8 @@ pub struct ServerConfig {
     pub sampling: SamplingParams,
     /// A prompt (token ids) that makes a worker panic: tests of panic isolation only.
     pub panic_trigger: Option<Vec<u32>>,
+    /// The memory plan made at start-up (`strata info --json`'s object), shown by `GET /health`.
+    pub plan: Option<serde_json::Value>,
 }
 
 impl Default for ServerConfig {
@@ -67,6 +69,7 @@ impl Default for ServerConfig {
             prefill_chunk: 512,
             sampling: SamplingParams::default(),
             panic_trigger: None,
+            plan: None,
         }
     }
 }

@@ -297,7 +297,7 @@ pub async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
         "status": "ok",
         "model": st.model_name,
         "slots": {"total": st.config.parallel, "active": st.scheduler.active(), "queued": st.scheduler.queue_depth()},
-        "plan": Value::Null,
+        "plan": st.config.plan.clone().unwrap_or(Value::Null),
     }))
 }
 

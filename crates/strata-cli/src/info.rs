@@ -1,0 +1,118 @@
+//! `strata info`: the memory plan, printed or as JSON, before loading anything.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use strata_plan::{Plan, Strategy};
+
+use crate::model_args::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A draft model for speculative decoding: its weights and KV cache count too.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
+    /// Device to plan for (only `cpu` until the CUDA backend lands).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Measure drive, RAM and kernel rates now (< 20 s) and cache them for this drive.
+    #[arg(long)]
+    pub calibrate: bool,
+    /// Print the plan as one JSON object (fields documented in docs/memory-plan.md).
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: InfoArgs) -> Result<()> {
+    if a.device != "cpu" {
+        anyhow::bail!("--device {}: only cpu plans exist until the CUDA backend lands", a.device);
+    }
+    a.model.set_threads();
+    let path = a.model.model_path()?;
+    if a.calibrate {
+        eprintln!("calibrating (drive: random 4 MiB reads of {}; RAM; kernels)…", path.display());
+        let b = strata_plan::calibrate::calibrate(&path, a.model.threads()).map_err(anyhow::Error::msg)?;
+        eprintln!(
+            "drive {:.2} GB/s, RAM {:.1} GB/s, Q4_K matvec {:.1} GB/s, Q4_K GEMM {:.0} GFLOP/s → {}",
+            b.drive_gbps,
+            b.ram_gbps,
+            b.matvec_gbps,
+            b.gemm_gflops,
+            strata_plan::calibrate::cache_file().display()
+        );
+    }
+    let plan = a.model.plan(&path, a.draft_model.as_deref())?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        print_plan(&plan);
+    }
+    if plan.strategy == Strategy::TooLarge {
+        std::process::exit(2);
+    }
+    Ok(())
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+fn print_plan(p: &Plan) {
+    let m = &p.model;
+    println!("model        {} ({}, {} layers, {})", m.path, m.architecture, m.layers, m.quantization);
+    println!("parameters   {:.2} B total, {:.2} B active per token", m.total_params as f64 / 1e9, m.active_params as f64 / 1e9);
+    if m.experts > 0 {
+        println!(
+            "experts      {} per layer × {} MoE layers, {} active per token; {:.2} MB per expert, {} touched per token",
+            m.experts,
+            m.moe_layers,
+            m.experts_per_token,
+            m.bytes_per_expert as f64 / 1e6,
+            gb(m.expert_bytes_per_token)
+        );
+    }
+    println!("stored       dense {}, experts {}", gb(m.dense_bytes), gb(m.expert_bytes));
+    let mem = &p.memory;
+    println!(
+        "memory       dense weights {} | experts {} | KV cache {} (ctx {}) | compute {} | draft {} | reserve {}",
+        gb(mem.dense_weights),
+        gb(mem.expert_weights),
+        gb(mem.kv_cache),
+        p.ctx_size,
+        gb(mem.compute_buffers),
+        gb(mem.draft),
+        gb(mem.reserve)
+    );
+    let s = &p.system;
+    println!(
+        "machine      RAM {} total, {} available{}{}",
+        gb(s.ram_total),
+        gb(s.available),
+        s.cgroup_limit.map(|l| format!(", cgroup limit {}", gb(l))).unwrap_or_default(),
+        if s.simulated { " (simulated)" } else { "" }
+    );
+    println!("overcommit   {:.2}× (everything resident ÷ available)", p.overcommit);
+    println!("strategy     {}: {}", p.strategy.name(), p.reason);
+    if let (Some(c), Some(n), Some(h)) = (p.expert_cache_bytes, p.expert_cache_experts, p.expected_hit_rate) {
+        println!("expert cache {} = {n} experts; expected hit rate ≥ {:.0}% (uniform routing; real routing is usually more local)", gb(c), h * 100.0);
+    }
+    let e = &p.estimate;
+    let src = match &e.rates_source {
+        strata_plan::RatesSource::Defaults => "DEFAULT bandwidths (not measured: run `strata info --calibrate`)".to_string(),
+        strata_plan::RatesSource::Calibrated { device, .. } => format!("bandwidths measured for drive {device}"),
+    };
+    println!(
+        "estimate     decode {:.2} tok/s ({:.0} ms reads + {:.0} ms compute per token), prefill {:.0} tok/s — {src}: drive {:.2} GB/s, matvec {:.1} GB/s, GEMM {:.0} GFLOP/s",
+        e.decode_tok_s, e.decode_read_ms, e.decode_compute_ms, e.prefill_tok_s, e.rates.drive_gbps, e.rates.matvec_gbps, e.rates.gemm_gflops
+    );
+    for w in &p.warnings {
+        println!("warning      {w}");
+    }
+    match &p.recommended_command {
+        Some(c) => println!("run          {c}"),
+        None => println!("run          (nothing fits; see the strategy line)"),
+    }
+}

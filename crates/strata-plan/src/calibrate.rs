@@ -1,0 +1,172 @@
+//! Measured bandwidths for the cost model (`strata info --calibrate`, < 20 s), cached per drive
+//! under the user cache dir (`$XDG_CACHE_HOME/strata/calibration.json`, else
+//! `~/.cache/strata/...`). Without a cached measurement the plan uses [`Bandwidths::DEFAULTS`] and
+//! says so.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// Rates the estimates divide by (GB = 10⁹ bytes).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct Bandwidths {
+    /// Random 4 MiB reads at queue depth 32 through the page cache (its pages dropped first), GB/s.
+    pub drive_gbps: f64,
+    /// Multi-threaded sequential RAM read, GB/s.
+    pub ram_gbps: f64,
+    /// Weight bytes per second a decode step streams through the quantized matvec kernels (our Q4_K
+    /// kernel on 64 MB of weights, one token), GB/s: RAM bandwidth as the kernels achieve it.
+    pub matvec_gbps: f64,
+    /// Quantized GEMM rate for prefill (candle Q4_K, `[512, 2048] × [2304, 2048]ᵀ`), GFLOP/s.
+    pub gemm_gflops: f64,
+    pub threads: usize,
+}
+
+impl Bandwidths {
+    /// Used when nothing was measured: a SATA-class SSD and a modest 2-core machine.
+    pub const DEFAULTS: Bandwidths = Bandwidths { drive_gbps: 1.0, ram_gbps: 20.0, matvec_gbps: 8.0, gemm_gflops: 200.0, threads: 2 };
+}
+
+/// Where the rates come from.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RatesSource {
+    Calibrated { cache_file: String, device: String },
+    Defaults,
+}
+
+/// The cache file.
+pub fn cache_file() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("strata").join("calibration.json")
+}
+
+/// The key of the drive holding `path` (`dev<major>:<minor>`).
+pub fn device_key(path: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(path) {
+        Ok(m) => {
+            let d = m.dev();
+            format!("dev{}:{}", (d >> 8) & 0xfff, (d & 0xff) | ((d >> 12) & 0xfff00))
+        }
+        Err(_) => "unknown".into(),
+    }
+}
+
+/// Cached rates for the drive holding `model`, or the defaults.
+pub fn load(model: &Path) -> (Bandwidths, RatesSource) {
+    let file = cache_file();
+    let key = device_key(model);
+    let cached = std::fs::read_to_string(&file)
+        .ok()
+        .and_then(|s| serde_json::from_str::<std::collections::BTreeMap<String, Bandwidths>>(&s).ok())
+        .and_then(|m| m.get(&key).copied());
+    match cached {
+        Some(b) => (b, RatesSource::Calibrated { cache_file: file.display().to_string(), device: key }),
+        None => (Bandwidths::DEFAULTS, RatesSource::Defaults),
+    }
+}
+
+/// Measures every rate (drive on `model`'s file, which should be large) and caches them.
+///
+/// Errors: the drive measurement fails (file too small or unreadable), the cache cannot be written.
+pub fn calibrate(model: &Path, threads: usize) -> Result<Bandwidths, String> {
+    let file = if model.is_dir() { largest_file(model)? } else { model.to_path_buf() };
+    let drive = strata_expert_store::disk_bench::bench_disk(&file, &[4 << 20], &[32], &[false], Duration::from_secs(3))?;
+    let b = Bandwidths {
+        drive_gbps: drive.first().map_or(Bandwidths::DEFAULTS.drive_gbps, |r| r.gbps),
+        ram_gbps: ram_read_gbps(threads),
+        matvec_gbps: matvec_gbps(),
+        gemm_gflops: gemm_gflops().map_err(|e| e.to_string())?,
+        threads,
+    };
+    let path = cache_file();
+    let mut all: std::collections::BTreeMap<String, Bandwidths> =
+        std::fs::read_to_string(&path).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
+    all.insert(device_key(model), b);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(&all).unwrap_or_default()).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(b)
+}
+
+fn largest_file(dir: &Path) -> Result<PathBuf, String> {
+    std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| Some((e.metadata().ok()?.len(), e.path())))
+        .max()
+        .map(|(_, p)| p)
+        .ok_or_else(|| format!("{}: no files", dir.display()))
+}
+
+/// Multi-threaded sequential read of a 512 MiB buffer, best of 3, GB/s.
+pub fn ram_read_gbps(threads: usize) -> f64 {
+    let words = (512usize << 20) / 8;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let threads = threads.max(1);
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> = buf
+                .chunks(words.div_ceil(threads))
+                .map(|part| s.spawn(move || part.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Our Q4_K matvec over 64 MB of weights (8 matrices `[4096, 2048]`), one token, best of 3, GB/s.
+pub fn matvec_gbps() -> f64 {
+    let (rows, cols) = (4096, 2048);
+    let bytes = rows * cols / strata_kernels::q4k::QK_K * strata_kernels::q4k::BLOCK_BYTES;
+    let mats: Vec<strata_kernels::QuantMatrix> = (0..8u8)
+        .map(|i| {
+            let mut data: Vec<u8> = (0..bytes).map(|j| (j as u8).wrapping_mul(31).wrapping_add(i)).collect();
+            for blk in data.chunks_exact_mut(strata_kernels::q4k::BLOCK_BYTES) {
+                blk[0..2].copy_from_slice(&half::f16::from_f32(2.5e-4).to_le_bytes());
+                blk[2..4].copy_from_slice(&half::f16::from_f32(1.9e-3).to_le_bytes());
+            }
+            strata_kernels::QuantMatrix::new(strata_kernels::BlockFormat::Q4K, data, rows, cols).expect("valid Q4_K matrix")
+        })
+        .collect();
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0f32; rows];
+    let mut best = 0f64;
+    for _ in 0..4 {
+        let t = Instant::now();
+        for m in &mats {
+            m.matmul(&x, 1, &mut out);
+        }
+        best = best.max((8 * bytes) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// candle's Q4_K GEMM on `[512, 2048] × [2304, 2048]ᵀ`, best of 3 after a warm-up, GFLOP/s.
+pub fn gemm_gflops() -> candle_core::Result<f64> {
+    let (m, k, n) = (512, 2048, 2304);
+    let w = QTensor::quantize(&Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?, GgmlDType::Q4K)?;
+    let mm = QMatMul::from_qtensor(w)?;
+    let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+    mm.forward(&x)?;
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        std::hint::black_box(mm.forward(&x)?);
+        best = best.max(2.0 * (m * n * k) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok(best)
+}

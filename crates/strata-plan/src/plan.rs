@@ -1,0 +1,285 @@
+//! The plan: which strategy fits this model on this machine, how big the expert cache is, and what
+//! speed to expect, from [`ModelFacts`], [`SystemMemory`] and [`Bandwidths`] only.
+//!
+//! Cost model (per decoded token, reads and compute not overlapped, as the engine runs today):
+//! `expert bytes touched × (1 − hit rate) ÷ drive GB/s + (dense bytes per token + expert bytes
+//! touched) ÷ matvec GB/s`. The expected hit rate assumes uniform routing without locality (cached
+//! experts ÷ all experts): a floor, real routing is usually more local. Prefill per chunk of `C`
+//! tokens: `2 · active params · C ÷ GEMM rate` plus, when streaming, the reads of the experts the
+//! chunk touches (`1 − (1 − k/E)^C` of each layer's experts under uniform routing).
+
+use serde::Serialize;
+use strata_expert_store::CacheBudget;
+
+use crate::calibrate::{Bandwidths, RatesSource};
+use crate::facts::ModelFacts;
+use crate::system::SystemMemory;
+
+/// `--stream-experts`: `auto` streams only when the model does not fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamMode {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for StreamMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "on" | "true" | "yes" => Ok(Self::On),
+            "off" | "false" | "no" => Ok(Self::Off),
+            _ => Err(format!("--stream-experts takes auto, on or off, not `{s}`")),
+        }
+    }
+}
+
+/// What the user asked for.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    pub ctx_size: usize,
+    pub prefill_chunk: usize,
+    pub stream: StreamMode,
+    /// `--expert-cache`; `Auto` sizes it from what is left.
+    pub expert_cache: CacheBudget,
+    pub draft: Option<ModelFacts>,
+}
+
+/// The strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Strategy {
+    #[serde(rename = "RESIDENT")]
+    Resident,
+    #[serde(rename = "EXPERT-STREAMING")]
+    ExpertStreaming,
+    #[serde(rename = "TOO-LARGE")]
+    TooLarge,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Resident => "RESIDENT",
+            Self::ExpertStreaming => "EXPERT-STREAMING",
+            Self::TooLarge => "TOO-LARGE",
+        }
+    }
+}
+
+/// Memory the plan accounts for, bytes.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct MemoryBudget {
+    /// Dense weights once loaded (f32-widened safetensors, candle's repacked copies included).
+    pub dense_weights: u64,
+    /// All routed experts if resident.
+    pub expert_weights: u64,
+    pub kv_cache: u64,
+    /// Activations, logits, thread stacks: `prefill_chunk · hidden · 64 + vocab · 8 + 64 MiB`.
+    pub compute_buffers: u64,
+    /// Draft model weights and KV cache.
+    pub draft: u64,
+    /// Kept free for the OS and page cache: 512 MiB + 5% of available.
+    pub reserve: u64,
+    /// Everything resident: dense + experts + KV + compute + draft.
+    pub resident_total: u64,
+    pub available: u64,
+}
+
+/// Expected speed.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Estimate {
+    pub decode_tok_s: f64,
+    pub prefill_tok_s: f64,
+    /// Per decoded token: drive reads and compute, ms.
+    pub decode_read_ms: f64,
+    pub decode_compute_ms: f64,
+    pub rates: Bandwidths,
+    pub rates_source: RatesSource,
+}
+
+/// A plan (`strata info`; `serve` and `generate` make the same one at start-up).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Plan {
+    pub model: ModelFacts,
+    pub system: SystemMemory,
+    pub ctx_size: usize,
+    pub memory: MemoryBudget,
+    /// Everything resident ÷ available memory (> 1: does not fit resident).
+    pub overcommit: f64,
+    pub strategy: Strategy,
+    pub reason: String,
+    /// Expert cache when streaming, bytes, and how many experts it holds.
+    pub expert_cache_bytes: Option<u64>,
+    pub expert_cache_experts: Option<u64>,
+    /// Under uniform routing (a floor).
+    pub expected_hit_rate: Option<f64>,
+    pub estimate: Estimate,
+    pub warnings: Vec<String>,
+    /// The `strata serve` command line this plan recommends (absent when TOO-LARGE).
+    pub recommended_command: Option<String>,
+}
+
+const GB: f64 = 1e9;
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / GB)
+}
+
+/// Makes the plan. Never fails: a model that cannot run gets `TOO-LARGE` with the reason.
+pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, RatesSource), req: &PlanRequest) -> Plan {
+    let kv = req.ctx_size as u64 * model.kv_bytes_per_token;
+    let compute = (req.prefill_chunk.min(req.ctx_size) * model.hidden * 64 + model.vocab * 8) as u64 + (64 << 20);
+    let draft = req.draft.as_ref().map_or(0, |d| d.dense_memory_bytes + d.expert_memory_bytes + req.ctx_size as u64 * d.kv_bytes_per_token);
+    let available = system.available;
+    let reserve = (512 << 20) + available / 20;
+    let fixed = model.dense_memory_bytes + kv + compute + draft;
+    let resident_total = fixed + model.expert_memory_bytes;
+    let memory = MemoryBudget {
+        dense_weights: model.dense_memory_bytes,
+        expert_weights: model.expert_memory_bytes,
+        kv_cache: kv,
+        compute_buffers: compute,
+        draft,
+        reserve,
+        resident_total,
+        available,
+    };
+    let overcommit = resident_total as f64 / available.max(1) as f64;
+    let mut warnings = Vec::new();
+    if let Some(d) = &req.draft {
+        let weights = model.dense_memory_bytes + model.expert_memory_bytes + d.dense_memory_bytes + d.expert_memory_bytes;
+        if weights as f64 > 0.7 * system.ram_total as f64 {
+            warnings.push(format!(
+                "main + draft weights are {} of {} RAM ({:.0}% > 70%): the expert cache shrinks by the draft's {}",
+                gb(weights),
+                gb(system.ram_total),
+                100.0 * weights as f64 / system.ram_total as f64,
+                gb(draft)
+            ));
+        }
+    }
+    // Memory one cached expert costs: its slot, plus f32 tensors decoded beside it for safetensors.
+    let entry = if model.expert_memory_bytes > model.expert_bytes { model.bytes_per_expert + model.expert_memory_bytes / (model.experts * model.moe_layers).max(1) as u64 } else { model.bytes_per_expert };
+    let min_cache = entry * (model.experts_per_token as u64 + 1);
+    let fits_resident = resident_total + reserve <= available;
+    let can_stream = model.is_moe() && fixed + min_cache + reserve <= available;
+    let (strategy, reason) = match req.stream {
+        StreamMode::Off | StreamMode::Auto if fits_resident => (Strategy::Resident, format!("everything fits: {} needed of {} available", gb(resident_total + reserve), gb(available))),
+        StreamMode::On if !model.is_moe() && fits_resident => {
+            warnings.push("--stream-experts on: the model has no routed experts; loading it resident".into());
+            (Strategy::Resident, format!("dense model, fits: {} of {}", gb(resident_total + reserve), gb(available)))
+        }
+        StreamMode::On | StreamMode::Auto if can_stream => (
+            Strategy::ExpertStreaming,
+            if fits_resident {
+                "streaming asked for (--stream-experts on) although everything fits".to_string()
+            } else {
+                format!("all weights need {} but {} is available; dense weights + KV fit, experts stream from disk", gb(resident_total + reserve), gb(available))
+            },
+        ),
+        mode => {
+            let need = if model.is_moe() && mode != StreamMode::Off { fixed + min_cache + reserve } else { resident_total + reserve };
+            let mut reason = format!("needs {} but {} is available ({} short)", gb(need), gb(available), gb(need.saturating_sub(available)));
+            if mode == StreamMode::Off && model.is_moe() && can_stream {
+                reason += "; --stream-experts auto would stream the experts";
+            }
+            let without_kv = need - kv;
+            if available > without_kv && model.kv_bytes_per_token > 0 {
+                let ctx = (available - without_kv) / model.kv_bytes_per_token;
+                if ctx >= 256 {
+                    reason += &format!("; --ctx-size {} would fit", ctx / 256 * 256);
+                }
+            }
+            let bits = (model.dense_bytes + model.expert_bytes) as f64 * 8.0 / model.total_params.max(1) as f64;
+            if bits > 5.0 {
+                reason += &format!("; a ~4.5-bit quantization (Q4_K) would store the weights in about {}", gb((model.total_params as f64 * 4.5 / 8.0) as u64));
+            }
+            (Strategy::TooLarge, reason)
+        }
+    };
+    let (cache, cache_experts, hit) = if strategy == Strategy::ExpertStreaming {
+        let left = available.saturating_sub(fixed + reserve);
+        let asked = match req.expert_cache {
+            CacheBudget::Auto => left,
+            b => b.resolve(model.expert_bytes, model.dense_bytes, available),
+        };
+        if asked > left {
+            warnings.push(format!("--expert-cache {} exceeds the {} left after dense weights, KV and reserve", gb(asked), gb(left)));
+        }
+        let n_experts = (model.experts * model.moe_layers) as u64;
+        let cache_experts = (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
+        (Some(cache_experts * entry), Some(cache_experts), Some(cache_experts as f64 / n_experts.max(1) as f64))
+    } else {
+        (None, None, None)
+    };
+    let estimate = estimate(model, req, hit, rates);
+    let recommended_command = (strategy != Strategy::TooLarge).then(|| {
+        let mut c = format!("strata serve --model {} --ctx-size {}", shell_quote(&model.path), req.ctx_size);
+        match (strategy, cache) {
+            (Strategy::ExpertStreaming, Some(b)) => c += &format!(" --stream-experts on --expert-cache {}MiB", b >> 20),
+            _ => c += " --stream-experts off",
+        }
+        c
+    });
+    Plan {
+        model: model.clone(),
+        system: *system,
+        ctx_size: req.ctx_size,
+        memory,
+        overcommit,
+        strategy,
+        reason,
+        expert_cache_bytes: cache,
+        expert_cache_experts: cache_experts,
+        expected_hit_rate: hit,
+        estimate,
+        warnings,
+        recommended_command,
+    }
+}
+
+fn estimate(model: &ModelFacts, req: &PlanRequest, hit: Option<f64>, (rates, source): (Bandwidths, RatesSource)) -> Estimate {
+    let miss = 1.0 - hit.unwrap_or(1.0);
+    let read_s = model.expert_bytes_per_token as f64 * miss / (rates.drive_gbps * GB);
+    let compute_s = (model.dense_bytes_per_token + model.expert_bytes_per_token) as f64 / (rates.matvec_gbps * GB);
+    let c = req.prefill_chunk.clamp(1, 512) as f64;
+    let prefill_compute = 2.0 * model.active_params as f64 * c / (rates.gemm_gflops * 1e9);
+    let touched = if model.experts > 0 { 1.0 - (1.0 - model.experts_per_token as f64 / model.experts as f64).powf(c) } else { 0.0 };
+    let prefill_read = model.expert_bytes as f64 * touched * miss / (rates.drive_gbps * GB);
+    Estimate {
+        decode_tok_s: 1.0 / (read_s + compute_s).max(1e-9),
+        prefill_tok_s: c / (prefill_compute + prefill_read).max(1e-9),
+        decode_read_ms: read_s * 1e3,
+        decode_compute_ms: compute_s * 1e3,
+        rates,
+        rates_source: source,
+    }
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+:".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+impl Plan {
+    /// One line for start-up logs.
+    pub fn summary(&self) -> String {
+        let mut s = format!("plan: {} ({})", self.strategy.name(), self.reason);
+        if let (Some(c), Some(n), Some(h)) = (self.expert_cache_bytes, self.expert_cache_experts, self.expected_hit_rate) {
+            s += &format!(" | expert cache {} ({n} experts, hit rate ≥ {:.0}%)", gb(c), h * 100.0);
+        }
+        if self.strategy != Strategy::TooLarge {
+            s += &format!(" | est. decode {:.1} tok/s, prefill {:.0} tok/s", self.estimate.decode_tok_s, self.estimate.prefill_tok_s);
+            if self.estimate.rates_source == RatesSource::Defaults {
+                s += " (default bandwidths: run `strata info --calibrate`)";
+            }
+        }
+        s
+    }
+}

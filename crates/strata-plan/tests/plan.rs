@@ -1,0 +1,132 @@
+//! Strategy selection on the MoE fixtures and on `strata synth` models of several sizes under
+//! simulated memory sizes, and the JSON fields documented in docs/memory-plan.md.
+
+use std::path::{Path, PathBuf};
+
+use strata_expert_store::CacheBudget;
+use strata_formats::ModelFiles;
+use strata_plan::{make_plan, Bandwidths, ModelFacts, Plan, PlanRequest, RatesSource, Strategy, StreamMode, SystemMemory};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn facts(path: &Path) -> ModelFacts {
+    ModelFacts::read(&ModelFiles::open(path).unwrap()).unwrap()
+}
+
+fn ram(bytes: u64) -> SystemMemory {
+    SystemMemory { ram_total: bytes, available: bytes, cgroup_limit: None, simulated: true }
+}
+
+fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
+    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None };
+    make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
+}
+
+fn synth(name: &str, layers: usize) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("strata-plan-{}-{name}.gguf", std::process::id()));
+    let preset = strata_engine::synth::SynthPreset { layers, ..strata_engine::synth::SynthPreset::by_name("tiny-moe").unwrap() };
+    let o = strata_engine::synth::SynthOptions { preset, quant: candle_core::quantized::GgmlDType::Q8_0, seed: 1, routing_skew: None };
+    strata_engine::synth::synth(&out, &o, &mut |_, _| {}).unwrap();
+    out
+}
+
+#[test]
+fn fixtures_fit_resident_on_a_normal_machine() {
+    for f in ["qwen3_moe", "mixtral.gguf", "olmoe.gguf", "qwen2_moe.gguf"] {
+        let m = facts(&repo().join("tests/fixtures/moe-tiny").join(f));
+        assert!(m.is_moe(), "{f}");
+        assert!(m.active_params < m.total_params, "{f}: {m:?}");
+        let p = plan(&m, 8 << 30, StreamMode::Auto);
+        assert_eq!(p.strategy, Strategy::Resident, "{f}: {}", p.reason);
+        assert!(p.recommended_command.as_deref().unwrap().contains("--stream-experts off"));
+    }
+}
+
+#[test]
+fn synthetic_models_pick_the_strategy_their_memory_allows() {
+    for layers in [16, 64] {
+        let path = synth(&format!("l{layers}"), layers);
+        let m = facts(&path);
+        let file = std::fs::metadata(&path).unwrap().len();
+        let tensors = m.dense_bytes + m.expert_bytes;
+        assert!(tensors <= file && tensors > file / 10 * 9, "tensor bytes {tensors} vs file {file}");
+        assert_eq!(m.bytes_per_expert * (m.experts * m.moe_layers) as u64, m.expert_bytes);
+        let kv = 1024 * m.kv_bytes_per_token;
+        // Plenty of RAM: resident.
+        assert_eq!(plan(&m, 64 << 30, StreamMode::Auto).strategy, Strategy::Resident);
+        // Room for the dense weights, KV and a slice of the experts: streaming, with a cache smaller
+        // than the experts and a hit rate below 1.
+        // (available = fixed + reserve + experts/4, where reserve = 512 MiB + 5% of available.)
+        let compute = plan(&m, 64 << 30, StreamMode::Auto).memory.compute_buffers;
+        let tight = ((m.dense_memory_bytes + kv + compute + (512 << 20) + m.expert_bytes / 4) as f64 / 0.95) as u64;
+        let p = plan(&m, tight, StreamMode::Auto);
+        assert_eq!(p.strategy, Strategy::ExpertStreaming, "{layers} layers at {tight}: {}", p.reason);
+        let cache = p.expert_cache_bytes.unwrap();
+        assert!(cache < m.expert_bytes && cache > 0, "{cache}");
+        let hit = p.expected_hit_rate.unwrap();
+        assert!(hit > 0.0 && hit < 1.0);
+        assert!(p.estimate.decode_read_ms > 0.0, "misses cost reads");
+        assert!(p.recommended_command.as_deref().unwrap().contains("--stream-experts on --expert-cache"));
+        // The same memory with streaming off: too large, and the reason says streaming would work.
+        let off = plan(&m, tight, StreamMode::Off);
+        assert_eq!(off.strategy, Strategy::TooLarge);
+        assert!(off.reason.contains("--stream-experts auto"), "{}", off.reason);
+        // Not even the dense weights: too large, with the shortfall.
+        let tiny = plan(&m, 256 << 20, StreamMode::Auto);
+        assert_eq!(tiny.strategy, Strategy::TooLarge);
+        assert!(tiny.reason.contains("short"), "{}", tiny.reason);
+        assert!(tiny.recommended_command.is_none());
+        // Forced on with plenty of RAM: streams anyway.
+        assert_eq!(plan(&m, 64 << 30, StreamMode::On).strategy, Strategy::ExpertStreaming);
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+#[test]
+fn a_big_context_is_what_does_not_fit() {
+    let m = facts(&repo().join("tests/fixtures/moe-tiny/mixtral.gguf"));
+    let req = PlanRequest { ctx_size: 1 << 22, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None };
+    let p = make_plan(&m, &ram(2 << 30), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
+    assert_eq!(p.strategy, Strategy::TooLarge);
+    assert!(p.reason.contains("--ctx-size"), "{}", p.reason);
+}
+
+#[test]
+fn a_draft_model_over_70_percent_of_ram_warns_and_shrinks_the_cache() {
+    let path = synth("draft", 32);
+    let m = facts(&path);
+    let ram_bytes = m.dense_memory_bytes * 3 + m.expert_bytes / 2;
+    let req = |draft: Option<ModelFacts>| PlanRequest { ctx_size: 512, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft };
+    let rates = || (Bandwidths::DEFAULTS, RatesSource::Defaults);
+    let alone = make_plan(&m, &ram(ram_bytes), rates(), &req(None));
+    let with = make_plan(&m, &ram(ram_bytes), rates(), &req(Some(m.clone())));
+    assert!(with.warnings.iter().any(|w| w.contains("70%")), "{:?}", with.warnings);
+    assert!(with.memory.draft > 0);
+    if let (Some(a), Some(b)) = (alone.expert_cache_bytes, with.expert_cache_bytes) {
+        assert!(b < a, "cache {b} with draft vs {a} alone");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn json_fields_are_the_documented_ones() {
+    let m = facts(&repo().join("tests/fixtures/moe-tiny/qwen3_moe.gguf"));
+    let v = serde_json::to_value(plan(&m, 8 << 30, StreamMode::Auto)).unwrap();
+    let doc = std::fs::read_to_string(repo().join("docs/memory-plan.md")).unwrap();
+    let mut keys = Vec::new();
+    fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+        if let serde_json::Value::Object(o) = v {
+            for (k, x) in o {
+                let name = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                out.push(name.clone());
+                walk(&name, x, out);
+            }
+        }
+    }
+    walk("", &v, &mut keys);
+    for k in keys {
+        assert!(doc.contains(&format!("`{k}`")), "docs/memory-plan.md does not document `{k}`");
+    }
+}
