@@ -97,7 +97,7 @@ impl SamplingArgs {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let rss_before_load = strata_engine::expert_store::process_rss().map(|r| r.0);
-    let engine = args.model.load()?;
+    let (engine, plan) = args.model.load_with_plan()?;
     let prompt = if let Some(chat) = &args.chat {
         engine.chat_prompt(&[ChatMessage::new("user", chat.as_str())])?.1
     } else if let Some(p) = &args.prompt {
@@ -143,6 +143,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
         ControlFlow::Continue(())
     })?;
+    record_observation(&engine, &plan, &gen);
     if json {
         let obj = serde_json::json!({
             "model": engine.name,
@@ -190,4 +191,18 @@ fn memory_report(engine: &strata_engine::Engine, cache: &strata_models::KvCache,
         "rss_before_load_bytes": rss_before_load,
         "rss_peak_bytes": rss.map(|r| r.1),
     })
+}
+
+/// Records this run's decode hit rate and compute time for the next plan of the same model
+/// (`strata_plan::observed`). Failing to write the cache only logs.
+fn record_observation(engine: &strata_engine::Engine, plan: &strata_plan::Plan, gen: &strata_engine::Generation) {
+    let n = gen.tokens.len().saturating_sub(1) as u64;
+    let (hit_rate, stall_ms, cache_fraction) = match &gen.experts_decode {
+        Some(d) => (d.hit_rate(), d.stall_ns as f64 / 1e6, (engine.model.experts().memory_bytes() as f64 / plan.model.expert_bytes.max(1) as f64).min(1.0)),
+        None => (1.0, 0.0, 1.0),
+    };
+    let run = strata_plan::Observed { cache_fraction, hit_rate, compute_ms_per_token: (gen.timings.decode_ms - stall_ms).max(0.0) / n.max(1) as f64, tokens: n };
+    if let Err(e) = strata_plan::observed::record(std::path::Path::new(&plan.model.path), run) {
+        eprintln!("warning: could not record this run for future plans: {e}");
+    }
 }

@@ -86,7 +86,8 @@ impl ModelArgs {
             Some(d) => Some(strata_plan::ModelFacts::read(&strata_formats::ModelFiles::open(d)?)?),
             None => None,
         };
-        let req = PlanRequest { ctx_size: self.ctx_size, prefill_chunk: self.prefill_chunk, stream: self.stream_experts, expert_cache: self.expert_cache, draft };
+        let observed = strata_plan::observed::load(path);
+        let req = PlanRequest { ctx_size: self.ctx_size, prefill_chunk: self.prefill_chunk, stream: self.stream_experts, expert_cache: self.expert_cache, draft, observed };
         Ok(strata_plan::make_plan(&facts, &strata_plan::SystemMemory::detect(self.ram), strata_plan::calibrate::load(path), &req))
     }
 

@@ -137,6 +137,7 @@ impl Engine {
         let mut text = String::new();
         let mut decoder = StreamDecoder::new();
         let mut stops = StopMatcher::new(req.stop.clone());
+        let experts_prefilled = self.model.experts().stats();
         let t1 = Instant::now();
         let mut ttft_ms = 0.0;
         let finish;
@@ -200,10 +201,12 @@ impl Engine {
             }
         }
         let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
-        let experts = match (self.model.experts().stats(), experts0) {
+        let experts_end = self.model.experts().stats();
+        let delta = |from: Option<ExpertStats>| match (experts_end, from) {
             (Some(now), Some(before)) => Some(now.since(&before)),
             _ => None,
         };
+        let (experts, experts_decode) = (delta(experts0), delta(experts_prefilled));
         Ok(Generation {
             prompt_tokens: prompt.len(),
             tokens,
@@ -211,6 +214,7 @@ impl Engine {
             finish_reason: finish,
             timings: Timings { prefill_ms, decode_ms, ttft_ms },
             experts,
+            experts_decode,
         })
     }
 }
@@ -293,6 +297,8 @@ pub struct Generation {
     /// Expert-streaming counters of this generation (`None` with resident experts). With several
     /// generations running at once they include the others' reads.
     pub experts: Option<ExpertStats>,
+    /// The same counters for the decode phase only (after prefill).
+    pub experts_decode: Option<ExpertStats>,
 }
 
 impl Generation {

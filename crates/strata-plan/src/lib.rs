@@ -5,14 +5,17 @@
 //! - [`facts`]: [`ModelFacts`] from metadata and tensor tables.
 //! - [`system`]: [`SystemMemory`] (RAM, available, cgroup limit; overridable for tests).
 //! - [`calibrate`]: measured drive / RAM / kernel rates, cached per drive.
+//! - [`observed`]: hit rate and compute time measured by previous runs of the model.
 //! - [`plan`]: [`make_plan`], the strategy and the cost model.
 
 pub mod calibrate;
 pub mod facts;
+pub mod observed;
 pub mod plan;
 pub mod system;
 
 pub use calibrate::{Bandwidths, RatesSource};
 pub use facts::ModelFacts;
+pub use observed::Observed;
 pub use plan::{make_plan, Estimate, MemoryBudget, Plan, PlanRequest, Strategy, StreamMode};
 pub use system::SystemMemory;

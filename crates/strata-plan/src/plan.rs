@@ -4,7 +4,9 @@
 //! Cost model (per decoded token, reads and compute not overlapped, as the engine runs today):
 //! `expert bytes touched × (1 − hit rate) ÷ drive GB/s + (dense bytes per token + expert bytes
 //! touched) ÷ matvec GB/s`. The expected hit rate assumes uniform routing without locality (cached
-//! experts ÷ all experts): a floor, real routing is usually more local. Prefill per chunk of `C`
+//! experts ÷ all experts): a floor, real routing is usually more local. When previous runs of the
+//! model were measured ([`crate::observed`]), their hit rate (scaled to this cache size) and compute
+//! time per token replace the floor and the bandwidth-derived compute time. Prefill per chunk of `C`
 //! tokens: `2 · active params · C ÷ GEMM rate` plus, when streaming, the reads of the experts the
 //! chunk touches (`1 − (1 − k/E)^C` of each layer's experts under uniform routing).
 
@@ -13,6 +15,7 @@ use strata_expert_store::CacheBudget;
 
 use crate::calibrate::{Bandwidths, RatesSource};
 use crate::facts::ModelFacts;
+use crate::observed::{miss_rate_at, Observed};
 use crate::system::SystemMemory;
 
 /// `--stream-experts`: `auto` streams only when the model does not fit.
@@ -46,6 +49,8 @@ pub struct PlanRequest {
     /// `--expert-cache`; `Auto` sizes it from what is left.
     pub expert_cache: CacheBudget,
     pub draft: Option<ModelFacts>,
+    /// What previous runs of this model measured ([`crate::observed`]).
+    pub observed: Option<Observed>,
 }
 
 /// The strategy.
@@ -98,6 +103,9 @@ pub struct Estimate {
     pub decode_compute_ms: f64,
     pub rates: Bandwidths,
     pub rates_source: RatesSource,
+    /// Measurements of previous runs used instead of the uniform-routing hit rate and the
+    /// bandwidth-derived compute time, when there are any.
+    pub observed: Option<Observed>,
 }
 
 /// A plan (`strata info`; `serve` and `generate` make the same one at start-up).
@@ -211,7 +219,9 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
         }
         let n_experts = (model.experts * model.moe_layers) as u64;
         let cache_experts = (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
-        (Some(cache_experts * entry), Some(cache_experts), Some(cache_experts as f64 / n_experts.max(1) as f64))
+        let f = cache_experts as f64 / n_experts.max(1) as f64;
+        let miss = req.observed.as_ref().map_or(1.0 - f, |o| miss_rate_at(o, f));
+        (Some(cache_experts * entry), Some(cache_experts), Some(1.0 - miss))
     } else {
         (None, None, None)
     };
@@ -244,7 +254,10 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
 fn estimate(model: &ModelFacts, req: &PlanRequest, hit: Option<f64>, (rates, source): (Bandwidths, RatesSource)) -> Estimate {
     let miss = 1.0 - hit.unwrap_or(1.0);
     let read_s = model.expert_bytes_per_token as f64 * miss / (rates.drive_gbps * GB);
-    let compute_s = (model.dense_bytes_per_token + model.expert_bytes_per_token) as f64 / (rates.matvec_gbps * GB);
+    let compute_s = match &req.observed {
+        Some(o) => o.compute_ms_per_token / 1e3,
+        None => (model.dense_bytes_per_token + model.expert_bytes_per_token) as f64 / (rates.matvec_gbps * GB),
+    };
     let c = req.prefill_chunk.clamp(1, 512) as f64;
     let prefill_compute = 2.0 * model.active_params as f64 * c / (rates.gemm_gflops * 1e9);
     let touched = if model.experts > 0 { 1.0 - (1.0 - model.experts_per_token as f64 / model.experts as f64).powf(c) } else { 0.0 };
@@ -256,6 +269,7 @@ fn estimate(model: &ModelFacts, req: &PlanRequest, hit: Option<f64>, (rates, sou
         decode_compute_ms: compute_s * 1e3,
         rates,
         rates_source: source,
+        observed: req.observed,
     }
 }
 
@@ -272,7 +286,8 @@ impl Plan {
     pub fn summary(&self) -> String {
         let mut s = format!("plan: {} ({})", self.strategy.name(), self.reason);
         if let (Some(c), Some(n), Some(h)) = (self.expert_cache_bytes, self.expert_cache_experts, self.expected_hit_rate) {
-            s += &format!(" | expert cache {} ({n} experts, hit rate ≥ {:.0}%)", gb(c), h * 100.0);
+            let basis = if self.estimate.observed.is_some() { "from previous runs" } else { "uniform-routing floor" };
+            s += &format!(" | expert cache {} ({n} experts, expected hit rate {:.0}%, {basis})", gb(c), h * 100.0);
         }
         if self.strategy != Strategy::TooLarge {
             s += &format!(" | est. decode {:.1} tok/s, prefill {:.0} tok/s", self.estimate.decode_tok_s, self.estimate.prefill_tok_s);

@@ -20,7 +20,7 @@ fn ram(bytes: u64) -> SystemMemory {
 }
 
 fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
-    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None };
+    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None, observed: None };
     make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }
 
@@ -87,7 +87,7 @@ fn synthetic_models_pick_the_strategy_their_memory_allows() {
 #[test]
 fn a_big_context_is_what_does_not_fit() {
     let m = facts(&repo().join("tests/fixtures/moe-tiny/mixtral.gguf"));
-    let req = PlanRequest { ctx_size: 1 << 22, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None };
+    let req = PlanRequest { ctx_size: 1 << 22, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: None };
     let p = make_plan(&m, &ram(2 << 30), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert_eq!(p.strategy, Strategy::TooLarge);
     assert!(p.reason.contains("--ctx-size"), "{}", p.reason);
@@ -98,7 +98,7 @@ fn a_draft_model_over_70_percent_of_ram_warns_and_shrinks_the_cache() {
     let path = synth("draft", 32);
     let m = facts(&path);
     let ram_bytes = m.dense_memory_bytes * 3 + m.expert_bytes / 2;
-    let req = |draft: Option<ModelFacts>| PlanRequest { ctx_size: 512, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft };
+    let req = |draft: Option<ModelFacts>| PlanRequest { ctx_size: 512, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft, observed: None };
     let rates = || (Bandwidths::DEFAULTS, RatesSource::Defaults);
     let alone = make_plan(&m, &ram(ram_bytes), rates(), &req(None));
     let with = make_plan(&m, &ram(ram_bytes), rates(), &req(Some(m.clone())));
@@ -129,4 +129,25 @@ fn json_fields_are_the_documented_ones() {
     for k in keys {
         assert!(doc.contains(&format!("`{k}`")), "docs/memory-plan.md does not document `{k}`");
     }
+}
+
+#[test]
+fn observed_runs_replace_the_uniform_floor() {
+    let path = synth("obs", 32);
+    let m = facts(&path);
+    let compute = plan(&m, 64 << 30, StreamMode::Auto).memory.compute_buffers;
+    let tight = ((m.dense_memory_bytes + 1024 * m.kv_bytes_per_token + compute + (512 << 20) + m.expert_bytes / 4) as f64 / 0.95) as u64;
+    let base = plan(&m, tight, StreamMode::Auto);
+    let floor = base.expected_hit_rate.unwrap();
+    let f = base.expert_cache_experts.unwrap() as f64 / (m.experts * m.moe_layers) as f64;
+    assert!((floor - f).abs() < 1e-9, "without observations the hit rate is the cached share");
+    let o = strata_plan::Observed { cache_fraction: f, hit_rate: 0.9, compute_ms_per_token: 40.0, tokens: 31 };
+    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: Some(o) };
+    let p = make_plan(&m, &ram(tight), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
+    assert!((p.expected_hit_rate.unwrap() - 0.9).abs() < 1e-9, "same cache share: the observed hit rate");
+    assert!((p.estimate.decode_compute_ms - 40.0).abs() < 1e-9);
+    // A bigger cache misses proportionally less; a full one never.
+    assert!((strata_plan::observed::miss_rate_at(&o, (1.0 + f) / 2.0) - 0.05).abs() < 1e-9);
+    assert_eq!(strata_plan::observed::miss_rate_at(&o, 1.0), 0.0);
+    let _ = std::fs::remove_file(&path);
 }
