@@ -73,7 +73,7 @@ pub struct MoeLayerResult {
 /// The machine figures the floors use.
 #[derive(Debug, Clone, Serialize)]
 pub struct MachineRates {
-    /// Best-of-3 multi-threaded sequential read over a 1 GiB buffer, GB/s (10⁹ bytes).
+    /// Best-of-3 multi-threaded sequential read over a 512 MiB buffer, GB/s (10⁹ bytes).
     pub ram_read_gbps: f64,
     /// Best-of-3 f32 GEMM 1024³ through candle, GFLOP/s.
     pub f32_gemm_gflops: f64,
@@ -84,25 +84,9 @@ pub struct MachineRates {
     pub threads: usize,
 }
 
-/// Measures RAM read bandwidth with `threads` threads (each sums a disjoint part of a 1 GiB buffer).
+/// Measures RAM read bandwidth with `threads` threads (the plan's calibration measurement).
 pub fn ram_read_gbps(threads: usize) -> f64 {
-    let words = (1usize << 30) / 8;
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let threads = threads.max(1);
-    let mut best = 0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let total: u64 = std::thread::scope(|s| {
-            let handles: Vec<_> = buf
-                .chunks(words.div_ceil(threads))
-                .map(|part| s.spawn(move || part.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
-        });
-        std::hint::black_box(total);
-        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    strata_plan::calibrate::ram_read_gbps(threads)
 }
 
 /// Measures candle's f32 GEMM rate on 1024×1024×1024.

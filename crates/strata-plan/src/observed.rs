@@ -75,7 +75,10 @@ pub fn record(model: &Path, run: Observed) -> Result<(), String> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     }
-    std::fs::write(&path, serde_json::to_string_pretty(&all).unwrap_or_default()).map_err(|e| format!("{}: {e}", path.display()))
+    // Write and rename: concurrent runs never leave a half-written file.
+    let tmp = path.with_extension(format!("json.{}", std::process::id()));
+    std::fs::write(&tmp, serde_json::to_string_pretty(&all).unwrap_or_default()).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The miss rate expected at cache share `f`, scaled from an observation.
