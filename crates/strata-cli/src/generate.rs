@@ -175,6 +175,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         );
         if let Some(x) = &gen.experts {
             eprintln!("{}", crate::measure::expert_stats_line(x, gen.prompt_tokens + gen.tokens.len()));
+            if let Some(d) = &gen.experts_decode {
+                eprintln!("{}", crate::measure::drive_floor_line(d, gen.tokens.len().saturating_sub(1), std::path::Path::new(&plan.model.path)));
+            }
         }
     }
     Ok(())

@@ -200,3 +200,26 @@ pub fn expert_stats_line(x: &strata_engine::ExpertStats, tokens: usize) -> Strin
         x.touched_bytes as f64 / 1e6 / per,
     )
 }
+
+/// The decode phase's reads held against the drive's peak: achieved GB/s ÷ peak, and the floor the
+/// misses imply (miss bytes per token ÷ peak read rate). The peak is `strata info --calibrate`'s
+/// measurement for the drive holding `model` (or the plan's default, said so).
+pub fn drive_floor_line(d: &strata_engine::ExpertStats, tokens: usize, model: &std::path::Path) -> String {
+    let (rates, source) = strata_plan::calibrate::load(model);
+    let peak = rates.drive_gbps;
+    let per = d.bytes_read as f64 / tokens.max(1) as f64;
+    let floor_ms = per / (peak * 1e9) * 1e3;
+    let basis = match source {
+        strata_plan::RatesSource::Calibrated { .. } => "measured by `strata info --calibrate`",
+        strata_plan::RatesSource::Defaults => "DEFAULT, not measured: run `strata info --calibrate`",
+    };
+    format!(
+        "decode reads: {:.2} MB/token at {:.2} GB/s = {:.0}% of the drive's peak {:.2} GB/s ({basis}); read floor {:.1} ms/token, stall {:.1} ms/token",
+        per / 1e6,
+        d.read_gbps(),
+        100.0 * d.read_gbps() / peak.max(1e-9),
+        peak,
+        floor_ms,
+        d.stall_ns as f64 / 1e6 / tokens.max(1) as f64
+    )
+}
