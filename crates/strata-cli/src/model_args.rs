@@ -80,8 +80,12 @@ impl ModelArgs {
 
     /// The memory plan for this model and these flags (reads metadata only).
     pub fn plan(&self, path: &std::path::Path, draft: Option<&std::path::Path>) -> Result<Plan> {
-        let files = strata_formats::ModelFiles::open(path)?;
-        let facts = strata_plan::ModelFacts::read(&files)?;
+        self.plan_for(&strata_formats::ModelFiles::open(path)?, path, draft)
+    }
+
+    /// [`Self::plan`] for files already open.
+    fn plan_for(&self, files: &strata_formats::ModelFiles, path: &std::path::Path, draft: Option<&std::path::Path>) -> Result<Plan> {
+        let facts = strata_plan::ModelFacts::read(files)?;
         let draft = match draft {
             Some(d) => Some(strata_plan::ModelFacts::read(&strata_formats::ModelFiles::open(d)?)?),
             None => None,
@@ -95,7 +99,8 @@ impl ModelArgs {
     pub fn load_with_plan(&self) -> Result<(Engine, Plan)> {
         self.set_threads();
         let path = self.model_path()?;
-        let plan = self.plan(&path, None)?;
+        let files = strata_formats::ModelFiles::open(&path)?;
+        let plan = self.plan_for(&files, &path, None)?;
         eprintln!("{}", plan.summary());
         for w in &plan.warnings {
             eprintln!("warning: {w}");
@@ -107,7 +112,7 @@ impl ModelArgs {
         bar.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
         bar.set_message(path.display().to_string());
         let opts = self.load_options(&plan);
-        let engine = Engine::load(&path, &opts, &mut |done, total| {
+        let engine = Engine::from_files(&files, &opts, &mut |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
         });

@@ -68,22 +68,25 @@ impl LoadOptions {
 impl Engine {
     /// Opens and loads a model. `progress(done, total)` is called as layers load.
     pub fn load(path: &std::path::Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
-        let files = ModelFiles::open(path)?;
+        Self::from_files(&ModelFiles::open(path)?, opts, progress)
+    }
+
+    /// Loads a model whose files are already open (the CLI opened them to make the memory plan).
+    pub fn from_files(files: &ModelFiles, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
         // Architecture and dimensions first: the most fundamental error is reported.
-        files.config()?;
+        let cfg = files.config()?;
         let tokenizer = files.tokenizer()?;
         let chat_template = files.chat_template(&tokenizer)?;
-        let cfg = files.config()?;
         let mut resident_weight_bytes = files.total_tensor_bytes();
         let experts: Option<Arc<dyn ExpertProvider>> = match &opts.stream_experts {
             Some(so) => {
-                let s = StreamingExperts::open(&files, &cfg, &opts.device, so)?;
+                let s = StreamingExperts::open(files, &cfg, &opts.device, so)?;
                 resident_weight_bytes -= s.expert_bytes_total();
                 Some(Arc::new(s))
             }
             None => None,
         };
-        let mut model = Transformer::load_with_experts(&files, &opts.device, opts.ctx_size, experts, progress)?;
+        let mut model = Transformer::load_with_experts(files, &opts.device, opts.ctx_size, experts, progress)?;
         model.set_moe_top_k(opts.moe_top_k);
         Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name(), resident_weight_bytes })
     }

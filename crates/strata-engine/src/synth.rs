@@ -207,7 +207,8 @@ fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
         (k("block_count"), MetaValue::U32(p.layers as u32)),
         (k("context_length"), MetaValue::U32(p.context as u32)),
         (k("embedding_length"), MetaValue::U32(p.hidden as u32)),
-        (k("feed_forward_length"), MetaValue::U32((p.expert_ffn * p.top_k) as u32)),
+        // qwen3moe: the dense FFN size (unused: every layer is MoE); llama (Mixtral): the expert FFN.
+        (k("feed_forward_length"), MetaValue::U32((if a == "qwen3moe" { p.expert_ffn * p.top_k } else { p.expert_ffn }) as u32)),
         (k("attention.head_count"), MetaValue::U32(p.heads as u32)),
         (k("attention.head_count_kv"), MetaValue::U32(p.kv_heads as u32)),
         (k("attention.key_length"), MetaValue::U32(p.head_dim as u32)),
@@ -228,10 +229,6 @@ fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
     ];
     if a == "qwen3moe" {
         m.push((k("expert_feed_forward_length"), MetaValue::U32(p.expert_ffn as u32)));
-    } else {
-        // Mixtral in llama.cpp: feed_forward_length is the expert FFN size.
-        m.retain(|(key, _)| key != &k("feed_forward_length"));
-        m.push((k("feed_forward_length"), MetaValue::U32(p.expert_ffn as u32)));
     }
     m
 }

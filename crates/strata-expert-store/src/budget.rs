@@ -69,8 +69,7 @@ impl CacheBudget {
 /// Memory this process may still use (bytes): `MemAvailable` from `/proc/meminfo`, capped by the
 /// cgroup (v2 `memory.max` or v1 `memory.limit_in_bytes`) limit minus its current usage.
 pub fn available_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let avail = meminfo.lines().find_map(|l| l.strip_prefix("MemAvailable:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())? * 1024;
+    let avail = proc_kb_field("/proc/meminfo", "MemAvailable:")?;
     Some(match cgroup_headroom() {
         Some(c) => avail.min(c),
         None => avail,
@@ -113,6 +112,12 @@ fn cgroup_memory() -> Option<(u64, u64)> {
     })
 }
 
+/// A `Key:   1234 kB` line of a `/proc` file (`/proc/meminfo`, `/proc/self/status`), in bytes.
+pub fn proc_kb_field(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(file).ok()?;
+    text.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,7 +141,5 @@ mod tests {
 /// This process's resident set size now and at its peak (`VmRSS`, `VmHWM` of `/proc/self/status`),
 /// bytes.
 pub fn process_rss() -> Option<(u64, u64)> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let field = |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024);
-    Some((field("VmRSS:")?, field("VmHWM:")?))
+    Some((proc_kb_field("/proc/self/status", "VmRSS:")?, proc_kb_field("/proc/self/status", "VmHWM:")?))
 }

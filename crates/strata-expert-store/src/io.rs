@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -61,10 +61,6 @@ impl Ticket {
             s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
         }
         s.1.clone().map_or(Ok(()), Err)
-    }
-
-    pub fn is_done(&self) -> bool {
-        self.state.lock().map(|s| s.0 == 0).unwrap_or(true)
     }
 }
 
@@ -185,10 +181,6 @@ impl IoEngine {
         self.direct
     }
 
-    pub fn threads(&self) -> usize {
-        self.workers.len()
-    }
-
     pub fn counters(&self) -> &IoCounters {
         &self.shared.counters
     }
@@ -221,11 +213,6 @@ impl IoEngine {
             }
         }
         ticket
-    }
-
-    /// The path of file `i`.
-    pub fn path(&self, i: usize) -> &Path {
-        &self.shared.files[i].0
     }
 }
 

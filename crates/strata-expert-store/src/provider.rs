@@ -131,7 +131,6 @@ pub struct StreamingExperts {
     capacity: usize,
     /// Memory one cached expert costs (slot + decoded tensors), bytes.
     entry_bytes: u64,
-    budget_bytes: u64,
     expert_bytes_total: u64,
     state: Mutex<CacheState>,
     counters: Counters,
@@ -200,16 +199,10 @@ impl StreamingExperts {
             policy: opts.policy,
             capacity,
             entry_bytes,
-            budget_bytes,
             expert_bytes_total: total,
             state: Mutex::new(CacheState::default()),
             counters: Counters::default(),
         })
-    }
-
-    /// Experts the cache holds at most.
-    pub fn capacity(&self) -> usize {
-        self.capacity
     }
 
     /// Bytes the cache may use (slots and decoded tensors of `capacity` experts).
@@ -217,22 +210,9 @@ impl StreamingExperts {
         self.capacity as u64 * self.entry_bytes
     }
 
-    /// The budget asked for, in bytes (before raising it to the minimum).
-    pub fn budget_bytes(&self) -> u64 {
-        self.budget_bytes
-    }
-
     /// Stored bytes of all routed experts.
     pub fn expert_bytes_total(&self) -> u64 {
         self.expert_bytes_total
-    }
-
-    pub fn policy(&self) -> EvictionPolicy {
-        self.policy
-    }
-
-    pub fn direct_io(&self) -> bool {
-        self.io.direct()
     }
 
     fn extent(&self, layer: usize, expert: usize) -> Result<&ExpertExtent, ModelError> {
@@ -266,12 +246,18 @@ impl StreamingExperts {
     /// a slot when none is free; otherwise skips experts it has no room for.
     fn start_reads(&self, keys: &[(usize, usize)], must: bool) -> Result<(), ModelError> {
         let mut jobs = Vec::new();
+        let mut files_checked = false;
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         for &(layer, expert) in keys {
             if st.map.contains_key(&(layer, expert)) {
                 continue;
             }
             let extent = self.extent(layer, expert)?;
+            // Once per batch, before its first read.
+            if !files_checked {
+                self.io.check_files().map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
+                files_checked = true;
+            }
             while st.map.len() >= self.capacity {
                 if !self.evict_one(&mut st) {
                     break;
@@ -294,7 +280,6 @@ impl StreamingExperts {
                 }
                 None => continue,
             };
-            self.io.check_files().map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
             let plan = ReadPlan::new(extent, self.io.direct());
             let base = slot.as_mut_ptr();
             let first = jobs.len();

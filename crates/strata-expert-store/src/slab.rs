@@ -62,10 +62,6 @@ impl Slab {
         self.0.slots
     }
 
-    pub fn free_slots(&self) -> usize {
-        self.0.free.lock().map(|f| f.len()).unwrap_or(0)
-    }
-
     /// A free slot, if any.
     pub fn try_acquire(&self) -> Option<Slot> {
         let idx = self.0.free.lock().unwrap_or_else(|e| e.into_inner()).pop()?;

@@ -17,11 +17,6 @@ pub struct SystemMemory {
     pub simulated: bool,
 }
 
-fn meminfo(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    s.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024)
-}
-
 impl SystemMemory {
     /// Detects the machine's figures, or uses `ram_override` (else `STRATA_RAM_BYTES`) as both
     /// total and available memory.
@@ -30,7 +25,7 @@ impl SystemMemory {
         if let Some(r) = ram_override.or(env) {
             return Self { ram_total: r, available: r, cgroup_limit: None, simulated: true };
         }
-        let total = meminfo("MemTotal:").unwrap_or(8 << 30);
+        let total = strata_expert_store::budget::proc_kb_field("/proc/meminfo", "MemTotal:").unwrap_or(8 << 30);
         let available = strata_expert_store::available_memory().unwrap_or(total / 2);
         Self { ram_total: total, available, cgroup_limit: strata_expert_store::budget::cgroup_limit(), simulated: false }
     }
