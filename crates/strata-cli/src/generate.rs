@@ -158,6 +158,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "decode_tok_s": gen.decode_tok_s(),
             "threads": args.model.threads(),
             "experts": gen.experts,
+            "spec": gen.spec.as_ref().map(spec_json),
             "memory": memory_report(&engine, &cache, rss_before_load),
         });
         println!("{obj}");
@@ -173,6 +174,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             gen.finish_reason.as_str(),
             args.model.threads()
         );
+        if let Some(s) = &gen.spec {
+            eprintln!("{}", s.summary());
+        }
         if let Some(x) = &gen.experts {
             eprintln!("{}", crate::measure::expert_stats_line(x, gen.prompt_tokens + gen.tokens.len()));
             if let Some(d) = &gen.experts_decode {
@@ -181,6 +185,15 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Speculative-decoding counters with the derived figures.
+pub fn spec_json(s: &strata_engine::SpecStats) -> serde_json::Value {
+    let mut v = serde_json::to_value(s).unwrap_or_default();
+    v["acceptance_rate"] = s.acceptance_rate().into();
+    v["mean_accepted_length"] = s.mean_accepted_length().into();
+    v["mean_fanout"] = s.mean_fanout().into();
+    v
 }
 
 /// What the process holds (bytes): weights outside the expert provider, the provider's budget, the
@@ -199,6 +212,9 @@ fn memory_report(engine: &strata_engine::Engine, cache: &strata_models::KvCache,
 /// Records this run's decode hit rate and compute time for the next plan of the same model
 /// (`strata_plan::observed`). Failing to write the cache only logs.
 fn record_observation(engine: &strata_engine::Engine, plan: &strata_plan::Plan, gen: &strata_engine::Generation) {
+    if gen.spec.is_some() {
+        return; // observations describe plain decoding
+    }
     let n = gen.tokens.len().saturating_sub(1) as u64;
     let (hit_rate, stall_ms, cache_fraction) = match &gen.experts_decode {
         Some(d) => (d.hit_rate(), d.stall_ns as f64 / 1e6, (engine.model.experts().memory_bytes() as f64 / plan.model.expert_bytes.max(1) as f64).min(1.0)),

@@ -1,6 +1,5 @@
 //! `strata info`: the memory plan, printed or as JSON, before loading anything.
 
-use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
@@ -12,9 +11,6 @@ use crate::model_args::ModelArgs;
 pub struct InfoArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// A draft model for speculative decoding: its weights and KV cache count too.
-    #[arg(long)]
-    pub draft_model: Option<PathBuf>,
     /// Device to plan for (only `cpu` until the CUDA backend lands).
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -44,7 +40,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
             strata_plan::calibrate::cache_file().display()
         );
     }
-    let plan = a.model.plan(&path, a.draft_model.as_deref())?;
+    let plan = a.model.plan(&path, a.model.spec.draft_path())?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {

@@ -6,6 +6,7 @@ mod info;
 mod measure;
 mod model_args;
 mod serve;
+mod spec_args;
 mod synth;
 
 use anyhow::Result;

@@ -61,6 +61,8 @@ pub struct ModelArgs {
     /// weight). Trades quality for fewer expert bytes per token.
     #[arg(long, env = "STRATA_MOE_TOP_K")]
     pub moe_top_k: Option<usize>,
+    #[command(flatten)]
+    pub spec: crate::spec_args::SpecArgs,
 }
 
 impl ModelArgs {
@@ -100,7 +102,8 @@ impl ModelArgs {
         self.set_threads();
         let path = self.model_path()?;
         let files = strata_formats::ModelFiles::open(&path)?;
-        let plan = self.plan_for(&files, &path, None)?;
+        self.spec.kind()?; // flag errors before loading anything
+        let plan = self.plan_for(&files, &path, self.spec.draft_path())?;
         eprintln!("{}", plan.summary());
         for w in &plan.warnings {
             eprintln!("warning: {w}");
@@ -117,7 +120,8 @@ impl ModelArgs {
             bar.set_position(done as u64);
         });
         bar.finish_and_clear();
-        let engine = engine?;
+        let mut engine = engine?;
+        self.spec.apply(&mut engine, &opts)?;
         if let Some(s) = &opts.stream_experts {
             eprintln!(
                 "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}), policy {}, {} reads in flight, O_DIRECT {}",
@@ -140,6 +144,8 @@ impl ModelArgs {
         if plan.strategy == Strategy::ExpertStreaming {
             let budget = match (self.expert_cache, plan.expert_cache_bytes) {
                 (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),
+                // A draft model's memory shrinks the cache (the plan's memory guard).
+                (_, Some(b)) if plan.memory.draft > 0 => CacheBudget::Bytes(b),
                 (asked, _) => asked,
             };
             opts.stream_experts = Some(StreamOptions {

@@ -12,6 +12,7 @@ use strata_expert_store::{StreamOptions, StreamingExperts};
 use strata_models::{ExpertProvider, ExpertStats, KvCache, Logits, Transformer};
 
 use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
+use crate::spec::{Emitted, SpecConfig, SpecStats, Speculator};
 use crate::stop::{StopMatcher, StopScan};
 
 /// Errors of the engine. Request-level errors (prompt too long, bad template input) are separate
@@ -30,6 +31,9 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("the model has no chat template")]
     NoChatTemplate,
+    /// Speculative-decoding settings that do not fit the model (draft vocabulary, layer count).
+    #[error("speculative decoding: {0}")]
+    Spec(String),
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
@@ -45,6 +49,8 @@ pub struct Engine {
     /// Bytes of the weights loaded into memory at start (everything but streamed experts), as
     /// stored in the file.
     pub resident_weight_bytes: u64,
+    /// Speculative decoding for every generation ([`Engine::set_speculation`]).
+    pub spec: Option<SpecConfig>,
 }
 
 /// Options for loading.
@@ -88,7 +94,25 @@ impl Engine {
         };
         let mut model = Transformer::load_with_experts(files, &opts.device, opts.ctx_size, experts, progress)?;
         model.set_moe_top_k(opts.moe_top_k);
-        Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name(), resident_weight_bytes })
+        Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name(), resident_weight_bytes, spec: None })
+    }
+
+    /// Loads a draft model for speculative decoding (`--draft-model`): resident, on the target's
+    /// device, RoPE tables for `opts.ctx_size`. Returns it with its weight bytes as stored.
+    pub fn load_draft_model(path: &std::path::Path, opts: &LoadOptions) -> Result<(Arc<Transformer>, u64)> {
+        let files = ModelFiles::open(path)?;
+        let model = Transformer::load(&files, &opts.device, opts.ctx_size, &mut |_, _| {})?;
+        Ok((Arc::new(model), files.total_tensor_bytes()))
+    }
+
+    /// Turns speculative decoding on for every later generation (`None`: off). Errors when the
+    /// settings do not fit the model (see [`SpecConfig::validate`]).
+    pub fn set_speculation(&mut self, cfg: Option<SpecConfig>) -> Result<()> {
+        if let Some(c) = &cfg {
+            c.validate(&self.model)?;
+        }
+        self.spec = cfg;
+        Ok(())
     }
 
     /// Renders messages through the chat template (with the generation prompt) and tokenizes the
@@ -131,7 +155,7 @@ impl Engine {
                 logits = Some(out.logits);
             }
         }
-        let mut logits: Vec<f32> = logits.expect("non-empty prompt").flatten_all()?.to_vec1()?;
+        let logits: Vec<f32> = logits.expect("non-empty prompt").flatten_all()?.to_vec1()?;
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
 
         let mut sampler = Sampler::new(req.sampling.clone());
@@ -141,12 +165,22 @@ impl Engine {
         let mut decoder = StreamDecoder::new();
         let mut stops = StopMatcher::new(req.stop.clone());
         let experts_prefilled = self.model.experts().stats();
+        let streaming = experts_prefilled.is_some();
+        let mut spec = match &self.spec {
+            Some(cfg) => Some(Speculator::new(&self.model, cfg, cache.capacity(), streaming, chunk)?),
+            None => None,
+        };
         let t1 = Instant::now();
         let mut ttft_ms = 0.0;
         let finish;
         let mut stopped_by_string = false;
+        // Tokens decided but not yet emitted (a speculative round decides several at once), each
+        // with the target logits it was chosen from. The first comes from the prefill logits.
+        let mut ready: std::collections::VecDeque<Emitted> = std::collections::VecDeque::new();
+        let first = sampler.sample(&logits, &history);
+        ready.push_back((first, logits));
         loop {
-            let id = sampler.sample(&logits, &history);
+            let (id, logits) = ready.pop_front().expect("a decided token");
             let logprobs = req.logprobs.map(|n| {
                 let lp = log_softmax(&logits);
                 TokenLogprobs { logprob: lp[id as usize], top: top_logprobs(&lp, n) }
@@ -185,12 +219,21 @@ impl Engine {
                 finish = FinishReason::Length;
                 break;
             }
+            if !ready.is_empty() {
+                continue;
+            }
             if cache.len() + 1 > cache.capacity() {
                 finish = FinishReason::Length;
                 break;
             }
-            let out = self.model.forward(&[id], cache, Logits::Last, &[])?;
-            logits = out.logits.flatten_all()?.to_vec1()?;
+            match spec.as_mut() {
+                Some(s) => ready.extend(s.round(cache, &history, &mut sampler, req.max_tokens - tokens.len())?),
+                None => {
+                    let out = self.model.forward(&[id], cache, Logits::Last, &[])?;
+                    let logits: Vec<f32> = out.logits.flatten_all()?.to_vec1()?;
+                    ready.push_back((sampler.sample(&logits, &history), logits));
+                }
+            }
         }
         if !stopped_by_string {
             let piece = decoder.flush(&self.tokenizer)?;
@@ -218,6 +261,7 @@ impl Engine {
             timings: Timings { prefill_ms, decode_ms, ttft_ms },
             experts,
             experts_decode,
+            spec: spec.map(|s| s.stats),
         })
     }
 }
@@ -302,6 +346,8 @@ pub struct Generation {
     pub experts: Option<ExpertStats>,
     /// The same counters for the decode phase only (after prefill).
     pub experts_decode: Option<ExpertStats>,
+    /// Speculative-decoding counters (`None` without speculation).
+    pub spec: Option<SpecStats>,
 }
 
 impl Generation {

@@ -6,11 +6,13 @@ pub mod engine;
 pub mod moe_bench;
 pub mod perplexity;
 pub mod sampling;
+pub mod spec;
 pub mod stop;
 pub mod synth;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent, TokenLogprobs};
 pub use sampling::{Sampler, SamplingParams};
+pub use spec::{DraftSource, NgramParams, SpecConfig, SpecStats};
 pub use strata_expert_store::{CacheBudget, EvictionPolicy, StreamOptions};
 pub use strata_models::ExpertStats;
 pub use strata_expert_store as expert_store;

@@ -108,12 +108,22 @@ impl Attention {
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
         let (k_all, v_all) = cache.append(layer, &k, &v)?;
-        if seq == 1 {
-            let qv = q.flatten_all()?.to_vec1::<f32>()?;
-            if let Some(out) = cache.attend_one(layer, &qv, nh, self.scale as f32)? {
-                let out = Tensor::from_vec(out, (1, nh * hd), x.device())?;
-                return Ok(self.o.forward(&out)?);
+        if seq <= EXACT_ROWS_MAX && x.device().is_cpu() {
+            // One query row at a time over its causal prefix, with the decode kernel: the logits of
+            // a short multi-token pass (speculative verification) are bit-identical to decoding the
+            // same tokens one by one, so greedy speculation reproduces plain decoding exactly.
+            let qv = q.flatten_all()?.to_vec1::<f32>()?; // [nh, seq, hd]
+            let mut out = Vec::with_capacity(seq * nh * hd);
+            let mut row = vec![0f32; nh * hd];
+            for i in 0..seq {
+                for h in 0..nh {
+                    row[h * hd..(h + 1) * hd].copy_from_slice(&qv[(h * seq + i) * hd..(h * seq + i + 1) * hd]);
+                }
+                let o = cache.attend_one(layer, &row, nh, self.scale as f32, pos + i + 1)?;
+                out.extend_from_slice(&o.ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?);
             }
+            let out = Tensor::from_vec(out, (seq, nh * hd), x.device())?;
+            return Ok(self.o.forward(&out)?);
         }
         let total = k_all.dim(2)?;
         // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
@@ -130,6 +140,10 @@ impl Attention {
         Ok(self.o.forward(&out)?)
     }
 }
+
+/// Passes of at most this many tokens attend row by row with the decode kernel (CPU), which makes
+/// their logits bit-identical to token-by-token decoding (speculative verification widths).
+pub const EXACT_ROWS_MAX: usize = 32;
 
 /// Additive causal mask `[seq, past + seq]`: query i may see keys `0..=past + i`.
 pub fn causal_mask(seq: usize, past: usize, device: &candle_core::Device) -> candle_core::Result<Tensor> {

@@ -63,9 +63,9 @@ impl KvCache {
     }
 
     /// Decode fast path (CPU): attention of one query `q: [n_heads · head_dim]` over positions
-    /// `0..=len` of `layer` (the token just appended included); returns `[n_heads · head_dim]`.
-    /// `None` when the cache is not on the CPU.
-    pub fn attend_one(&self, layer: usize, q: &[f32], n_heads: usize, scale: f32) -> candle_core::Result<Option<Vec<f32>>> {
+    /// `0..positions` of `layer` (decode: `len + 1`, the token just appended included); returns
+    /// `[n_heads · head_dim]`. `None` when the cache is not on the CPU.
+    pub fn attend_one(&self, layer: usize, q: &[f32], n_heads: usize, scale: f32, positions: usize) -> candle_core::Result<Option<Vec<f32>>> {
         let (ks, kl) = self.k[layer].storage_and_layout();
         let (vs, vl) = self.v[layer].storage_and_layout();
         let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&*ks, &*vs) else { return Ok(None) };
@@ -74,7 +74,7 @@ impl KvCache {
         let (_, n_kv_heads, capacity, head_dim) = self.k[layer].dims4()?;
         let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
         let mut out = vec![0f32; n_heads * head_dim];
-        SCORES.with(|s| strata_kernels::attention::attend_one(q, k, v, layout, n_heads, self.len + 1, scale, &mut out, &mut s.borrow_mut()));
+        SCORES.with(|s| strata_kernels::attention::attend_one(q, k, v, layout, n_heads, positions, scale, &mut out, &mut s.borrow_mut()));
         Ok(Some(out))
     }
 
@@ -83,7 +83,8 @@ impl KvCache {
         self.len += n;
     }
 
-    /// Rolls back to `len` tokens (rejected draft tokens, a new prompt sharing a prefix).
+    /// Rolls back to `len` tokens (rejected draft tokens, a new prompt sharing a prefix). Storage
+    /// is kept; positions past `len` are overwritten by the next append.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }

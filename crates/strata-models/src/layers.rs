@@ -172,7 +172,18 @@ impl Linear {
     /// `x: [.., in] → [.., out]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.w {
-            LinearWeight::Candle(w) => w.forward(x)?,
+            LinearWeight::Candle(w) => {
+                let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+                if rows > 1 && rows <= crate::attention::EXACT_ROWS_MAX && x.device().is_cpu() && x.rank() == 2 {
+                    // candle's multi-row CPU kernels (x86 repacked Q4_K tiles) sum in another order
+                    // than its one-row kernel: short passes (speculative verification) go row by row
+                    // so that their outputs are bit-identical to decoding.
+                    let parts = (0..rows).map(|r| w.forward(&x.narrow(0, r, 1)?)).collect::<candle_core::Result<Vec<_>>>()?;
+                    Tensor::cat(&parts, 0)?
+                } else {
+                    w.forward(x)?
+                }
+            }
             LinearWeight::Kernel(w) => {
                 let dims = x.dims().to_vec();
                 let k = *dims.last().unwrap_or(&0);

@@ -16,4 +16,5 @@ pub use error::{ModelError, Result};
 pub use experts::{Expert, ExpertProvider, ExpertStats, ResidentExperts};
 pub use kv_cache::KvCache;
 pub use moe::{LayerRouting, Router, SparseMoe};
+pub use attention::EXACT_ROWS_MAX;
 pub use transformer::{ForwardOutput, Logits, Transformer};

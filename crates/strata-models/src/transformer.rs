@@ -164,6 +164,20 @@ impl Transformer {
     ///
     /// Errors: the cache is full (`ModelError::ContextFull`), a token id is outside the vocabulary.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize]) -> Result<ForwardOutput> {
+        self.forward_layers(tokens, cache, logits, taps, self.layers.len())
+    }
+
+    /// Decoder layers in the model.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Like [`Self::forward`] but through the first `n_layers` decoder layers only, then the final
+    /// norm and lm_head: the self-speculative draft (LayerSkip, Elhoushi et al. 2024; Draft &
+    /// Verify, Zhang et al. 2023) sharing every weight with the target. The cache advances by
+    /// `tokens.len()`, but only layers `0..n_layers` are written at those positions: roll back
+    /// ([`Self::rollback`]) before a full forward over the same positions.
+    pub fn forward_layers(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize], n_layers: usize) -> Result<ForwardOutput> {
         let seq = tokens.len();
         cache.check_room(seq)?;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
@@ -174,7 +188,7 @@ impl Transformer {
         let mask = if seq > 1 { Some(causal_mask(seq, cache.len(), &self.device)?) } else { None };
         let mut tapped = Vec::with_capacity(taps.len());
         let mut routing = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.layers.iter().take(n_layers.max(1)).enumerate() {
             let h = layer.attn.forward(&layer.attn_norm.forward(&x)?, i, cache, &self.rope, mask.as_ref())?;
             x = (x + h)?;
             let xn = layer.ffn_norm.forward(&x)?;
@@ -198,5 +212,13 @@ impl Transformer {
         };
         let logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
         Ok(ForwardOutput { logits, taps: tapped, routing })
+    }
+
+    /// Speculative-decoding rollback hook: keeps the first `len` tokens of the sequence state and
+    /// drops the rest (rejected draft tokens). For attention layers this moves the KV cache's
+    /// length (storage is kept). Recurrent layers (Gated DeltaNet, the hybrid-model issue) restore
+    /// their state checkpointed at `len` here.
+    pub fn rollback(&self, cache: &mut KvCache, len: usize) {
+        cache.truncate(len);
     }
 }

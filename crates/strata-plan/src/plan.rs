@@ -158,14 +158,18 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
     let overcommit = resident_total as f64 / available.max(1) as f64;
     let mut warnings = Vec::new();
     if let Some(d) = &req.draft {
-        let weights = model.dense_memory_bytes + model.expert_memory_bytes + d.dense_memory_bytes + d.expert_memory_bytes;
+        // Memory guard (SwiftLM #72): a draft model's weights compete with the expert cache.
+        let main = model.dense_memory_bytes + model.expert_memory_bytes;
+        let draft_w = d.dense_memory_bytes + d.expert_memory_bytes;
+        let weights = main + draft_w;
         if weights as f64 > 0.7 * system.ram_total as f64 {
             warnings.push(format!(
-                "main + draft weights are {} of {} RAM ({:.0}% > 70%): the expert cache shrinks by the draft's {}",
+                "main weights {} + draft weights {} = {} is {:.0}% of {} RAM (> 70%): the expert cache shrinks so that main + draft + cache stay inside memory",
+                gb(main),
+                gb(draft_w),
                 gb(weights),
+                100.0 * weights as f64 / system.ram_total.max(1) as f64,
                 gb(system.ram_total),
-                100.0 * weights as f64 / system.ram_total as f64,
-                gb(draft)
             ));
         }
     }
@@ -214,9 +218,15 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
             CacheBudget::Auto => left,
             b => b.resolve(model.expert_bytes, model.dense_bytes, available),
         };
-        if asked > left {
-            warnings.push(format!("--expert-cache {} exceeds the {} left after dense weights, KV and reserve", gb(asked), gb(left)));
-        }
+        let asked = if asked > left && req.draft.is_some() {
+            warnings.push(format!("--expert-cache {} shrunk to {}: the draft model's {} leaves no more", gb(asked), gb(left), gb(draft)));
+            left
+        } else {
+            if asked > left {
+                warnings.push(format!("--expert-cache {} exceeds the {} left after dense weights, KV and reserve", gb(asked), gb(left)));
+            }
+            asked
+        };
         let n_experts = (model.experts * model.moe_layers) as u64;
         let cache_experts = (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
         let f = cache_experts as f64 / n_experts.max(1) as f64;

@@ -87,7 +87,7 @@ impl AppState {
     pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Result<Arc<Self>, String> {
         let scheduler = Scheduler::start(engine.clone(), config.parallel, config.ctx_size, config.queue_size, config.panic_trigger.clone())?;
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let metrics = Metrics::with_experts(engine.model.experts().stats().is_some());
+        let metrics = Metrics::with_families(engine.model.experts().stats().is_some(), engine.spec.is_some());
         Ok(Arc::new(Self { model_name: engine.name.clone(), engine, config, scheduler, metrics, started }))
     }
 }

@@ -5,7 +5,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use strata_engine::ExpertStats;
+use strata_engine::{ExpertStats, SpecStats};
 
 /// Expert-streaming counters, copied from the provider's cumulative [`ExpertStats`] at scrape time.
 #[derive(Default)]
@@ -49,6 +49,70 @@ impl ExpertMetrics {
     }
 }
 
+/// Speculative-decoding counters, summed over finished requests.
+pub struct SpecMetrics {
+    rounds: Counter,
+    drafted: Counter,
+    accepted: Counter,
+    draft_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    verify_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    fanout: Histogram,
+    acceptance_rate: Gauge<f64, std::sync::atomic::AtomicU64>,
+    mean_accepted_length: Gauge<f64, std::sync::atomic::AtomicU64>,
+    draft_len: Histogram,
+    total: std::sync::Mutex<SpecStats>,
+}
+
+impl SpecMetrics {
+    fn new() -> Self {
+        Self {
+            rounds: Counter::default(),
+            drafted: Counter::default(),
+            accepted: Counter::default(),
+            draft_seconds: Counter::default(),
+            verify_seconds: Counter::default(),
+            fanout: Histogram::new(exponential_buckets(1.0, 1.5, 14)),
+            acceptance_rate: Gauge::default(),
+            mean_accepted_length: Gauge::default(),
+            draft_len: Histogram::new([0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 31.0].into_iter()),
+            total: std::sync::Mutex::new(SpecStats::default()),
+        }
+    }
+
+    fn register(&self, r: &mut Registry) {
+        r.register("spec_rounds", "Speculative rounds (target verify passes)", self.rounds.clone());
+        r.register("spec_draft_tokens", "Draft tokens proposed and verified", self.drafted.clone());
+        r.register("spec_accepted_tokens", "Draft tokens accepted", self.accepted.clone());
+        r.register("spec_draft_seconds", "Time spent drafting", self.draft_seconds.clone());
+        r.register("spec_verify_seconds", "Time spent in target verify passes", self.verify_seconds.clone());
+        r.register("spec_acceptance_rate", "Accepted / drafted tokens since start", self.acceptance_rate.clone());
+        r.register("spec_mean_accepted_length", "Tokens emitted per round since start", self.mean_accepted_length.clone());
+        r.register("spec_draft_length", "Draft tokens chosen per round (N)", self.draft_len.clone());
+        r.register("spec_expert_fanout", "Mean distinct experts per MoE layer per verify pass, per request", self.fanout.clone());
+    }
+
+    /// Adds a finished request's counters.
+    pub fn observe(&self, s: &SpecStats) {
+        self.rounds.inc_by(s.rounds);
+        self.drafted.inc_by(s.drafted);
+        self.accepted.inc_by(s.accepted);
+        self.draft_seconds.inc_by(s.draft_ms / 1e3);
+        self.verify_seconds.inc_by(s.verify_ms / 1e3);
+        for (n, &c) in s.n_hist.iter().enumerate() {
+            for _ in 0..c {
+                self.draft_len.observe(n as f64);
+            }
+        }
+        if let Some(f) = s.mean_fanout() {
+            self.fanout.observe(f);
+        }
+        let mut t = self.total.lock().unwrap_or_else(|e| e.into_inner());
+        t.merge(s);
+        self.acceptance_rate.set(t.acceptance_rate());
+        self.mean_accepted_length.set(t.mean_accepted_length());
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     pub requests: Counter,
@@ -63,6 +127,8 @@ pub struct Metrics {
     pub active: Gauge,
     /// Registered only when experts are streamed.
     pub experts: ExpertMetrics,
+    /// Registered only with speculative decoding.
+    pub spec: SpecMetrics,
 }
 
 impl Default for Metrics {
@@ -72,11 +138,15 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Metrics; the expert-streaming family is registered when `streaming`.
-    pub fn with_experts(streaming: bool) -> Self {
+    /// Metrics; the expert-streaming family is registered when `streaming`, the speculative
+    /// decoding family when `speculative`.
+    pub fn with_families(streaming: bool, speculative: bool) -> Self {
         let mut m = Self::new();
         if streaming {
             m.experts.register(&mut m.registry);
+        }
+        if speculative {
+            m.spec.register(&mut m.registry);
         }
         m
     }
@@ -99,7 +169,7 @@ impl Metrics {
         registry.register("token_latency_seconds", "Decode time per generated token", token_latency.clone());
         registry.register("queue_depth", "Requests waiting for a sequence slot", queue_depth.clone());
         registry.register("active_requests", "Requests generating now", active.clone());
-        Self { registry, requests, request_errors, prompt_tokens, generated_tokens, ttft, token_latency, queue_depth, active, experts: ExpertMetrics::default() }
+        Self { registry, requests, request_errors, prompt_tokens, generated_tokens, ttft, token_latency, queue_depth, active, experts: ExpertMetrics::default(), spec: SpecMetrics::new() }
     }
 
     pub fn render(&self) -> String {

@@ -157,6 +157,10 @@ fn record(st: &AppState, id: &str, gen: &Generation, start: Instant) {
         m.token_latency.observe(gen.timings.decode_ms / 1e3 / (gen.tokens.len() - 1) as f64);
     }
     m.queue_depth.set(st.scheduler.queue_depth() as i64);
+    if let Some(s) = &gen.spec {
+        m.spec.observe(s);
+        tracing::info!(id, "{}", s.summary());
+    }
     tracing::info!(
         id,
         prompt_tokens = gen.prompt_tokens,

@@ -1,0 +1,276 @@
+//! Speculative decoding: a draft proposes tokens, the target verifies them in one batched forward
+//! pass, and the output is lossless — identical tokens under greedy decoding, the target's exact
+//! distribution under sampling ([`accept`]).
+//!
+//! A round starts with the last emitted token `t` (not yet in the target's KV cache):
+//! 1. the draft source proposes `d₁..d_N` ([`DraftSource`]: a draft model, n-gram lookup, or the
+//!    target's own first layers), with `N` chosen by the [`policy::DraftPolicy`];
+//! 2. the target runs `[t, d₁..d_N]` in one forward (logits at every position);
+//! 3. `d_i` is checked against the target's distribution after `t, d₁..d_{i−1}`; the first rejection
+//!    emits a corrected token and ends the round; if all pass, a bonus token is drawn;
+//! 4. the target's sequence state is rolled back to `t` + the accepted drafts
+//!    ([`Transformer::rollback`]: the KV cache's length; recurrent state in hybrid models).
+//!
+//! `N = 0` is exactly a plain decode step (same logits, same RNG use), so a policy that turns
+//! drafting off gives plain decoding. Verification widths stay within
+//! [`strata_models::EXACT_ROWS_MAX`], where the target's multi-token logits are bit-identical to
+//! one-token decoding, so greedy speculation reproduces plain greedy decoding token for token.
+
+pub mod accept;
+pub mod ngram;
+pub mod policy;
+pub mod stats;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use strata_models::{ForwardOutput, KvCache, Logits, Transformer};
+
+use crate::engine::{EngineError, Result};
+use crate::sampling::Sampler;
+pub use accept::{DraftDist, Verdict};
+pub use ngram::NgramParams;
+pub use policy::{DraftPolicy, FanoutModel};
+pub use stats::SpecStats;
+
+/// Where draft tokens come from.
+#[derive(Debug, Clone)]
+pub enum DraftSource {
+    /// A separate model with the target's vocabulary (`--draft-model PATH`).
+    Model(Arc<Transformer>),
+    /// Prompt lookup decoding (`--spec ngram`).
+    Ngram(NgramParams),
+    /// The target's first `layers` decoder layers + final norm + lm_head (`--spec self
+    /// --draft-layers L`), sharing the target's weights and KV cache.
+    SelfDraft { layers: usize },
+}
+
+impl DraftSource {
+    pub fn name(&self) -> &'static str {
+        match self {
+            DraftSource::Model(_) => "draft-model",
+            DraftSource::Ngram(_) => "ngram",
+            DraftSource::SelfDraft { .. } => "self",
+        }
+    }
+}
+
+/// Speculative decoding settings of an engine.
+#[derive(Debug, Clone)]
+pub struct SpecConfig {
+    pub source: DraftSource,
+    /// Most draft tokens per round (`--num-draft-tokens`, default 4); at most
+    /// `EXACT_ROWS_MAX − 1`.
+    pub max_draft: usize,
+    /// `Some(n)`: draft `n` tokens every round (`--draft-policy fixed`); `None`: adaptive.
+    pub fixed: Option<usize>,
+}
+
+impl SpecConfig {
+    /// Checks the settings against the target: the draft model's vocabulary size must equal the
+    /// target's; self-draft needs `1 ≤ layers < target layers`.
+    pub fn validate(&self, target: &Transformer) -> Result<()> {
+        let max_width = strata_models::EXACT_ROWS_MAX - 1;
+        if self.max_draft == 0 || self.max_draft > max_width {
+            return Err(EngineError::Spec(format!("--num-draft-tokens must be in 1..={max_width}, got {}", self.max_draft)));
+        }
+        match &self.source {
+            DraftSource::Model(d) => {
+                let (dv, tv) = (d.config().vocab_size, target.config().vocab_size);
+                if dv != tv {
+                    return Err(EngineError::Spec(format!("the draft model's vocabulary has {dv} tokens but the target's has {tv}: a draft model must share the target's tokenizer")));
+                }
+            }
+            DraftSource::SelfDraft { layers } => {
+                let n = target.num_layers();
+                if *layers == 0 || *layers >= n {
+                    return Err(EngineError::Spec(format!("--draft-layers must be in 1..{n} (the target has {n} layers), got {layers}")));
+                }
+            }
+            DraftSource::Ngram(p) => {
+                if p.min == 0 || p.min > p.max {
+                    return Err(EngineError::Spec(format!("n-gram sizes need 1 ≤ --ngram-min ≤ --ngram-max, got {}..{}", p.min, p.max)));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A token emitted by a round and the target logits it was chosen from (for logprobs).
+pub type Emitted = (u32, Vec<f32>);
+
+/// The speculative decoder of one sequence: draft state, the draft-length policy and counters.
+pub struct Speculator<'a> {
+    cfg: &'a SpecConfig,
+    target: &'a Transformer,
+    /// Draft model: its KV cache and the tokens in it.
+    draft_cache: Option<KvCache>,
+    draft_tokens: Vec<u32>,
+    policy: DraftPolicy,
+    streaming: bool,
+    prefill_chunk: usize,
+    pub stats: SpecStats,
+}
+
+impl<'a> Speculator<'a> {
+    /// `capacity`: the target cache's capacity (the draft model's cache gets the same).
+    /// `streaming`: routed experts are streamed (the policy then models verify fan-out).
+    pub fn new(target: &'a Transformer, cfg: &'a SpecConfig, capacity: usize, streaming: bool, prefill_chunk: usize) -> Result<Self> {
+        let draft_cache = match &cfg.source {
+            DraftSource::Model(d) => Some(d.new_cache(capacity)?),
+            _ => None,
+        };
+        let fanout = target.config().moe.as_ref().filter(|_| streaming).map(|m| FanoutModel { experts: m.num_experts, top_k: m.experts_per_token });
+        Ok(Self {
+            cfg,
+            target,
+            draft_cache,
+            draft_tokens: Vec::new(),
+            policy: DraftPolicy::new(cfg.max_draft, cfg.fixed, fanout),
+            streaming,
+            prefill_chunk: prefill_chunk.max(1),
+            stats: SpecStats::new(cfg.source.name(), cfg.max_draft),
+        })
+    }
+
+    /// One round. `history` is the whole sequence so far and ends with the last emitted token,
+    /// which is not yet in `cache` (`cache.len() == history.len() − 1`). `wanted`: tokens still to
+    /// generate (≥ 1). Returns ≥ 1 tokens; `cache` then holds the history plus every returned token
+    /// but the last.
+    pub fn round(&mut self, cache: &mut KvCache, history: &[u32], sampler: &mut Sampler, wanted: usize) -> Result<Vec<Emitted>> {
+        let last = *history.last().ok_or(EngineError::EmptyPrompt)?;
+        let len0 = cache.len();
+        // Room for the verify pass [last, d₁..d_N] and no drafting past what is wanted.
+        let limit = wanted.saturating_sub(1).min(cache.capacity().saturating_sub(len0 + 1)).min(self.cfg.max_draft);
+        let t0 = Instant::now();
+        let (drafts, dists) = match &self.cfg.source {
+            DraftSource::Ngram(p) => {
+                let proposal = ngram::propose(history, limit, *p);
+                let n = self.policy.choose(proposal.len());
+                (proposal[..n].to_vec(), vec![DraftDist::Point; n])
+            }
+            DraftSource::Model(d) => {
+                let n = self.policy.choose(limit);
+                let d = d.clone();
+                self.draft_with_model(&d, history, n, sampler)?
+            }
+            DraftSource::SelfDraft { layers } => {
+                let n = self.policy.choose(limit);
+                self.self_draft(*layers, cache, history, n, sampler)?
+            }
+        };
+        let draft_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+        let t1 = Instant::now();
+        let mut input = Vec::with_capacity(drafts.len() + 1);
+        input.push(last);
+        input.extend_from_slice(&drafts);
+        let out = self.target.forward(&input, cache, if drafts.is_empty() { Logits::Last } else { Logits::All }, &[])?;
+        let fanout = self.fanout(&out);
+        let rows: Vec<Vec<f32>> = out.logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+        let mut ctx = history.to_vec();
+        let mut emitted: Vec<Emitted> = Vec::with_capacity(rows.len());
+        let mut rows = rows.into_iter();
+        let mut accepted = 0;
+        for (&d, q) in drafts.iter().zip(&dists) {
+            let logits = rows.next().expect("one logits row per verified token");
+            let p = sampler.distribution(&logits, &ctx);
+            match accept::verify_token(&p, d, q, sampler) {
+                Verdict::Accept => {
+                    emitted.push((d, logits));
+                    ctx.push(d);
+                    accepted += 1;
+                }
+                Verdict::Reject(t) => {
+                    emitted.push((t, logits));
+                    break;
+                }
+            }
+        }
+        if accepted == drafts.len() {
+            // Every draft accepted (or none drafted): the bonus token from the last row.
+            let logits = rows.next().expect("bonus logits row");
+            let p = sampler.distribution(&logits, &ctx);
+            emitted.push((sampler.draw(&p), logits));
+        }
+        self.target.rollback(cache, len0 + 1 + accepted);
+        let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
+        self.policy.observe(drafts.len(), accepted, draft_ms, verify_ms, fanout.filter(|_| self.streaming));
+        self.stats.record(drafts.len(), accepted, draft_ms, verify_ms, fanout);
+        Ok(emitted)
+    }
+
+    /// Mean distinct experts per MoE layer of a verify pass (`None` for dense models).
+    fn fanout(&self, out: &ForwardOutput) -> Option<f64> {
+        if out.routing.is_empty() {
+            return None;
+        }
+        let total: usize = out.routing.iter().map(|r| r.distinct_experts().len()).sum();
+        Some(total as f64 / out.routing.len() as f64)
+    }
+
+    /// Draws one draft token from draft logits: the argmax under greedy decoding (a point
+    /// proposal), otherwise a sample from the draft's own sampling distribution `q`.
+    fn pick(sampler: &mut Sampler, logits: &[f32], ctx: &[u32]) -> (u32, DraftDist) {
+        let q = sampler.distribution(logits, ctx);
+        if sampler.params.is_greedy() {
+            (q[0].0, DraftDist::Point)
+        } else {
+            (sampler.draw(&q), DraftDist::Sampled(q))
+        }
+    }
+
+    /// `n` tokens from the draft model. Its cache keeps the longest prefix it shares with `history`;
+    /// the rest of the history is fed in prefill chunks.
+    fn draft_with_model(&mut self, model: &Transformer, history: &[u32], n: usize, sampler: &mut Sampler) -> Result<(Vec<u32>, Vec<DraftDist>)> {
+        if n == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let cache = self.draft_cache.as_mut().expect("draft model has a cache");
+        let common = self.draft_tokens.iter().zip(history).take_while(|(a, b)| a == b).count().min(history.len() - 1);
+        model.rollback(cache, common);
+        self.draft_tokens.truncate(common);
+        let mut logits = Vec::new();
+        for part in history[common..].chunks(self.prefill_chunk) {
+            logits = model.forward(part, cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
+        }
+        self.draft_tokens.extend_from_slice(&history[common..]);
+        let mut ctx = history.to_vec();
+        let (mut drafts, mut dists) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for i in 0..n {
+            let (d, q) = Self::pick(sampler, &logits, &ctx);
+            drafts.push(d);
+            dists.push(q);
+            ctx.push(d);
+            if i + 1 == n || cache.len() + 1 > cache.capacity() {
+                break;
+            }
+            logits = model.forward(&[d], cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
+            self.draft_tokens.push(d);
+        }
+        Ok((drafts, dists))
+    }
+
+    /// `n` tokens from the target's first `layers` layers, written into the target's own cache at
+    /// the positions the verify pass then overwrites (rolled back before returning).
+    fn self_draft(&mut self, layers: usize, cache: &mut KvCache, history: &[u32], n: usize, sampler: &mut Sampler) -> Result<(Vec<u32>, Vec<DraftDist>)> {
+        let len0 = cache.len();
+        let mut ctx = history.to_vec();
+        let mut tok = *history.last().ok_or(EngineError::EmptyPrompt)?;
+        let (mut drafts, mut dists) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for _ in 0..n {
+            if cache.len() + 1 > cache.capacity() {
+                break;
+            }
+            let logits: Vec<f32> = self.target.forward_layers(&[tok], cache, Logits::Last, &[], layers)?.logits.flatten_all()?.to_vec1()?;
+            let (d, q) = Self::pick(sampler, &logits, &ctx);
+            drafts.push(d);
+            dists.push(q);
+            ctx.push(d);
+            tok = d;
+        }
+        self.target.rollback(cache, len0);
+        Ok((drafts, dists))
+    }
+}

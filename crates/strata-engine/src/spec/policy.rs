@@ -1,0 +1,221 @@
+//! Adaptive draft length: each round picks the number of draft tokens `N ∈ [0, max]` that maximises
+//! the expected tokens per second, from online measurements:
+//!
+//! - acceptance per draft position: `α_i` = P(draft token i accepted | tokens before it accepted), an
+//!   exponential moving average over rounds; expected tokens of a round drafting `N` is
+//!   `E(N) = 1 + Σ_{j=1..N} Π_{i≤j} α_i` (with one α for every position this is the closed form
+//!   `(1 − α^(N+1)) / (1 − α)` of Leviathan et al. 2023, §3.1);
+//! - verify time per width `N + 1` (EMA of measured ms per `N`). With streamed experts a verify pass
+//!   reads the union of its tokens' experts, so its cost grows with that fan-out; unmeasured widths
+//!   are estimated from the nearest measured one scaled by the expected number of distinct experts
+//!   per layer (`U(N) = E · (1 − (1 − k/E)^(N+1))` under uniform routing, replaced by the measured
+//!   fan-out where there is one) for streaming, by a small per-token slope when resident;
+//! - draft time per drafted token (EMA).
+//!
+//! `N = 0` is plain decoding and is always a candidate, so a source that does not pay is turned
+//! down to 0. Widths other than the best are re-measured now and then (exploration with back-off:
+//! the interval doubles each time exploring does not change the choice), which keeps the estimates
+//! current as acceptance and cache hit rates change.
+
+/// Fan-out model for streamed experts: experts per layer `E` and experts per token `k`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FanoutModel {
+    pub experts: usize,
+    pub top_k: usize,
+}
+
+impl FanoutModel {
+    /// Expected distinct experts per layer for `tokens` tokens under uniform routing.
+    pub fn expected_union(&self, tokens: usize) -> f64 {
+        let (e, k) = (self.experts as f64, self.top_k as f64);
+        e * (1.0 - (1.0 - k / e).powi(tokens as i32))
+    }
+}
+
+const EMA: f64 = 0.15;
+/// Prior acceptance per position before anything is measured.
+const ALPHA_PRIOR: f64 = 0.5;
+/// Resident verify cost grows by this fraction of a one-token pass per extra token (prior).
+const RESIDENT_SLOPE: f64 = 0.08;
+
+/// The adaptive (or fixed) draft-length policy of one sequence.
+#[derive(Debug, Clone)]
+pub struct DraftPolicy {
+    max: usize,
+    fixed: Option<usize>,
+    fanout: Option<FanoutModel>,
+    alpha: Vec<f64>,
+    /// EMA of verify ms and of measured distinct experts per layer, per draft length N.
+    verify_ms: Vec<Option<f64>>,
+    /// Samples behind each `verify_ms` (early samples are averaged, not EMA'd).
+    verify_n: Vec<u32>,
+    union: Vec<Option<f64>>,
+    draft_ms_per_token: Option<f64>,
+    rounds: u64,
+    rounds_observed: u64,
+    next_explore: u64,
+    explore_every: u64,
+    last_best: usize,
+}
+
+impl DraftPolicy {
+    /// `max`: most draft tokens per round. `fixed`: always draft `min(fixed, max)` (no adaptation).
+    /// `fanout`: set when routed experts are streamed.
+    pub fn new(max: usize, fixed: Option<usize>, fanout: Option<FanoutModel>) -> Self {
+        Self {
+            max,
+            fixed,
+            fanout,
+            alpha: vec![ALPHA_PRIOR; max + 1],
+            verify_ms: vec![None; max + 1],
+            verify_n: vec![0; max + 1],
+            union: vec![None; max + 1],
+            draft_ms_per_token: None,
+            rounds: 0,
+            rounds_observed: 0,
+            next_explore: 4,
+            explore_every: 4,
+            last_best: 0,
+        }
+    }
+
+    /// Expected tokens emitted by a round that drafts `n`.
+    pub fn expected_tokens(&self, n: usize) -> f64 {
+        let mut e = 1.0;
+        let mut run = 1.0;
+        for i in 1..=n.min(self.max) {
+            run *= self.alpha[i];
+            e += run;
+        }
+        e
+    }
+
+    fn union_at(&self, n: usize) -> f64 {
+        match (self.union[n], self.fanout) {
+            (Some(u), _) => u,
+            (None, Some(f)) => f.expected_union(n + 1),
+            (None, None) => 1.0,
+        }
+    }
+
+    /// Estimated verify ms for `n` draft tokens (`None` before any pass was measured).
+    pub fn verify_estimate(&self, n: usize) -> Option<f64> {
+        if let Some(v) = self.verify_ms[n] {
+            return Some(v);
+        }
+        // Nearest measured width.
+        let (m, vm) = (0..=self.max).filter_map(|m| self.verify_ms[m].map(|v| (m, v))).min_by_key(|&(m, _)| m.abs_diff(n))?;
+        Some(match self.fanout {
+            Some(_) => vm * self.union_at(n) / self.union_at(m),
+            None => vm * (1.0 + RESIDENT_SLOPE * n as f64) / (1.0 + RESIDENT_SLOPE * m as f64),
+        })
+    }
+
+    /// Expected tokens per ms when drafting `n`.
+    pub fn rate(&self, n: usize) -> Option<f64> {
+        let draft = self.draft_ms_per_token.unwrap_or(0.0) * n as f64;
+        Some(self.expected_tokens(n) / (self.verify_estimate(n)? + draft).max(1e-6))
+    }
+
+    /// The draft length for the next round, at most `available` (what the source can propose, the
+    /// tokens left to generate, the room in the context).
+    pub fn choose(&mut self, available: usize) -> usize {
+        let cap = available.min(self.max);
+        if let Some(f) = self.fixed {
+            return f.min(cap);
+        }
+        self.rounds += 1;
+        if self.verify_ms[0].is_none() {
+            return 0; // measure plain decoding first
+        }
+        let best = (0..=cap).max_by(|&a, &b| self.rate(a).unwrap_or(0.0).total_cmp(&self.rate(b).unwrap_or(0.0))).unwrap_or(0);
+        if best != self.last_best && available >= self.max {
+            // The choice moved: explore around it again soon.
+            self.last_best = best;
+            self.explore_every = 4;
+        }
+        if self.rounds >= self.next_explore && cap > 0 {
+            // Re-measure a neighbour of the best (its estimate may be stale or a prior).
+            let probe = if best < cap { best + 1 } else { best - 1 };
+            self.next_explore = self.rounds + self.explore_every;
+            self.explore_every = (self.explore_every * 2).min(256);
+            return probe;
+        }
+        best
+    }
+
+    /// Records a round: `n` drafted, `accepted` of them accepted, timings, and (streaming) the
+    /// measured distinct experts per layer of the verify pass.
+    pub fn observe(&mut self, n: usize, accepted: usize, draft_ms: f64, verify_ms: f64, union: Option<f64>) {
+        let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + EMA * (x - o)));
+        let n = n.min(self.max);
+        // The first round runs on a cold expert cache: it says nothing about later rounds.
+        self.rounds_observed += 1;
+        if self.rounds_observed == 1 && self.fanout.is_some() {
+            return;
+        }
+        // A plain mean over the first samples, then an EMA: one slow early sample must not make a
+        // width look expensive (or another cheap) for long.
+        self.verify_n[n] += 1;
+        let w = (1.0 / self.verify_n[n] as f64).max(EMA);
+        self.verify_ms[n] = Some(self.verify_ms[n].map_or(verify_ms, |o| o + w * (verify_ms - o)));
+        if let Some(u) = union {
+            self.union[n] = ema(self.union[n], u);
+        }
+        if n > 0 {
+            self.draft_ms_per_token = ema(self.draft_ms_per_token, draft_ms / n as f64);
+        }
+        // Positions 1..=min(accepted + 1, n) were decided this round.
+        for i in 1..=(accepted + 1).min(n) {
+            let hit = if i <= accepted { 1.0 } else { 0.0 };
+            self.alpha[i] += EMA * (hit - self.alpha[i]);
+        }
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expected_tokens_matches_closed_form() {
+        let mut p = DraftPolicy::new(6, None, None);
+        p.alpha = vec![0.7; 7];
+        for n in 0..=6 {
+            let closed = (1.0 - 0.7f64.powi(n as i32 + 1)) / (1.0 - 0.7);
+            assert!((p.expected_tokens(n) - closed).abs() < 1e-12);
+        }
+    }
+
+    /// Cheap verification and high acceptance → long drafts; expensive streamed fan-out and low
+    /// acceptance → plain decoding.
+    #[test]
+    fn picks_long_drafts_when_they_pay_and_none_when_they_do_not() {
+        let mut p = DraftPolicy::new(8, None, None);
+        assert_eq!(p.choose(8), 0, "first measures plain decoding");
+        p.observe(0, 0, 0.0, 10.0, None);
+        for _ in 0..40 {
+            p.observe(8, 8, 0.0, 12.0, None);
+        }
+        p.next_explore = u64::MAX;
+        assert_eq!(p.choose(8), 8);
+
+        let mut s = DraftPolicy::new(8, None, Some(FanoutModel { experts: 128, top_k: 8 }));
+        s.observe(0, 0, 0.0, 5000.0, Some(8.0)); // cold first round: ignored
+        s.observe(0, 0, 0.0, 100.0, Some(8.0));
+        for _ in 0..40 {
+            s.observe(4, 0, 1.0, 330.0, Some(30.0));
+        }
+        s.next_explore = u64::MAX;
+        assert_eq!(s.choose(8), 0);
+        assert_eq!(s.choose(0), 0);
+    }
+
+    #[test]
+    fn fixed_length_is_kept() {
+        let mut p = DraftPolicy::new(8, Some(4), None);
+        assert_eq!(p.choose(8), 4);
+        assert_eq!(p.choose(2), 2);
+    }
+}

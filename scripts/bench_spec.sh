@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Speculative decoding benchmarks (docs/performance.md, "Speculative decoding").
+#  1. SmolLM2-135M Q4_1, resident, an input-grounded task (scripts/spec_rewrite_prompt.txt: rename
+#     one function in a code listing): plain decoding vs n-gram, self-draft, fixed and adaptive.
+#  2. The synthetic qwen3-30b-a3b Q4_K ($MOE, `strata synth --preset qwen3-30b-a3b`) with streamed
+#     experts, expert cache 25% of expert bytes, page cache dropped before every run (cold), in a
+#     6 GiB memory cgroup (v1, needs root): plain vs adaptive vs fixed N=4.
+# Every run prints decode tok/s and the speculation stats line; greedy tokens must be identical.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+S=./target/release/strata
+N=${TOKENS:-256}
+T=${THREADS:-2}
+run() { # label, args...
+  local label=$1; shift
+  local out
+  out=$("$S" generate --temp 0 --ignore-eos --json -t "$T" "$@" 2>/dev/null)
+  python3 - "$label" "$out" <<'PY'
+import json, sys, hashlib
+label, d = sys.argv[1], json.loads(sys.argv[2])
+s = d.get("spec")
+ids = hashlib.sha1(json.dumps(d["generated_token_ids"]).encode()).hexdigest()[:10]
+extra = ""
+if s:
+    extra = f" | acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_length']:.2f} tok/round, N hist {s['n_hist']}"
+    if s.get("mean_fanout"):
+        extra += f", fan-out {s['mean_fanout']:.1f}"
+print(f"{label:<34} decode {d['decode_tok_s']:7.2f} tok/s  tokens {ids}{extra}", flush=True)
+PY
+}
+if [ "${PART:-all}" != moe ]; then
+  echo "## SmolLM2-135M Q4_1, resident, $N tokens, $T threads, code-rewrite prompt"
+  P=(-m models/SmolLM2-135M-Instruct.Q4_1.gguf --chat "$(cat scripts/spec_rewrite_prompt.txt)" -n "$N")
+  run plain "${P[@]}"
+  run "ngram adaptive (max 8)" "${P[@]}" --spec ngram --num-draft-tokens 8
+  run "ngram adaptive (max 4)" "${P[@]}" --spec ngram
+  run "ngram fixed 4" "${P[@]}" --spec ngram --draft-policy fixed
+  run "ngram fixed 8" "${P[@]}" --spec ngram --draft-policy fixed --num-draft-tokens 8
+  for L in 8 15 22; do
+    run "self L=$L adaptive" "${P[@]}" --spec self --draft-layers $L
+  done
+  run "self L=22 fixed 4" "${P[@]}" --spec self --draft-layers 22 --draft-policy fixed
+fi
+if [ "${PART:-all}" != smollm2 ]; then
+  MOE=${MOE:-/work/bench/q3-30b-q4k.gguf}
+  NM=${MOE_TOKENS:-32}
+  echo "## synthetic qwen3-30b-a3b Q4_K, streamed experts, cache 25%, cold page cache, 6 GiB cgroup, $NM tokens"
+  CG=/sys/fs/cgroup/memory/strata6g
+  mkdir -p $CG
+  echo $((6*1024*1024*1024)) > $CG/memory.limit_in_bytes
+  cold() { sync; echo 3 > /proc/sys/vm/drop_caches; echo $$ > $CG/cgroup.procs; }
+  Q=(-m "$MOE" --prompt "The quick brown fox jumps over the lazy dog. The quick brown fox" -n "$NM" --ctx-size 512 --stream-experts --expert-cache 25%)
+  cold; run plain "${Q[@]}"
+  cold; run "ngram adaptive" "${Q[@]}" --spec ngram --ngram-min 1
+  cold; run "ngram fixed 4" "${Q[@]}" --spec ngram --ngram-min 1 --draft-policy fixed
+  cold; run "self L=12 adaptive" "${Q[@]}" --spec self --draft-layers 12
+  cold; run "self L=12 fixed 4" "${Q[@]}" --spec self --draft-layers 12 --draft-policy fixed
+fi
