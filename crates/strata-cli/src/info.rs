@@ -1,6 +1,5 @@
 //! `strata info`: the memory plan, printed or as JSON, before loading anything.
 
-
 use anyhow::Result;
 use clap::Args;
 use strata_plan::{Plan, Strategy};

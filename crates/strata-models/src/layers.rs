@@ -173,8 +173,8 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.w {
             LinearWeight::Candle(w) => {
-                let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
-                if rows > 1 && rows <= crate::attention::EXACT_ROWS_MAX && x.device().is_cpu() && x.rank() == 2 {
+                let rows = if x.rank() == 2 { x.dim(0)? } else { 0 };
+                if rows > 1 && rows <= crate::attention::EXACT_ROWS_MAX && x.device().is_cpu() {
                     // candle's multi-row CPU kernels (x86 repacked Q4_K tiles) sum in another order
                     // than its one-row kernel: short passes (speculative verification) go row by row
                     // so that their outputs are bit-identical to decoding.

@@ -218,14 +218,16 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
             CacheBudget::Auto => left,
             b => b.resolve(model.expert_bytes, model.dense_bytes, available),
         };
-        let asked = if asked > left && req.draft.is_some() {
-            warnings.push(format!("--expert-cache {} shrunk to {}: the draft model's {} leaves no more", gb(asked), gb(left), gb(draft)));
-            left
-        } else {
-            if asked > left {
-                warnings.push(format!("--expert-cache {} exceeds the {} left after dense weights, KV and reserve", gb(asked), gb(left)));
+        let asked = match (asked > left, req.draft.is_some()) {
+            (true, true) => {
+                warnings.push(format!("--expert-cache {} shrunk to {}: the draft model's {} leaves no more", gb(asked), gb(left), gb(draft)));
+                left
             }
-            asked
+            (true, false) => {
+                warnings.push(format!("--expert-cache {} exceeds the {} left after dense weights, KV and reserve", gb(asked), gb(left)));
+                asked
+            }
+            (false, _) => asked,
         };
         let n_experts = (model.experts * model.moe_layers) as u64;
         let cache_experts = (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);

@@ -60,7 +60,6 @@ pub struct SpecMetrics {
     acceptance_rate: Gauge<f64, std::sync::atomic::AtomicU64>,
     mean_accepted_length: Gauge<f64, std::sync::atomic::AtomicU64>,
     draft_len: Histogram,
-    total: std::sync::Mutex<SpecStats>,
 }
 
 impl SpecMetrics {
@@ -75,7 +74,6 @@ impl SpecMetrics {
             acceptance_rate: Gauge::default(),
             mean_accepted_length: Gauge::default(),
             draft_len: Histogram::new([0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 31.0].into_iter()),
-            total: std::sync::Mutex::new(SpecStats::default()),
         }
     }
 
@@ -106,10 +104,10 @@ impl SpecMetrics {
         if let Some(f) = s.mean_fanout() {
             self.fanout.observe(f);
         }
-        let mut t = self.total.lock().unwrap_or_else(|e| e.into_inner());
-        t.merge(s);
-        self.acceptance_rate.set(t.acceptance_rate());
-        self.mean_accepted_length.set(t.mean_accepted_length());
+        // Since start, from the counters (as SpecStats computes them for one request).
+        let (rounds, drafted, accepted) = (self.rounds.get(), self.drafted.get(), self.accepted.get());
+        self.acceptance_rate.set(accepted as f64 / drafted.max(1) as f64);
+        self.mean_accepted_length.set((accepted + rounds) as f64 / rounds.max(1) as f64);
     }
 }
 

@@ -108,7 +108,6 @@ pub struct Speculator<'a> {
     draft_cache: Option<KvCache>,
     draft_tokens: Vec<u32>,
     policy: DraftPolicy,
-    streaming: bool,
     prefill_chunk: usize,
     pub stats: SpecStats,
 }
@@ -128,7 +127,6 @@ impl<'a> Speculator<'a> {
             draft_cache,
             draft_tokens: Vec::new(),
             policy: DraftPolicy::new(cfg.max_draft, cfg.fixed, fanout),
-            streaming,
             prefill_chunk: prefill_chunk.max(1),
             stats: SpecStats::new(cfg.source.name(), cfg.max_draft),
         })
@@ -167,7 +165,7 @@ impl<'a> Speculator<'a> {
         input.push(last);
         input.extend_from_slice(&drafts);
         let out = self.target.forward(&input, cache, if drafts.is_empty() { Logits::Last } else { Logits::All }, &[])?;
-        let fanout = self.fanout(&out);
+        let fanout = fanout(&out);
         let rows: Vec<Vec<f32>> = out.logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
         let mut ctx = history.to_vec();
         let mut emitted: Vec<Emitted> = Vec::with_capacity(rows.len());
@@ -196,18 +194,9 @@ impl<'a> Speculator<'a> {
         }
         self.target.rollback(cache, len0 + 1 + accepted);
         let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
-        self.policy.observe(drafts.len(), accepted, draft_ms, verify_ms, fanout.filter(|_| self.streaming));
+        self.policy.observe(drafts.len(), accepted, draft_ms, verify_ms, fanout);
         self.stats.record(drafts.len(), accepted, draft_ms, verify_ms, fanout);
         Ok(emitted)
-    }
-
-    /// Mean distinct experts per MoE layer of a verify pass (`None` for dense models).
-    fn fanout(&self, out: &ForwardOutput) -> Option<f64> {
-        if out.routing.is_empty() {
-            return None;
-        }
-        let total: usize = out.routing.iter().map(|r| r.distinct_experts().len()).sum();
-        Some(total as f64 / out.routing.len() as f64)
     }
 
     /// Draws one draft token from draft logits: the argmax under greedy decoding (a point
@@ -273,4 +262,13 @@ impl<'a> Speculator<'a> {
         self.target.rollback(cache, len0);
         Ok((drafts, dists))
     }
+}
+
+/// Mean distinct experts per MoE layer of a verify pass (`None` for dense models).
+fn fanout(out: &ForwardOutput) -> Option<f64> {
+    if out.routing.is_empty() {
+        return None;
+    }
+    let total: usize = out.routing.iter().map(|r| r.distinct_experts().len()).sum();
+    Some(total as f64 / out.routing.len() as f64)
 }

@@ -144,8 +144,9 @@ impl DraftPolicy {
         best
     }
 
-    /// Records a round: `n` drafted, `accepted` of them accepted, timings, and (streaming) the
-    /// measured distinct experts per layer of the verify pass.
+    /// Records a round: `n` drafted, `accepted` of them accepted, timings, and (MoE models) the
+    /// measured distinct experts per layer of the verify pass, which estimates use only when
+    /// experts are streamed (a fan-out model was given).
     pub fn observe(&mut self, n: usize, accepted: usize, draft_ms: f64, verify_ms: f64, union: Option<f64>) {
         let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + EMA * (x - o)));
         let n = n.min(self.max);

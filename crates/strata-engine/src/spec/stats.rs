@@ -62,23 +62,6 @@ impl SpecStats {
         }
     }
 
-    /// Adds another generation's counters (server totals).
-    pub fn merge(&mut self, o: &SpecStats) {
-        self.rounds += o.rounds;
-        self.drafted += o.drafted;
-        self.accepted += o.accepted;
-        self.draft_ms += o.draft_ms;
-        self.verify_ms += o.verify_ms;
-        if o.n_hist.len() > self.n_hist.len() {
-            self.n_hist.resize(o.n_hist.len(), 0);
-        }
-        for (a, b) in self.n_hist.iter_mut().zip(&o.n_hist) {
-            *a += b;
-        }
-        self.fanout_sum += o.fanout_sum;
-        self.fanout_passes += o.fanout_passes;
-    }
-
     /// One line for the CLI: `spec ngram: acceptance 62% (124/200), 3.1 tokens/round, draft 1 ms,
     /// verify 900 ms, N histogram 0:3 2:10 4:40, fan-out 21.4 experts/layer`.
     pub fn summary(&self) -> String {
