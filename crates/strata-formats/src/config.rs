@@ -22,12 +22,18 @@ pub enum Architecture {
     Mixtral,
     /// OLMoE: q/k RMSNorm over the whole projection, routed experts.
     Olmoe,
+    /// Qwen3-Next: hybrid of Gated DeltaNet linear attention and gated full attention, routed
+    /// experts plus a sigmoid-gated shared expert.
+    Qwen3Next,
+    /// Qwen3.5-MoE (text model): Qwen3-Next's layer types with separate q/k/v, z, b, a
+    /// in-projections; top-k weights always renormalised.
+    Qwen35Moe,
 }
 
 impl Architecture {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe \
-        (GGUF: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe; HF model_type: llama, mistral, qwen2, qwen3, \
-        qwen2_moe, qwen3_moe, mixtral, olmoe)";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, qwen3_next, \
+        qwen3_5_moe (GGUF: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, qwen3next, qwen35moe; HF model_type: \
+        llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, qwen3_next, qwen3_5_moe, qwen3_5_moe_text)";
 
     fn from_gguf(name: &str) -> Option<Self> {
         Some(match name {
@@ -37,6 +43,8 @@ impl Architecture {
             "qwen2moe" => Self::Qwen2Moe,
             "qwen3moe" => Self::Qwen3Moe,
             "olmoe" => Self::Olmoe,
+            "qwen3next" => Self::Qwen3Next,
+            "qwen35moe" => Self::Qwen35Moe,
             _ => return None,
         })
     }
@@ -50,6 +58,8 @@ impl Architecture {
             "qwen3_moe" => Self::Qwen3Moe,
             "mixtral" => Self::Mixtral,
             "olmoe" => Self::Olmoe,
+            "qwen3_next" => Self::Qwen3Next,
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Self::Qwen35Moe,
             _ => return None,
         })
     }
@@ -63,13 +73,15 @@ impl Architecture {
             Self::Qwen3Moe => "qwen3_moe",
             Self::Mixtral => "mixtral",
             Self::Olmoe => "olmoe",
+            Self::Qwen3Next => "qwen3_next",
+            Self::Qwen35Moe => "qwen3_5_moe",
         }
     }
 
     /// RMSNorm of q and k before RoPE, as the architecture defines it.
     fn qk_norm(&self) -> QkNorm {
         match self {
-            Self::Qwen3 | Self::Qwen3Moe => QkNorm::PerHead,
+            Self::Qwen3 | Self::Qwen3Moe | Self::Qwen3Next | Self::Qwen35Moe => QkNorm::PerHead,
             Self::Olmoe => QkNorm::Full,
             _ => QkNorm::None,
         }
@@ -85,6 +97,60 @@ pub enum QkNorm {
     PerHead,
     /// Over the whole projection before splitting heads (OLMoE): weights `[heads·head_dim]`.
     Full,
+}
+
+impl Architecture {
+    /// Hybrid models: Gated DeltaNet layers beside gated full attention, `(1 + w)` RMSNorm weights
+    /// in HF checkpoints (llama.cpp's converter adds the 1).
+    pub fn is_hybrid(&self) -> bool {
+        matches!(self, Self::Qwen3Next | Self::Qwen35Moe)
+    }
+}
+
+/// Order of the value heads of a Gated DeltaNet layer relative to its key heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadOrder {
+    /// Value head `h` reads key head `h / (v_heads / k_heads)` (transformers' `repeat_interleave`;
+    /// HF checkpoints and llama.cpp's `qwen3next`).
+    Grouped,
+    /// Value head `h` reads key head `h % k_heads` (llama.cpp's converter reorders `qwen35moe` value
+    /// heads so that ggml can broadcast q/k).
+    Tiled,
+}
+
+/// Gated DeltaNet linear attention (Yang, Kautz, Hatamizadeh 2024, arXiv 2412.06464) as used by
+/// Qwen3-Next / Qwen3.5: transformers `models/qwen3_next/modeling_qwen3_next.py`
+/// (`Qwen3NextGatedDeltaNet`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinearAttnConfig {
+    /// Key (and query) heads.
+    pub num_k_heads: usize,
+    /// Value heads (a multiple of `num_k_heads`).
+    pub num_v_heads: usize,
+    pub head_k_dim: usize,
+    pub head_v_dim: usize,
+    /// Taps of the causal depthwise conv1d over q, k, v.
+    pub conv_kernel: usize,
+    /// Per layer: `true` for Gated DeltaNet, `false` for full attention.
+    pub recurrent_layers: Vec<bool>,
+    pub head_order: HeadOrder,
+}
+
+impl LinearAttnConfig {
+    /// Channels of the conv1d: q, k and v concatenated.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+    }
+
+    /// Bytes of recurrent state per sequence and linear layer (f32 conv window + delta-rule state).
+    pub fn state_bytes_per_layer(&self) -> usize {
+        4 * ((self.conv_kernel - 1) * self.conv_dim() + self.num_v_heads * self.head_k_dim * self.head_v_dim)
+    }
+
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        self.recurrent_layers.get(layer).copied().unwrap_or(false)
+    }
 }
 
 /// How router logits become expert scores.
@@ -167,6 +233,13 @@ pub struct ModelConfig {
     pub clip_qkv: Option<f64>,
     /// Present for MoE models.
     pub moe: Option<MoeConfig>,
+    /// Full attention multiplies its output by `sigmoid(gate)`, the gate computed by the q
+    /// projection beside each head's query (Qwen3-Next "gated attention").
+    #[serde(default)]
+    pub attn_output_gate: bool,
+    /// Present for hybrid models (Gated DeltaNet layers).
+    #[serde(default)]
+    pub linear_attn: Option<LinearAttnConfig>,
 }
 
 fn hf_err(path: &Path, key: &str) -> FormatError {
@@ -212,7 +285,11 @@ impl ModelConfig {
             _ => RopeScaling::None,
         };
         let has_output = g.tensors.contains_key("output.weight");
-        let ffn = g.get_u64(&k("feed_forward_length"))? as usize;
+        // qwen35moe files have no dense feed-forward length (every layer is sparse).
+        let ffn = match g.get_u64(&k("feed_forward_length")) {
+            Ok(v) => v as usize,
+            Err(e) => g.get_u64(&k("expert_feed_forward_length")).map_err(|_| e)? as usize,
+        };
         let moe = if expert_count > 0 {
             Some(MoeConfig {
                 num_experts: expert_count,
@@ -222,7 +299,7 @@ impl ModelConfig {
                 // unless the file says otherwise.
                 norm_topk_prob: g
                     .get_bool(&k("expert_weights_norm"))
-                    .unwrap_or(matches!(arch, Architecture::Qwen3Moe | Architecture::Mixtral)),
+                    .unwrap_or(matches!(arch, Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::Qwen3Next | Architecture::Qwen35Moe)),
                 scoring: match g.get_u64(&k("expert_gating_func")) {
                     Ok(2) => RouterScoring::Sigmoid,
                     _ => RouterScoring::Softmax,
@@ -255,16 +332,21 @@ impl ModelConfig {
             rope_scaling,
             max_position_embeddings: g.get_u64(&k("context_length")).unwrap_or(4096) as usize,
             tie_word_embeddings: !has_output,
-            attention_bias: g.tensors.contains_key("blk.0.attn_q.bias"),
-            qk_norm: if g.tensors.contains_key("blk.0.attn_q_norm.weight") { arch.qk_norm() } else { QkNorm::None },
+            // Any layer: the first layers of hybrid models are linear attention.
+            attention_bias: g.tensors.keys().any(|n| n.ends_with(".attn_q.bias")),
+            qk_norm: if g.tensors.keys().any(|n| n.ends_with(".attn_q_norm.weight")) { arch.qk_norm() } else { QkNorm::None },
             clip_qkv: g.get_f64(&k("attention.clamp_kqv")).ok(),
             moe,
+            attn_output_gate: arch.is_hybrid(),
+            linear_attn: if arch.is_hybrid() { Some(gguf_linear_attn(g, arch)?) } else { None },
         };
         cfg.validate(&g.path)
     }
 
     /// Reads the config from an HF `config.json` value.
     pub fn from_hf(path: &Path, v: &serde_json::Value) -> Result<Self> {
+        // Image-text checkpoints (qwen3_5_moe) keep the language model's config in `text_config`.
+        let v = v.get("text_config").filter(|t| t.is_object()).unwrap_or(v);
         let model_type = v.get("model_type").and_then(|m| m.as_str()).ok_or_else(|| hf_err(path, "model_type"))?;
         let arch = Architecture::from_hf(model_type).ok_or_else(|| FormatError::UnknownArchitecture {
             path: path.to_path_buf(),
@@ -285,11 +367,15 @@ impl ModelConfig {
             .or_else(|| rope_params.and_then(|r| r.get("rope_theta")).and_then(|x| x.as_f64()))
             .unwrap_or(10_000.0);
         let rope_scaling = rope_params.map(|r| parse_hf_rope_scaling(path, r)).transpose()?.unwrap_or(RopeScaling::None);
-        let partial = f("partial_rotary_factor").unwrap_or(1.0);
+        let partial = f("partial_rotary_factor")
+            .or_else(|| rope_params.and_then(|r| r.get("partial_rotary_factor")).and_then(|x| x.as_f64()))
+            .unwrap_or(1.0);
         let moe = hf_moe_config(path, arch, v)?;
         let intermediate_size = match arch {
             // Mixtral and OLMoE have no dense FFN: `intermediate_size` is the expert's.
             Architecture::Mixtral | Architecture::Olmoe => moe.as_ref().map_or(0, |m| m.expert_intermediate_size),
+            // Qwen3.5-MoE has no dense feed-forward.
+            Architecture::Qwen35Moe => u("intermediate_size").unwrap_or_else(|_| moe.as_ref().map_or(0, |m| m.expert_intermediate_size)),
             _ => u("intermediate_size")?,
         };
         let cfg = ModelConfig {
@@ -316,6 +402,8 @@ impl ModelConfig {
             qk_norm: arch.qk_norm(),
             clip_qkv: f("clip_qkv"),
             moe,
+            attn_output_gate: arch.is_hybrid(),
+            linear_attn: if arch.is_hybrid() { Some(hf_linear_attn(path, v)?) } else { None },
         };
         cfg.validate(path)
     }
@@ -330,6 +418,17 @@ impl ModelConfig {
         }
         if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
             return bad(format!("rope dimension {} does not fit head dim {}", self.rope_dim, self.head_dim));
+        }
+        if let Some(la) = &self.linear_attn {
+            let ok = la.num_k_heads > 0
+                && la.num_v_heads % la.num_k_heads == 0
+                && la.head_k_dim > 0
+                && la.head_v_dim > 0
+                && la.conv_kernel > 0
+                && la.recurrent_layers.len() == self.num_layers;
+            if !ok {
+                return bad(format!("linear attention config is not valid for {} layers: {la:?}", self.num_layers));
+            }
         }
         if let Some(m) = &self.moe {
             if m.num_experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
@@ -350,16 +449,34 @@ impl ModelConfig {
             .is_some_and(|m| !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0)
     }
 
-    /// Bytes of KV cache per token (f32 K and V for every layer).
+    /// Whether layer `i` is a Gated DeltaNet layer (recurrent state, no KV cache).
+    pub fn is_recurrent_layer(&self, i: usize) -> bool {
+        self.linear_attn.as_ref().is_some_and(|la| la.is_recurrent(i))
+    }
+
+    /// Layers with full attention (and so a KV cache).
+    pub fn attention_layers(&self) -> usize {
+        (0..self.num_layers).filter(|&i| !self.is_recurrent_layer(i)).count()
+    }
+
+    /// Bytes of KV cache per token (f32 K and V for every full-attention layer).
     pub fn kv_bytes_per_token(&self) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+        2 * self.attention_layers() * self.num_kv_heads * self.head_dim * 4
+    }
+
+    /// Bytes of recurrent state per sequence, independent of its length (0 without linear layers).
+    pub fn recurrent_state_bytes(&self) -> usize {
+        self.linear_attn.as_ref().map_or(0, |la| la.state_bytes_per_layer() * (self.num_layers - self.attention_layers()))
     }
 }
 
 /// The MoE part of an HF config (`num_experts` / `num_local_experts`, `num_experts_per_tok`,
 /// `moe_intermediate_size`, …); `None` for dense architectures.
 fn hf_moe_config(path: &Path, arch: Architecture, v: &serde_json::Value) -> Result<Option<MoeConfig>> {
-    if !matches!(arch, Architecture::Qwen2Moe | Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::Olmoe) {
+    if !matches!(
+        arch,
+        Architecture::Qwen2Moe | Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::Olmoe | Architecture::Qwen3Next | Architecture::Qwen35Moe
+    ) {
         return Ok(None);
     }
     let u = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize);
@@ -378,7 +495,8 @@ fn hf_moe_config(path: &Path, arch: Architecture, v: &serde_json::Value) -> Resu
         num_experts,
         experts_per_token: need("num_experts_per_tok")?,
         expert_intermediate_size,
-        norm_topk_prob: arch == Architecture::Mixtral
+        // transformers' Qwen3_5MoeTopKRouter always renormalises.
+        norm_topk_prob: matches!(arch, Architecture::Mixtral | Architecture::Qwen35Moe)
             || v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false),
         scoring: match v.get("scoring_func").and_then(|x| x.as_str()) {
             Some("sigmoid") => RouterScoring::Sigmoid,
@@ -388,6 +506,55 @@ fn hf_moe_config(path: &Path, arch: Architecture, v: &serde_json::Value) -> Resu
         decoder_sparse_step: u("decoder_sparse_step").unwrap_or(1).max(1),
         mlp_only_layers,
     }))
+}
+
+/// `linear_*` keys and `layer_types` (or `full_attention_interval`) of a Qwen3-Next / Qwen3.5 config.
+fn hf_linear_attn(path: &Path, v: &serde_json::Value) -> Result<LinearAttnConfig> {
+    let need = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize).ok_or_else(|| hf_err(path, key));
+    let layers = need("num_hidden_layers")?;
+    let recurrent_layers = match v.get("layer_types").and_then(|x| x.as_array()) {
+        Some(types) => types.iter().map(|t| t.as_str() == Some("linear_attention")).collect(),
+        None => {
+            let every = need("full_attention_interval")?.max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    Ok(LinearAttnConfig {
+        num_k_heads: need("linear_num_key_heads")?,
+        num_v_heads: need("linear_num_value_heads")?,
+        head_k_dim: need("linear_key_head_dim")?,
+        head_v_dim: need("linear_value_head_dim")?,
+        conv_kernel: need("linear_conv_kernel_dim")?,
+        recurrent_layers,
+        head_order: HeadOrder::Grouped,
+    })
+}
+
+/// llama.cpp's `{arch}.ssm.*` keys: `group_count` key heads of `state_size`, `time_step_rank`
+/// value heads sharing `inner_size`, `conv_kernel`; `attention.recurrent_layers` (or
+/// `full_attention_interval`).
+fn gguf_linear_attn(g: &GgufFile, arch: Architecture) -> Result<LinearAttnConfig> {
+    let arch_name = g.get_str("general.architecture")?;
+    let k = |s: &str| format!("{arch_name}.{s}");
+    let u = |s: &str| g.get_u64(&k(s)).map(|v| v as usize);
+    let layers = u("block_count")?;
+    let recurrent_layers = match g.get_bool_array(&k("attention.recurrent_layers")) {
+        Ok(r) => r,
+        Err(_) => {
+            let every = u("full_attention_interval")?.max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    let num_v_heads = u("ssm.time_step_rank")?;
+    Ok(LinearAttnConfig {
+        num_k_heads: u("ssm.group_count")?,
+        num_v_heads,
+        head_k_dim: u("ssm.state_size")?,
+        head_v_dim: u("ssm.inner_size")? / num_v_heads.max(1),
+        conv_kernel: u("ssm.conv_kernel")?,
+        recurrent_layers,
+        head_order: if arch == Architecture::Qwen35Moe { HeadOrder::Tiled } else { HeadOrder::Grouped },
+    })
 }
 
 fn parse_hf_rope_scaling(path: &Path, r: &serde_json::Value) -> Result<RopeScaling> {

@@ -269,6 +269,20 @@ impl GgufFile {
         }
     }
 
+    /// A metadata array of booleans (`{arch}.attention.recurrent_layers`).
+    pub fn get_bool_array(&self, key: &str) -> Result<Vec<bool>> {
+        match self.metadata.get(key) {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::Bool(b) => Ok(*b),
+                    other => value_u64(other).map(|u| u != 0).ok_or_else(|| self.missing(key)),
+                })
+                .collect(),
+            _ => Err(self.missing(key)),
+        }
+    }
+
     /// A metadata array of strings.
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>> {
         match self.metadata.get(key) {

@@ -17,7 +17,7 @@ pub mod safetensors;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::{Architecture, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
+pub use config::{Architecture, HeadOrder, LinearAttnConfig, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
 pub use error::{FormatError, Result};
 pub use experts::{weight_from_bytes, ByteRange, ExpertDims, ExpertEncoding, ExpertExtent, ExpertLayout, ExpertTensors};
 pub use model_files::{GenerationDefaults, ModelFiles, TensorEntry, Weight};

@@ -6,7 +6,9 @@
 pub fn gguf_to_hf_candidates(name: &str) -> Vec<String> {
     let Some(primary) = gguf_to_hf(name) else { return Vec::new() };
     let alt = primary.contains(".mlp.gate.").then(|| primary.replace(".mlp.gate.", ".block_sparse_moe.gate."));
-    std::iter::once(primary).chain(alt).collect()
+    // Image-text checkpoints (qwen3_5_moe) nest the language model under `model.language_model.`.
+    let nested = primary.strip_prefix("model.").map(|rest| format!("model.language_model.{rest}"));
+    std::iter::once(primary).chain(alt).chain(nested).collect()
 }
 
 /// Maps a GGUF tensor name to the HF (transformers) name of the same tensor, if there is one.
@@ -22,6 +24,16 @@ pub fn gguf_to_hf(name: &str) -> Option<String> {
     }
     let rest = name.strip_prefix("blk.")?;
     let (layer, rest) = rest.split_once('.')?;
+    // Gated DeltaNet tensors whose HF name has no `.weight` suffix; the loader converts values
+    // (`ssm_a = -exp(A_log)`).
+    let bare = match rest {
+        "ssm_a" => Some("linear_attn.A_log"),
+        "ssm_dt.bias" => Some("linear_attn.dt_bias"),
+        _ => None,
+    };
+    if let Some(b) = bare {
+        return Some(format!("model.layers.{layer}.{b}"));
+    }
     let (stem, suffix) = rest.rsplit_once('.')?;
     let hf = match stem {
         "attn_norm" => "input_layernorm",
@@ -40,6 +52,19 @@ pub fn gguf_to_hf(name: &str) -> Option<String> {
         "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
         "ffn_up_shexp" => "mlp.shared_expert.up_proj",
         "ffn_down_shexp" => "mlp.shared_expert.down_proj",
+        // Qwen3-Next / Qwen3.5 (hybrid) names.
+        "post_attention_norm" => "post_attention_layernorm",
+        "attn_qkv" => "linear_attn.in_proj_qkv",
+        "attn_gate" => "linear_attn.in_proj_z",
+        "ssm_beta" => "linear_attn.in_proj_b",
+        "ssm_alpha" => "linear_attn.in_proj_a",
+        "ssm_ba" => "linear_attn.in_proj_ba",
+        // Qwen3-Next's fused q/k/v/z projection (llama.cpp's converter splits it into attn_qkv
+        // and attn_gate).
+        "ssm_in" => "linear_attn.in_proj_qkvz",
+        "ssm_conv1d" => "linear_attn.conv1d",
+        "ssm_norm" => "linear_attn.norm",
+        "ssm_out" => "linear_attn.out_proj",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
@@ -58,8 +83,15 @@ mod tests {
         assert_eq!(gguf_to_hf("blk.3.unknown.weight"), None);
         assert_eq!(
             gguf_to_hf_candidates("blk.1.ffn_gate_inp.weight"),
-            ["model.layers.1.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight"]
+            ["model.layers.1.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight", "model.language_model.layers.1.mlp.gate.weight"]
         );
         assert_eq!(gguf_to_hf("blk.0.ffn_up_shexp.weight").as_deref(), Some("model.layers.0.mlp.shared_expert.up_proj.weight"));
+        assert_eq!(gguf_to_hf("blk.2.ssm_a").as_deref(), Some("model.layers.2.linear_attn.A_log"));
+        assert_eq!(gguf_to_hf("blk.2.ssm_dt.bias").as_deref(), Some("model.layers.2.linear_attn.dt_bias"));
+        assert_eq!(gguf_to_hf("blk.2.ssm_conv1d.weight").as_deref(), Some("model.layers.2.linear_attn.conv1d.weight"));
+        assert_eq!(
+            gguf_to_hf_candidates("blk.0.attn_norm.weight"),
+            ["model.layers.0.input_layernorm.weight", "model.language_model.layers.0.input_layernorm.weight"]
+        );
     }
 }

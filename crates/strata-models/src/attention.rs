@@ -1,6 +1,6 @@
 //! Grouped-query self-attention (Ainslie et al. 2023) with RoPE, optional q/k RMSNorm (Qwen3 per head,
-//! OLMoE over the whole projection), optional q/k/v clipping (OLMoE) and
-//! q/k/v bias (Qwen2), reading and writing the preallocated [`KvCache`].
+//! OLMoE over the whole projection), optional q/k/v clipping (OLMoE), q/k/v bias (Qwen2) and
+//! sigmoid output gate (Qwen3-Next), reading and writing the preallocated [`KvCache`].
 //! Reference: transformers `models/llama/modeling_llama.py`, `models/qwen3/modeling_qwen3.py`.
 
 use candle_core::Tensor;
@@ -28,6 +28,8 @@ pub struct Attention {
     /// Where q/k norms apply (per head, or over the whole projection).
     qk_norm: QkNorm,
     clip_qkv: Option<f64>,
+    /// The q projection also computes a per-head output gate (Qwen3-Next gated attention).
+    output_gate: bool,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -50,7 +52,8 @@ impl Attention {
                 Some(RmsNorm::load(l, &p("attn_k_norm.weight"), k_dim, cfg.rms_norm_eps)?),
             )
         };
-        let q = l.linear(&p("attn_q"), cfg.num_heads * hd, h, cfg.attention_bias)?;
+        let gate = if cfg.attn_output_gate { 2 } else { 1 };
+        let q = l.linear(&p("attn_q"), gate * cfg.num_heads * hd, h, cfg.attention_bias)?;
         let k = l.linear(&p("attn_k"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?;
         let v = l.linear(&p("attn_v"), cfg.num_kv_heads * hd, h, cfg.attention_bias)?;
         let qkv = match Linear::fuse(&[&q, &k, &v])? {
@@ -64,6 +67,7 @@ impl Attention {
             k_norm,
             qk_norm: cfg.qk_norm,
             clip_qkv: cfg.clip_qkv,
+            output_gate: cfg.attn_output_gate,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: hd,
@@ -95,12 +99,28 @@ impl Attention {
             };
             t.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };
+        let qw = if self.output_gate { 2 * nh * hd } else { nh * hd };
         let (q, k, v) = match &self.qkv {
             Qkv::Fused(qkv) => {
                 let y = qkv.forward(x)?;
-                (y.narrow(1, 0, nh * hd)?, y.narrow(1, nh * hd, nkv * hd)?, y.narrow(1, (nh + nkv) * hd, nkv * hd)?)
+                (y.narrow(1, 0, qw)?, y.narrow(1, qw, nkv * hd)?, y.narrow(1, qw + nkv * hd, nkv * hd)?)
             }
             Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+        };
+        // Gated attention: each head's projection is [query, gate] (transformers
+        // `Qwen3NextAttention`: `torch.chunk(q_proj(x).view(.., heads, 2·head_dim), 2, -1)`).
+        let (q, gate) = if self.output_gate {
+            let qg = q.reshape((seq, nh, 2 * hd))?;
+            (qg.narrow(2, 0, hd)?.reshape((seq, nh * hd))?, Some(qg.narrow(2, hd, hd)?.reshape((seq, nh * hd))?))
+        } else {
+            (q, None)
+        };
+        let finish = |out: Tensor| -> Result<Tensor> {
+            let out = match &gate {
+                Some(g) => (out * candle_nn::ops::sigmoid(g)?)?,
+                None => out,
+            };
+            Ok(self.o.forward(&out)?)
         };
         let q = heads(q.contiguous()?, nh, &self.q_norm)?;
         let k = heads(k.contiguous()?, nkv, &self.k_norm)?;
@@ -122,8 +142,7 @@ impl Attention {
                 let o = cache.attend_one(layer, &row, nh, self.scale as f32, pos + i + 1)?;
                 out.extend_from_slice(&o.ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?);
             }
-            let out = Tensor::from_vec(out, (seq, nh * hd), x.device())?;
-            return Ok(self.o.forward(&out)?);
+            return finish(Tensor::from_vec(out, (seq, nh * hd), x.device())?);
         }
         let total = k_all.dim(2)?;
         // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
@@ -136,8 +155,7 @@ impl Attention {
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let out = att.matmul(&v_all)?; // [1, nkv, n_rep·seq, hd]
-        let out = out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?;
-        Ok(self.o.forward(&out)?)
+        finish(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?)
     }
 }
 

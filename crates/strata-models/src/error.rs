@@ -14,6 +14,10 @@ pub enum ModelError {
     ContextFull { needed: usize, capacity: usize },
     #[error("token id {id} is outside the vocabulary ({vocab})")]
     BadToken { id: u32, vocab: usize },
+    /// Rolling back to `to` tokens needs recurrent state from before the checkpoint held (or
+    /// there is none).
+    #[error("cannot roll the recurrent state back to {to} tokens (checkpoint: {checkpoint:?})")]
+    Rollback { to: usize, checkpoint: Option<usize> },
     /// Reading a streamed expert failed (I/O error, short read, file changed).
     #[error("expert {expert} of layer {layer}: {message}")]
     ExpertRead { layer: usize, expert: usize, message: String },

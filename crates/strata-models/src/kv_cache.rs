@@ -1,9 +1,13 @@
-//! Preallocated KV cache: `[1, n_kv_heads, capacity, head_dim]` f32 per layer for K and V, written in
-//! place. Rolling back (speculative decoding) only moves the length; storage is never reallocated.
+//! Per-sequence state: a preallocated KV cache (`[1, n_kv_heads, capacity, head_dim]` f32 per
+//! full-attention layer for K and V, written in place) and, for hybrid models, the recurrent state of
+//! the Gated DeltaNet layers ([`RecurrentCache`]). Rolling back (speculative decoding) moves the KV
+//! length and restores the recurrent state from its checkpoint; storage is never reallocated.
 
 use candle_core::{DType, Device, Tensor};
+use strata_formats::ModelConfig;
 
 use crate::error::{ModelError, Result};
+use crate::recurrent::{LinearState, RecurrentCache, StepLog};
 
 thread_local! {
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -13,21 +17,51 @@ thread_local! {
 pub struct KvCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
+    /// Layer → index into `k`/`v` (`usize::MAX` for recurrent layers).
+    slot: Vec<usize>,
+    recurrent: RecurrentCache,
     len: usize,
     capacity: usize,
 }
 
 impl KvCache {
-    /// Allocates `2 · layers · kv_heads · capacity · head_dim · 4` bytes.
-    pub fn new(layers: usize, kv_heads: usize, head_dim: usize, capacity: usize, device: &Device) -> Result<Self> {
-        let mk = || Tensor::zeros((1, kv_heads, capacity, head_dim), DType::F32, device);
-        let mut k = Vec::with_capacity(layers);
-        let mut v = Vec::with_capacity(layers);
-        for _ in 0..layers {
-            k.push(mk()?);
-            v.push(mk()?);
+    /// Allocates `2 · attention_layers · kv_heads · capacity · head_dim · 4` bytes of KV cache and
+    /// [`ModelConfig::recurrent_state_bytes`] of recurrent state.
+    pub fn new(cfg: &ModelConfig, capacity: usize, device: &Device) -> Result<Self> {
+        let mk = || Tensor::zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), DType::F32, device);
+        let (mut k, mut v, mut slot) = (Vec::new(), Vec::new(), Vec::with_capacity(cfg.num_layers));
+        for i in 0..cfg.num_layers {
+            if cfg.is_recurrent_layer(i) {
+                slot.push(usize::MAX);
+            } else {
+                slot.push(k.len());
+                k.push(mk()?);
+                v.push(mk()?);
+            }
         }
-        Ok(Self { k, v, len: 0, capacity })
+        Ok(Self { k, v, slot, recurrent: RecurrentCache::new(cfg.linear_attn.as_ref()), len: 0, capacity })
+    }
+
+    /// Layer `layer`'s recurrent state and, while a checkpoint is held, its update log.
+    pub fn recurrent_mut(&mut self, layer: usize) -> Option<(&mut LinearState, Option<&mut StepLog>)> {
+        self.recurrent.layer_mut(layer)
+    }
+
+    /// Marks the current length as a position [`Self::rollback`] can return to, with every
+    /// position after it (copies the recurrent state; free for attention-only models).
+    pub fn checkpoint(&mut self) {
+        self.recurrent.checkpoint(self.len);
+    }
+
+    /// Rolls back to `len` tokens: the KV length moves, recurrent state is restored from the
+    /// checkpoint and replayed. Errors (`ModelError::Rollback`, state unchanged) when recurrent
+    /// state would be needed from before the checkpoint.
+    pub fn rollback(&mut self, len: usize) -> Result<()> {
+        if let Err(checkpoint) = self.recurrent.rollback(len, self.len) {
+            return Err(ModelError::Rollback { to: len, checkpoint });
+        }
+        self.len = self.len.min(len);
+        Ok(())
     }
 
     /// Tokens currently cached.
@@ -56,16 +90,25 @@ impl KvCache {
     /// layer.
     pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let n = k.dim(2)?;
+        let layer = self.kv_slot(layer)?;
         self.k[layer].slice_set(&k.contiguous()?, 2, self.len)?;
         self.v[layer].slice_set(&v.contiguous()?, 2, self.len)?;
         let total = self.len + n;
         Ok((self.k[layer].narrow(2, 0, total)?, self.v[layer].narrow(2, 0, total)?))
     }
 
+    fn kv_slot(&self, layer: usize) -> candle_core::Result<usize> {
+        match self.slot.get(layer) {
+            Some(&s) if s != usize::MAX => Ok(s),
+            _ => Err(candle_core::Error::Msg(format!("layer {layer} has no KV cache"))),
+        }
+    }
+
     /// Decode fast path (CPU): attention of one query `q: [n_heads · head_dim]` over positions
     /// `0..positions` of `layer` (decode: `len + 1`, the token just appended included); returns
     /// `[n_heads · head_dim]`. `None` when the cache is not on the CPU.
     pub fn attend_one(&self, layer: usize, q: &[f32], n_heads: usize, scale: f32, positions: usize) -> candle_core::Result<Option<Vec<f32>>> {
+        let layer = self.kv_slot(layer)?;
         let (ks, kl) = self.k[layer].storage_and_layout();
         let (vs, vl) = self.v[layer].storage_and_layout();
         let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&*ks, &*vs) else { return Ok(None) };
@@ -83,18 +126,14 @@ impl KvCache {
         self.len += n;
     }
 
-    /// Rolls back to `len` tokens (rejected draft tokens, a new prompt sharing a prefix). Storage
-    /// is kept; positions past `len` are overwritten by the next append.
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
+    /// A new sequence: length 0, recurrent state zeroed.
     pub fn clear(&mut self) {
         self.len = 0;
+        self.recurrent.clear();
     }
 
-    /// Bytes allocated.
+    /// Bytes allocated (KV cache, recurrent state and its checkpoint).
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum()
+        self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum::<usize>() + self.recurrent.bytes()
     }
 }

@@ -31,11 +31,14 @@ use crate::error::{ModelError, Result};
 pub struct WeightLoader<'a> {
     pub files: &'a ModelFiles,
     pub device: Device,
+    /// Added to every [`RmsNorm`] weight: 1 for checkpoints that store `w` of a `(1 + w)` norm
+    /// (HF Qwen3-Next / Qwen3.5; llama.cpp's converter adds the 1 itself).
+    pub norm_shift: f32,
 }
 
 impl<'a> WeightLoader<'a> {
     pub fn new(files: &'a ModelFiles, device: Device) -> Self {
-        Self { files, device }
+        Self { files, device, norm_shift: 0.0 }
     }
 
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
@@ -215,8 +218,12 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
+    /// Loads `w` (plus [`WeightLoader::norm_shift`]).
     pub fn load(l: &WeightLoader, name: &str, dim: usize, eps: f64) -> Result<Self> {
-        let w = l.dense(name, &[dim])?;
+        let mut w = l.dense(name, &[dim])?;
+        if l.norm_shift != 0.0 {
+            w = (w + l.norm_shift as f64).map_err(|e| ModelError::tensor(name, e))?;
+        }
         let w_host = w.to_vec1::<f32>().map_err(|e| ModelError::tensor(name, e))?;
         Ok(Self { w, w_host, eps: eps as f32 })
     }

@@ -5,10 +5,12 @@
 pub mod attention;
 pub mod error;
 pub mod experts;
+pub mod gated_delta_net;
 pub mod kv_cache;
 pub mod layers;
 pub mod mlp;
 pub mod moe;
+pub mod recurrent;
 pub mod rope;
 pub mod transformer;
 

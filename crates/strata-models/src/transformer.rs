@@ -1,7 +1,9 @@
 //! The Llama-family decoder as one parameterised implementation: dense (llama, qwen2, qwen3) and MoE
-//! (qwen2_moe, qwen3_moe, mixtral, olmoe) feed-forwards. Reference: transformers
-//! `models/llama/modeling_llama.py`, `models/qwen3_moe/modeling_qwen3_moe.py`, candle-transformers
-//! `models/quantized_llama.rs` and `models/qwen3.rs`.
+//! (qwen2_moe, qwen3_moe, mixtral, olmoe) feed-forwards, and hybrids whose token mixer is Gated
+//! DeltaNet or gated full attention per layer (qwen3_next, qwen3_5_moe). Reference: transformers
+//! `models/llama/modeling_llama.py`, `models/qwen3_moe/modeling_qwen3_moe.py`,
+//! `models/qwen3_next/modeling_qwen3_next.py`, candle-transformers `models/quantized_llama.rs` and
+//! `models/qwen3.rs`.
 //!
 //! Weights are shared (`&self`); per-sequence state lives in a [`KvCache`], so several sequences can
 //! run on one loaded model.
@@ -17,6 +19,7 @@ use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::layers::{Linear, RmsNorm, WeightLoader};
 use crate::experts::{ExpertProvider, ResidentExperts};
+use crate::gated_delta_net::GatedDeltaNet;
 use crate::mlp::Mlp;
 use crate::moe::{LayerRouting, SparseMoe};
 use crate::rope::RotaryEmbedding;
@@ -47,10 +50,18 @@ enum FeedForward {
     Moe(SparseMoe),
 }
 
+/// The token mixer of a layer.
+#[derive(Debug, Clone)]
+enum Mixer {
+    Attention(Attention),
+    /// Gated DeltaNet linear attention (recurrent state instead of a KV cache).
+    Linear(GatedDeltaNet),
+}
+
 #[derive(Debug, Clone)]
 struct DecoderLayer {
     attn_norm: RmsNorm,
-    attn: Attention,
+    mixer: Mixer,
     ffn_norm: RmsNorm,
     ffn: FeedForward,
 }
@@ -91,7 +102,10 @@ impl Transformer {
     ) -> Result<Self> {
         let cfg = files.config()?;
         let mut resident = ResidentExperts::new(cfg.num_layers);
-        let l = WeightLoader::new(files, device.clone());
+        let mut l = WeightLoader::new(files, device.clone());
+        if cfg.arch.is_hybrid() && matches!(files, ModelFiles::Hf(_)) {
+            l.norm_shift = 1.0;
+        }
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed_w = match l.weight("token_embd.weight", &[v, h])? {
             Weight::Quantized(q) => std::sync::Arc::new(q),
@@ -102,10 +116,16 @@ impl Transformer {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
+            let mixer = match &cfg.linear_attn {
+                Some(la) if la.is_recurrent(i) => Mixer::Linear(GatedDeltaNet::load(&l, &cfg, la, i)?),
+                _ => Mixer::Attention(Attention::load(&l, &cfg, i)?),
+            };
+            // llama.cpp names the second norm of qwen3next / qwen35moe `post_attention_norm`.
+            let ffn_norm = if l.has(&p("ffn_norm.weight")) { p("ffn_norm.weight") } else { p("post_attention_norm.weight") };
             layers.push(DecoderLayer {
                 attn_norm: RmsNorm::load(&l, &p("attn_norm.weight"), h, cfg.rms_norm_eps)?,
-                attn: Attention::load(&l, &cfg, i)?,
-                ffn_norm: RmsNorm::load(&l, &p("ffn_norm.weight"), h, cfg.rms_norm_eps)?,
+                mixer,
+                ffn_norm: RmsNorm::load(&l, &ffn_norm, h, cfg.rms_norm_eps)?,
                 ffn: match &cfg.moe {
                     Some(m) if cfg.is_moe_layer(i) => {
                         if experts.is_none() {
@@ -154,10 +174,11 @@ impl Transformer {
         &self.experts
     }
 
-    /// A KV cache for `capacity` tokens (clamped to the RoPE table size).
+    /// A KV cache (and recurrent state, for hybrid models) for `capacity` tokens (clamped to the
+    /// RoPE table size).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let cap = capacity.min(self.rope.max_positions());
-        KvCache::new(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, cap, &self.device)
+        KvCache::new(&self.cfg, cap, &self.device)
     }
 
     /// Runs `tokens` at positions `cache.len()..` and commits them to the cache.
@@ -189,7 +210,11 @@ impl Transformer {
         let mut tapped = Vec::with_capacity(taps.len());
         let mut routing = Vec::new();
         for (i, layer) in self.layers.iter().take(n_layers.max(1)).enumerate() {
-            let h = layer.attn.forward(&layer.attn_norm.forward(&x)?, i, cache, &self.rope, mask.as_ref())?;
+            let xn = layer.attn_norm.forward(&x)?;
+            let h = match &layer.mixer {
+                Mixer::Attention(a) => a.forward(&xn, i, cache, &self.rope, mask.as_ref())?,
+                Mixer::Linear(g) => g.forward(&xn, i, cache)?,
+            };
             x = (x + h)?;
             let xn = layer.ffn_norm.forward(&x)?;
             let h = match &layer.ffn {
@@ -214,11 +239,21 @@ impl Transformer {
         Ok(ForwardOutput { logits, taps: tapped, routing })
     }
 
+    /// Speculative decoding: marks the sequence's current length as one [`Self::rollback`] can
+    /// return to, with every later position. Copies the recurrent state of hybrid models (free
+    /// otherwise); call it before drafting.
+    pub fn checkpoint(&self, cache: &mut KvCache) {
+        cache.checkpoint();
+    }
+
     /// Speculative-decoding rollback hook: keeps the first `len` tokens of the sequence state and
-    /// drops the rest (rejected draft tokens). For attention layers this moves the KV cache's
-    /// length (storage is kept). Recurrent layers (Gated DeltaNet, the hybrid-model issue) restore
-    /// their state checkpointed at `len` here.
-    pub fn rollback(&self, cache: &mut KvCache, len: usize) {
-        cache.truncate(len);
+    /// drops the rest (rejected draft tokens). Attention layers move the KV cache's length (storage
+    /// is kept); Gated DeltaNet layers restore the checkpointed state and replay the updates up to
+    /// `len` ([`crate::recurrent`]).
+    ///
+    /// Errors: `ModelError::Rollback` when a hybrid model's `len` is before its checkpoint (the
+    /// state is then unchanged; clear the cache and prefill again).
+    pub fn rollback(&self, cache: &mut KvCache, len: usize) -> Result<()> {
+        cache.rollback(len)
     }
 }

@@ -40,8 +40,12 @@ pub struct ModelFacts {
     /// Bytes a decode step reads from dense weights (all but the token embedding, which is a
     /// lookup; included when tied as lm_head).
     pub dense_bytes_per_token: u64,
-    /// KV cache bytes per token of context (f32 K and V, every layer).
+    /// KV cache bytes per token of context (f32 K and V, every full-attention layer).
     pub kv_bytes_per_token: u64,
+    /// Recurrent state of a sequence (Gated DeltaNet layers of hybrid models), twice: the live
+    /// state and speculative decoding's checkpoint copy. 0 for attention-only models.
+    #[serde(default)]
+    pub recurrent_state_bytes: u64,
 }
 
 impl ModelFacts {
@@ -100,7 +104,8 @@ impl ModelFacts {
             dense_memory_bytes: dense_mem + repack,
             expert_memory_bytes: expert_mem,
             dense_bytes_per_token: per_token,
-            kv_bytes_per_token: (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4) as u64,
+            kv_bytes_per_token: cfg.kv_bytes_per_token() as u64,
+            recurrent_state_bytes: 2 * cfg.recurrent_state_bytes() as u64,
         })
     }
 

@@ -138,7 +138,7 @@ fn gb(b: u64) -> String {
 
 /// Makes the plan. Never fails: a model that cannot run gets `TOO-LARGE` with the reason.
 pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, RatesSource), req: &PlanRequest) -> Plan {
-    let kv = req.ctx_size as u64 * model.kv_bytes_per_token;
+    let kv = req.ctx_size as u64 * model.kv_bytes_per_token + model.recurrent_state_bytes;
     let compute = (req.prefill_chunk.min(req.ctx_size) * model.hidden * 64 + model.vocab * 8) as u64 + (64 << 20);
     let draft = req.draft.as_ref().map_or(0, |d| d.dense_memory_bytes + d.expert_memory_bytes + req.ctx_size as u64 * d.kv_bytes_per_token);
     let available = system.available;

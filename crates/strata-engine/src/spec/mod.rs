@@ -139,6 +139,8 @@ impl<'a> Speculator<'a> {
     pub fn round(&mut self, cache: &mut KvCache, history: &[u32], sampler: &mut Sampler, wanted: usize) -> Result<Vec<Emitted>> {
         let last = *history.last().ok_or(EngineError::EmptyPrompt)?;
         let len0 = cache.len();
+        // Every rollback of this round (self-draft, rejected drafts) returns to len0 or later.
+        self.target.checkpoint(cache);
         // Room for the verify pass [last, d₁..d_N] and no drafting past what is wanted.
         let limit = wanted.saturating_sub(1).min(cache.capacity().saturating_sub(len0 + 1)).min(self.cfg.max_draft);
         let t0 = Instant::now();
@@ -192,7 +194,7 @@ impl<'a> Speculator<'a> {
             let p = sampler.distribution(&logits, &ctx);
             emitted.push((sampler.draw(&p), logits));
         }
-        self.target.rollback(cache, len0 + 1 + accepted);
+        self.target.rollback(cache, len0 + 1 + accepted)?;
         let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
         self.policy.observe(drafts.len(), accepted, draft_ms, verify_ms, fanout);
         self.stats.record(drafts.len(), accepted, draft_ms, verify_ms, fanout);
@@ -217,14 +219,20 @@ impl<'a> Speculator<'a> {
             return Ok((Vec::new(), Vec::new()));
         }
         let cache = self.draft_cache.as_mut().expect("draft model has a cache");
-        let common = self.draft_tokens.iter().zip(history).take_while(|(a, b)| a == b).count().min(history.len() - 1);
-        model.rollback(cache, common);
+        let mut common = self.draft_tokens.iter().zip(history).take_while(|(a, b)| a == b).count().min(history.len() - 1);
+        if model.rollback(cache, common).is_err() {
+            // A hybrid draft model cannot go back before its checkpoint: start it over.
+            cache.clear();
+            common = 0;
+        }
         self.draft_tokens.truncate(common);
         let mut logits = Vec::new();
         for part in history[common..].chunks(self.prefill_chunk) {
             logits = model.forward(part, cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
         }
         self.draft_tokens.extend_from_slice(&history[common..]);
+        // The next round keeps at least this history: its drafts are rolled back to here.
+        model.checkpoint(cache);
         let mut ctx = history.to_vec();
         let (mut drafts, mut dists) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for i in 0..n {
@@ -259,7 +267,7 @@ impl<'a> Speculator<'a> {
             ctx.push(d);
             tok = d;
         }
-        self.target.rollback(cache, len0);
+        self.target.rollback(cache, len0)?;
         Ok((drafts, dists))
     }
 }
