@@ -38,13 +38,38 @@ pub struct SynthPreset {
     pub context: usize,
     /// q/k RMSNorm per head (Qwen3).
     pub qk_norm: bool,
+    /// Intermediate size of the sigmoid-gated shared expert (0: none).
+    pub shared_expert_ffn: usize,
+    /// Gated DeltaNet layers (hybrid `qwen35moe`); `None` for attention-only models.
+    pub linear: Option<LinearPreset>,
+}
+
+/// Gated DeltaNet dimensions of a hybrid preset (llama.cpp `qwen35moe` tensors: `attn_qkv`,
+/// `attn_gate`, `ssm_beta`, `ssm_alpha`, `ssm_conv1d`, `ssm_a`, `ssm_dt.bias`, `ssm_norm`, `ssm_out`;
+/// the full-attention layers' q projection carries the output gate).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearPreset {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub conv_kernel: usize,
+    /// Every `full_attention_interval`-th layer is full attention.
+    pub full_attention_interval: usize,
+}
+
+impl LinearPreset {
+    fn is_recurrent(&self, layer: usize) -> bool {
+        (layer + 1) % self.full_attention_interval != 0
+    }
 }
 
 impl SynthPreset {
-    pub const NAMES: [&'static str; 3] = ["qwen3-30b-a3b", "mixtral-8x7b", "tiny-moe"];
+    pub const NAMES: [&'static str; 5] = ["qwen3-30b-a3b", "mixtral-8x7b", "qwen3.5-122b-a10b", "tiny-moe", "tiny-hybrid"];
 
     /// Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B), Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1),
-    /// and a 4-layer model small enough for tests.
+    /// Qwen3.5-122B-A10B (the `text_config` of Qwen/Qwen3.5-122B-A10B: 48 layers, 3 of 4 Gated
+    /// DeltaNet, 256 experts top-8 plus a shared expert), and 4-layer models small enough for tests.
     pub fn by_name(name: &str) -> Option<Self> {
         Some(match name {
             "qwen3-30b-a3b" => Self {
@@ -63,6 +88,8 @@ impl SynthPreset {
                 rms_eps: 1e-6,
                 context: 32_768,
                 qk_norm: true,
+                shared_expert_ffn: 0,
+                linear: None,
             },
             "mixtral-8x7b" => Self {
                 name: "mixtral-8x7b",
@@ -80,6 +107,8 @@ impl SynthPreset {
                 rms_eps: 1e-5,
                 context: 32_768,
                 qk_norm: false,
+                shared_expert_ffn: 0,
+                linear: None,
             },
             "tiny-moe" => Self {
                 name: "tiny-moe",
@@ -97,6 +126,46 @@ impl SynthPreset {
                 rms_eps: 1e-6,
                 context: 4096,
                 qk_norm: true,
+                shared_expert_ffn: 0,
+                linear: None,
+            },
+            "qwen3.5-122b-a10b" => Self {
+                name: "qwen3.5-122b-a10b",
+                arch: "qwen35moe",
+                layers: 48,
+                hidden: 3072,
+                heads: 32,
+                kv_heads: 2,
+                head_dim: 256,
+                experts: 256,
+                top_k: 8,
+                expert_ffn: 1024,
+                vocab: 248_320,
+                rope_theta: 1e7,
+                rms_eps: 1e-6,
+                context: 262_144,
+                qk_norm: true,
+                shared_expert_ffn: 1024,
+                linear: Some(LinearPreset { k_heads: 16, v_heads: 64, k_dim: 128, v_dim: 128, conv_kernel: 4, full_attention_interval: 4 }),
+            },
+            "tiny-hybrid" => Self {
+                name: "tiny-hybrid",
+                arch: "qwen35moe",
+                layers: 4,
+                hidden: 256,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                experts: 16,
+                top_k: 4,
+                expert_ffn: 256,
+                vocab: 512,
+                rope_theta: 1e7,
+                rms_eps: 1e-6,
+                context: 4096,
+                qk_norm: true,
+                shared_expert_ffn: 256,
+                linear: Some(LinearPreset { k_heads: 2, v_heads: 4, k_dim: 64, v_dim: 64, conv_kernel: 4, full_attention_interval: 4 }),
             },
             _ => return None,
         })
@@ -214,7 +283,8 @@ fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
         (k("attention.key_length"), MetaValue::U32(p.head_dim as u32)),
         (k("attention.value_length"), MetaValue::U32(p.head_dim as u32)),
         (k("rope.freq_base"), MetaValue::F32(p.rope_theta)),
-        (k("rope.dimension_count"), MetaValue::U32(p.head_dim as u32)),
+        // Qwen3.5 rotates a quarter of each head (`partial_rotary_factor` 0.25).
+        (k("rope.dimension_count"), MetaValue::U32((if p.linear.is_some() { p.head_dim / 4 } else { p.head_dim }) as u32)),
         (k("attention.layer_norm_rms_epsilon"), MetaValue::F32(p.rms_eps)),
         (k("expert_count"), MetaValue::U32(p.experts as u32)),
         (k("expert_used_count"), MetaValue::U32(p.top_k as u32)),
@@ -227,8 +297,19 @@ fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
         ("tokenizer.ggml.eos_token_id".into(), MetaValue::U32(im_end)),
         ("tokenizer.ggml.add_bos_token".into(), MetaValue::Bool(false)),
     ];
-    if a == "qwen3moe" {
+    if a != "llama" {
         m.push((k("expert_feed_forward_length"), MetaValue::U32(p.expert_ffn as u32)));
+    }
+    if p.shared_expert_ffn > 0 {
+        m.push((k("expert_shared_feed_forward_length"), MetaValue::U32(p.shared_expert_ffn as u32)));
+    }
+    if let Some(la) = &p.linear {
+        m.push((k("ssm.conv_kernel"), MetaValue::U32(la.conv_kernel as u32)));
+        m.push((k("ssm.state_size"), MetaValue::U32(la.k_dim as u32)));
+        m.push((k("ssm.group_count"), MetaValue::U32(la.k_heads as u32)));
+        m.push((k("ssm.time_step_rank"), MetaValue::U32(la.v_heads as u32)));
+        m.push((k("ssm.inner_size"), MetaValue::U32((la.v_heads * la.v_dim) as u32)));
+        m.push((k("full_attention_interval"), MetaValue::U32(la.full_attention_interval as u32)));
     }
     m
 }
@@ -243,15 +324,43 @@ fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
     for l in 0..p.layers {
         let b = |s: &str| format!("blk.{l}.{s}");
         v.push((t(b("attn_norm.weight"), vec![h], GgmlDType::F32), Fill::Ones));
-        v.push((t(b("attn_q.weight"), vec![p.heads * hd, h], q), Fill::Random));
-        v.push((t(b("attn_k.weight"), vec![p.kv_heads * hd, h], q), Fill::Random));
-        v.push((t(b("attn_v.weight"), vec![p.kv_heads * hd, h], q), Fill::Random));
-        v.push((t(b("attn_output.weight"), vec![h, p.heads * hd], q), Fill::Random));
-        if p.qk_norm {
-            v.push((t(b("attn_q_norm.weight"), vec![hd], GgmlDType::F32), Fill::Ones));
-            v.push((t(b("attn_k_norm.weight"), vec![hd], GgmlDType::F32), Fill::Ones));
+        match &p.linear {
+            Some(la) if la.is_recurrent(l) => {
+                let (kw, vw, nv) = (la.k_heads * la.k_dim, la.v_heads * la.v_dim, la.v_heads);
+                let f32 = GgmlDType::F32;
+                v.push((t(b("attn_qkv.weight"), vec![2 * kw + vw, h], q), Fill::Random));
+                v.push((t(b("attn_gate.weight"), vec![vw, h], q), Fill::Random));
+                v.push((t(b("ssm_beta.weight"), vec![nv, h], q), Fill::Random));
+                v.push((t(b("ssm_alpha.weight"), vec![nv, h], q), Fill::Random));
+                v.push((t(b("ssm_conv1d.weight"), vec![2 * kw + vw, la.conv_kernel], f32), Fill::Random));
+                // Decay exp(−0.5·softplus(a)) ≈ 0.7 per token.
+                v.push((t(b("ssm_a"), vec![nv], f32), Fill::Values(vec![-0.5; nv])));
+                v.push((t(b("ssm_dt.bias"), vec![nv], f32), Fill::Values(vec![0.0; nv])));
+                v.push((t(b("ssm_norm.weight"), vec![la.v_dim], f32), Fill::Ones));
+                v.push((t(b("ssm_out.weight"), vec![h, vw], q), Fill::Random));
+            }
+            _ => {
+                // Hybrid full attention: the q projection carries the output gate.
+                let gate = if p.linear.is_some() { 2 } else { 1 };
+                v.push((t(b("attn_q.weight"), vec![gate * p.heads * hd, h], q), Fill::Random));
+                v.push((t(b("attn_k.weight"), vec![p.kv_heads * hd, h], q), Fill::Random));
+                v.push((t(b("attn_v.weight"), vec![p.kv_heads * hd, h], q), Fill::Random));
+                v.push((t(b("attn_output.weight"), vec![h, p.heads * hd], q), Fill::Random));
+                if p.qk_norm {
+                    v.push((t(b("attn_q_norm.weight"), vec![hd], GgmlDType::F32), Fill::Ones));
+                    v.push((t(b("attn_k_norm.weight"), vec![hd], GgmlDType::F32), Fill::Ones));
+                }
+            }
         }
-        v.push((t(b("ffn_norm.weight"), vec![h], GgmlDType::F32), Fill::Ones));
+        let ffn_norm = if p.linear.is_some() { "post_attention_norm.weight" } else { "ffn_norm.weight" };
+        v.push((t(b(ffn_norm), vec![h], GgmlDType::F32), Fill::Ones));
+        if p.shared_expert_ffn > 0 {
+            let sf = p.shared_expert_ffn;
+            v.push((t(b("ffn_gate_inp_shexp.weight"), vec![1, h], GgmlDType::F32), Fill::Random));
+            v.push((t(b("ffn_gate_shexp.weight"), vec![sf, h], q), Fill::Random));
+            v.push((t(b("ffn_up_shexp.weight"), vec![sf, h], q), Fill::Random));
+            v.push((t(b("ffn_down_shexp.weight"), vec![h, sf], q), Fill::Random));
+        }
         v.push((t(b("ffn_gate_inp.weight"), vec![e, h], GgmlDType::F32), Fill::Random));
         if let Some(s) = o.routing_skew {
             // A random rank per expert (Fisher-Yates), bias -S·ln(rank).
@@ -343,6 +452,22 @@ mod tests {
         u.sort();
         u.dedup();
         assert_eq!(u.len(), 256);
+    }
+
+    #[test]
+    fn qwen35_122b_preset_has_the_published_size() {
+        let o = SynthOptions { preset: SynthPreset::by_name("qwen3.5-122b-a10b").unwrap(), quant: GgmlDType::Q4K, seed: 0, routing_skew: None };
+        let ts = tensors(&o);
+        let count = |pred: &dyn Fn(&str) -> bool| ts.iter().filter(|(s, _)| pred(&s.name)).map(|(s, _)| s.shape.iter().product::<usize>()).sum::<usize>() as f64;
+        let total = count(&|_| true);
+        let experts = count(&|n: &str| n.contains("_exps."));
+        // Active per token: everything but the routed experts and the embedding table, plus top-8 of 256.
+        let active = total - experts - count(&|n: &str| n == "token_embd.weight") + experts * 8.0 / 256.0;
+        eprintln!("qwen3.5-122b-a10b preset: {:.1}B parameters, {:.1}B active", total / 1e9, active / 1e9);
+        // Qwen's published figures: 122B total (with a vision tower and MTP layer we do not write), 10B active.
+        assert!((118e9..123e9).contains(&total), "{total}");
+        assert!((9e9..11e9).contains(&active), "{active}");
+        assert_eq!(ts.iter().filter(|(s, _)| s.name.ends_with("ssm_out.weight")).count(), 36, "3 of 4 layers are Gated DeltaNet");
     }
 
     #[test]

@@ -128,3 +128,27 @@ fn greedy_speculation_equals_plain_decoding() {
         }
     }
 }
+
+#[test]
+fn synthetic_hybrid_streams_and_speculates_like_resident() {
+    // `strata synth --preset tiny-hybrid`: the qwen3.5-122b-a10b layout at test size (Q4_K).
+    let dir = std::env::temp_dir().join(format!("strata-hybrid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny-hybrid.gguf");
+    let preset = strata_engine::synth::SynthPreset::by_name("tiny-hybrid").unwrap();
+    let o = strata_engine::synth::SynthOptions { preset, quant: strata_engine::synth::parse_quant("Q4_K").unwrap(), seed: 7, routing_skew: Some(1.0) };
+    strata_engine::synth::synth(&path, &o, &mut |_, _| {}).unwrap();
+    let cfg = strata_formats::ModelFiles::open(&path).unwrap().config().unwrap();
+    assert_eq!(cfg.arch, strata_formats::Architecture::Qwen35Moe);
+    assert_eq!(cfg.attention_layers(), 1);
+    let resident = load(&path, None);
+    let p = resident.text_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox").unwrap();
+    let want = generate(&resident, &p, 32).tokens;
+    let mut streamed = load(&path, Some("25%"));
+    let g = generate(&streamed, &p, 32);
+    assert_eq!(g.tokens, want, "streamed experts");
+    assert!(g.experts.unwrap().bytes_read > 0, "a 25% cache reads experts");
+    streamed.set_speculation(Some(spec(DraftSource::SelfDraft { layers: 2 }, 3, true))).unwrap();
+    assert_eq!(generate(&streamed, &p, 32).tokens, want, "self-draft on streamed experts");
+    let _ = std::fs::remove_dir_all(&dir);
+}
