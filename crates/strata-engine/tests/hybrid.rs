@@ -51,7 +51,10 @@ fn prefill_equals_token_by_token_decode() {
     for arch in ARCHS {
         for path in forms(arch) {
             let engine = common::load(&path, 256);
-            let prompt = prompt(arch);
+            // 93 tokens: one pass runs the chunked form (> EXACT_ROWS_MAX tokens, chunks of 64 and
+            // 29), token by token the recurrent form.
+            let prompt = prompt(arch).repeat(3);
+            assert!(prompt.len() > strata_models::EXACT_ROWS_MAX);
             let mut cache = engine.new_cache(256).unwrap();
             let all = engine.model.forward(&prompt, &mut cache, Logits::All, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
             // One token per forward (the decode path), and prefill chunks of 8 then decode.

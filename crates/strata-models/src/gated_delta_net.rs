@@ -11,7 +11,8 @@
 //! and the delta rule ([`delta_update`]) on a `[k_dim, v_dim]` state, read out with q → RMSNorm
 //! per head times `silu(z)` → out-projection.
 //!
-//! Prefill and decode both run the recurrent form token by token.
+//! Passes of more than `EXACT_ROWS_MAX` tokens (prefill) run the chunked parallel form
+//! ([`chunked_delta_rule`]); shorter ones (decode, speculative verification) the recurrent form.
 
 use candle_core::Tensor;
 use strata_formats::{LinearAttnConfig, ModelConfig, ModelFiles};
@@ -140,10 +141,10 @@ impl GatedDeltaNet {
         let mut cat = vec![0f32; total];
         let mut row = vec![0f32; cd + vw + 2 * nv];
         let mut conv = vec![0f32; cd];
-        let (mut decay, mut beta) = (vec![0f32; nv], vec![0f32; nv]);
-        let mut mem = vec![0f32; d.v_dim];
-        let mut out = vec![0f32; seq * vw];
-        let head = d.k_dim * d.v_dim;
+        // Per token: q, k (normalised), v, log-decay g, β, and the output gate z.
+        let (mut q_all, mut k_all, mut v_all) = (vec![0f32; seq * kw], vec![0f32; seq * kw], vec![0f32; seq * vw]);
+        let (mut g_all, mut beta_all, mut z_all) = (vec![0f32; seq * nv], vec![0f32; seq * nv], vec![0f32; seq * vw]);
+        let mut decay = vec![0f32; nv];
         let q_scale = 1.0 / (d.k_dim as f32).sqrt();
         for t in 0..seq {
             let mut off = 0;
@@ -178,22 +179,52 @@ impl GatedDeltaNet {
             for hd in k.chunks_exact_mut(d.k_dim) {
                 l2_normalize(hd);
             }
+            let (g, beta) = (&mut g_all[t * nv..(t + 1) * nv], &mut beta_all[t * nv..(t + 1) * nv]);
             for hh in 0..nv {
-                decay[hh] = (self.a[hh] * softplus(a[hh] + self.dt_bias[hh])).exp();
+                g[hh] = self.a[hh] * softplus(a[hh] + self.dt_bias[hh]);
+                decay[hh] = g[hh].exp();
                 beta[hh] = sigmoid(b[hh]);
             }
-            let o_tok = &mut out[t * vw..(t + 1) * vw];
-            for hh in 0..nv {
-                let kh = d.key_head(hh);
-                let s = &mut state.ssm[hh * head..(hh + 1) * head];
-                let (kk, qq) = (&k[kh * d.k_dim..(kh + 1) * d.k_dim], &q[kh * d.k_dim..(kh + 1) * d.k_dim]);
-                delta_update(s, kk, &v[hh * d.v_dim..(hh + 1) * d.v_dim], decay[hh], beta[hh], &mut mem);
-                let o = &mut o_tok[hh * d.v_dim..(hh + 1) * d.v_dim];
-                delta_readout(s, qq, o);
-                gated_rms_norm(o, &z[hh * d.v_dim..(hh + 1) * d.v_dim], &self.norm_w, self.eps);
-            }
             if let Some(l) = log.as_deref_mut() {
-                l.push(raw, k, v, &decay, &beta);
+                l.push(raw, k, v, &decay, beta);
+            }
+            q_all[t * kw..(t + 1) * kw].copy_from_slice(q);
+            k_all[t * kw..(t + 1) * kw].copy_from_slice(k);
+            v_all[t * vw..(t + 1) * vw].copy_from_slice(v);
+            z_all[t * vw..(t + 1) * vw].copy_from_slice(z);
+        }
+        // The delta rule per value head over the whole pass: recurrent for short passes (decode and
+        // speculative verification: bit-identical however the tokens are batched), chunked for prefill.
+        let mut out = vec![0f32; seq * vw];
+        let head = d.k_dim * d.v_dim;
+        let (dk, dv) = (d.k_dim, d.v_dim);
+        let mut mem = vec![0f32; dv];
+        let mut hq = vec![0f32; seq * dk];
+        let mut hk = vec![0f32; seq * dk];
+        let mut hv = vec![0f32; seq * dv];
+        let mut ho = vec![0f32; seq * dv];
+        for hh in 0..nv {
+            let kh = d.key_head(hh);
+            let s = &mut state.ssm[hh * head..(hh + 1) * head];
+            for t in 0..seq {
+                hq[t * dk..(t + 1) * dk].copy_from_slice(&q_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
+                hk[t * dk..(t + 1) * dk].copy_from_slice(&k_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
+                hv[t * dv..(t + 1) * dv].copy_from_slice(&v_all[t * vw + hh * dv..t * vw + (hh + 1) * dv]);
+            }
+            let g: Vec<f32> = (0..seq).map(|t| g_all[t * nv + hh]).collect();
+            let beta: Vec<f32> = (0..seq).map(|t| beta_all[t * nv + hh]).collect();
+            if seq > crate::attention::EXACT_ROWS_MAX {
+                chunked_delta_rule(s, &hq, &hk, &hv, &g, &beta, CHUNK, &mut ho);
+            } else {
+                for t in 0..seq {
+                    delta_update(s, &hk[t * dk..(t + 1) * dk], &hv[t * dv..(t + 1) * dv], g[t].exp(), beta[t], &mut mem);
+                    delta_readout(s, &hq[t * dk..(t + 1) * dk], &mut ho[t * dv..(t + 1) * dv]);
+                }
+            }
+            for t in 0..seq {
+                let o = &mut out[t * vw + hh * dv..t * vw + (hh + 1) * dv];
+                o.copy_from_slice(&ho[t * dv..(t + 1) * dv]);
+                gated_rms_norm(o, &z_all[t * vw + hh * dv..t * vw + (hh + 1) * dv], &self.norm_w, self.eps);
             }
         }
         let out = Tensor::from_vec(out, (seq, vw), x.device())?;
@@ -231,5 +262,154 @@ fn gated_rms_norm(x: &mut [f32], z: &[f32], w: &[f32], eps: f32) {
     let inv = 1.0 / (ms + eps).sqrt();
     for ((a, &g), &zz) in x.iter_mut().zip(w).zip(z) {
         *a = *a * inv * g * silu(zz);
+    }
+}
+
+/// Chunk length of [`chunked_delta_rule`] (fla's and transformers' default).
+pub const CHUNK: usize = 64;
+
+/// The gated delta rule over a whole sequence for one value head, chunk by chunk (the WY / UT
+/// transform form of Yang et al. 2024, §3.3; transformers `torch_chunk_gated_delta_rule`): inside a
+/// chunk the intra-chunk dependencies are solved with a lower-triangular system, across chunks the
+/// state is carried. Equal to [`delta_update`] + [`delta_readout`] token by token up to rounding.
+///
+/// `s: [k_dim, v_dim]` (updated in place), `q, k: [T, k_dim]` (normalised, q scaled),
+/// `v: [T, v_dim]`, `g: [T]` log-decays (≤ 0), `beta: [T]`, `out: [T, v_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_delta_rule(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], chunk: usize, out: &mut [f32]) {
+    let t_len = g.len();
+    let dk = k.len() / t_len.max(1);
+    let dv = v.len() / t_len.max(1);
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let mut a = vec![0f32; chunk * chunk];
+    let mut u = vec![0f32; chunk * dv];
+    let mut w = vec![0f32; chunk * dk];
+    let mut cum = vec![0f32; chunk];
+    let mut row = vec![0f32; chunk];
+    for c0 in (0..t_len).step_by(chunk) {
+        let n = chunk.min(t_len - c0);
+        let kt = |i: usize| &k[(c0 + i) * dk..(c0 + i + 1) * dk];
+        let qt = |i: usize| &q[(c0 + i) * dk..(c0 + i + 1) * dk];
+        let vt = |i: usize| &v[(c0 + i) * dv..(c0 + i + 1) * dv];
+        let mut acc = 0f32;
+        for i in 0..n {
+            acc += g[c0 + i];
+            cum[i] = acc;
+        }
+        // A[i][j] = −β_i (k_i·k_j) e^{G_i − G_j} for j < i, then (I − A)⁻¹ by forward substitution.
+        a[..n * chunk].fill(0.0);
+        for i in 1..n {
+            for j in 0..i {
+                a[i * chunk + j] = -beta[c0 + i] * dot(kt(i), kt(j)) * (cum[i] - cum[j]).exp();
+            }
+        }
+        for i in 1..n {
+            row[..i].copy_from_slice(&a[i * chunk..i * chunk + i]);
+            for j in 0..i {
+                let mut x = row[j];
+                for m in j + 1..i {
+                    x += row[m] * a[m * chunk + j];
+                }
+                a[i * chunk + j] = x;
+            }
+        }
+        // T = A + I; U = T·(β v); W = T·(β k e^{G}).
+        for i in 0..n {
+            let (ui, wi) = (&mut u[i * dv..(i + 1) * dv], &mut w[i * dk..(i + 1) * dk]);
+            ui.fill(0.0);
+            wi.fill(0.0);
+            for j in 0..=i {
+                let tij = if j == i { 1.0 } else { a[i * chunk + j] };
+                let bj = beta[c0 + j];
+                let ej = cum[j].exp();
+                for (x, &y) in ui.iter_mut().zip(vt(j)) {
+                    *x += tij * bj * y;
+                }
+                for (x, &y) in wi.iter_mut().zip(kt(j)) {
+                    *x += tij * bj * ej * y;
+                }
+            }
+        }
+        // v_new = U − W·S (stored in u).
+        for i in 0..n {
+            for (r, &wk) in w[i * dk..(i + 1) * dk].iter().enumerate() {
+                let srow = &s[r * dv..(r + 1) * dv];
+                for (x, &sv) in u[i * dv..(i + 1) * dv].iter_mut().zip(srow) {
+                    *x -= wk * sv;
+                }
+            }
+        }
+        // out_i = (q_i e^{G_i})·S + Σ_{j≤i} (q_i·k_j) e^{G_i − G_j} v_new_j.
+        for i in 0..n {
+            let o = &mut out[(c0 + i) * dv..(c0 + i + 1) * dv];
+            o.fill(0.0);
+            let ei = cum[i].exp();
+            for (r, &qr) in qt(i).iter().enumerate() {
+                let f = qr * ei;
+                for (x, &sv) in o.iter_mut().zip(&s[r * dv..(r + 1) * dv]) {
+                    *x += f * sv;
+                }
+            }
+            for j in 0..=i {
+                let f = dot(qt(i), kt(j)) * (cum[i] - cum[j]).exp();
+                for (x, &y) in o.iter_mut().zip(&u[j * dv..(j + 1) * dv]) {
+                    *x += f * y;
+                }
+            }
+        }
+        // S ← S e^{G_last} + Σ_j (k_j e^{G_last − G_j}) ⊗ v_new_j.
+        let last = cum[n - 1];
+        let el = last.exp();
+        s.iter_mut().for_each(|x| *x *= el);
+        for j in 0..n {
+            let f = (last - cum[j]).exp();
+            for (r, &kr) in kt(j).iter().enumerate() {
+                let kf = kr * f;
+                for (x, &y) in s[r * dv..(r + 1) * dv].iter_mut().zip(&u[j * dv..(j + 1) * dv]) {
+                    *x += kf * y;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunked form equals the recurrent form (outputs and final state) over several chunks,
+    /// a partial last chunk included, from a non-zero initial state.
+    #[test]
+    fn chunked_equals_recurrent() {
+        let (t_len, dk, dv) = (150, 16, 8);
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let mut q: Vec<f32> = (0..t_len * dk).map(|_| rnd()).collect();
+        let mut k: Vec<f32> = (0..t_len * dk).map(|_| rnd()).collect();
+        q.chunks_exact_mut(dk).for_each(|h| {
+            l2_normalize(h);
+            h.iter_mut().for_each(|a| *a /= (dk as f32).sqrt());
+        });
+        k.chunks_exact_mut(dk).for_each(l2_normalize);
+        let v: Vec<f32> = (0..t_len * dv).map(|_| rnd()).collect();
+        let g: Vec<f32> = (0..t_len).map(|_| -0.3 * (rnd() + 1.0)).collect();
+        let beta: Vec<f32> = (0..t_len).map(|_| sigmoid(2.0 * rnd())).collect();
+        let s0: Vec<f32> = (0..dk * dv).map(|_| 0.5 * rnd()).collect();
+
+        let (mut s_rec, mut out_rec, mut mem) = (s0.clone(), vec![0f32; t_len * dv], vec![0f32; dv]);
+        for t in 0..t_len {
+            delta_update(&mut s_rec, &k[t * dk..(t + 1) * dk], &v[t * dv..(t + 1) * dv], g[t].exp(), beta[t], &mut mem);
+            delta_readout(&s_rec, &q[t * dk..(t + 1) * dk], &mut out_rec[t * dv..(t + 1) * dv]);
+        }
+        let (mut s_chk, mut out_chk) = (s0, vec![0f32; t_len * dv]);
+        chunked_delta_rule(&mut s_chk, &q, &k, &v, &g, &beta, CHUNK, &mut out_chk);
+        let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(diff(&out_rec, &out_chk) < 1e-5, "outputs differ by {}", diff(&out_rec, &out_chk));
+        assert!(diff(&s_rec, &s_chk) < 1e-5, "states differ by {}", diff(&s_rec, &s_chk));
     }
 }
