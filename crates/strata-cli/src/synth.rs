@@ -11,7 +11,8 @@ use strata_engine::synth::{parse_quant, synth, SynthOptions, SynthPreset};
 pub struct SynthArgs {
     /// Architecture and dimensions: qwen3-30b-a3b (48 layers, hidden 2048, 128 experts, top-8,
     /// expert FFN 768), mixtral-8x7b (32 layers, hidden 4096, 8 experts, top-2, expert FFN 14336),
-    /// tiny-moe (4 layers, hidden 256, 16 experts, top-4; for tests).
+    /// qwen3.5-122b-a10b (48 layers, 3 of 4 Gated DeltaNet, hidden 3072, 256 experts, top-8 plus a
+    /// shared expert, expert FFN 1024), tiny-moe and tiny-hybrid (4 layers; for tests).
     #[arg(long)]
     pub preset: String,
     /// Type of every weight matrix (routers and norms stay F32): Q4_K, Q4_1, Q8_0, F32.
