@@ -155,3 +155,36 @@ fn synthetic_hybrid_streams_and_speculates_like_resident() {
     assert_eq!(generate(&streamed, &p, 32).tokens, want, "self-draft on streamed experts");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn image_text_checkpoint_layout_loads_the_text_model() {
+    // Qwen3.5-MoE checkpoints as released: config under `text_config` of a `qwen3_5_moe` config,
+    // tensors under `model.language_model.` — same weights, same greedy ids as the reference.
+    let src = fixtures().join("qwen3_5_moe");
+    let dir = std::env::temp_dir().join(format!("strata-qwen35-vl-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let text: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let cfg = serde_json::json!({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    // Rename every tensor in the safetensors header; the data section is unchanged.
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let renamed: serde_json::Map<String, serde_json::Value> =
+        header.into_iter().map(|(k, v)| (k.strip_prefix("model.").map_or(k.clone(), |r| format!("model.language_model.{r}")), v)).collect();
+    let h = serde_json::to_vec(&renamed).unwrap();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(h);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("qwen3_5_moe.reference.json")).unwrap()).unwrap();
+    let want: Vec<u32> = r["greedy_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let engine = common::load(&dir, 256);
+    assert_eq!(generate(&engine, &prompt("qwen3_5_moe"), want.len()).tokens, want);
+    let _ = std::fs::remove_dir_all(&dir);
+}

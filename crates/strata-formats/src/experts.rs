@@ -3,7 +3,8 @@
 //! Layouts (expert `e` of layer `L`, `E` experts, hidden `H`, expert intermediate `I`):
 //! - GGUF (llama.cpp's converter): 3-D tensors `blk.L.ffn_{gate,up}_exps.weight` `[E, I, H]` and
 //!   `blk.L.ffn_down_exps.weight` `[E, H, I]`; expert `e` is one contiguous slice of each.
-//! - HF per expert: `model.layers.L.mlp.experts.e.{gate,up,down}_proj.weight` (Qwen-MoE, OLMoE) or
+//! - HF per expert (under `model.layers.` or, for image-text checkpoints,
+//!   `model.language_model.layers.`): `model.layers.L.mlp.experts.e.{gate,up,down}_proj.weight` (Qwen-MoE, OLMoE) or
 //!   `model.layers.L.block_sparse_moe.experts.e.{w1,w3,w2}.weight` (Mixtral).
 //! - HF fused (transformers 5's in-memory layout): `model.layers.L.mlp.experts.gate_up_proj`
 //!   `[E, 2I, H]` (gate rows first, then up) and `model.layers.L.mlp.experts.down_proj` `[E, H, I]`.
@@ -65,19 +66,22 @@ impl ModelFiles {
             }
             ModelFiles::Hf(hf) => {
                 let has = |n: &str| hf.weights.info(n).is_some();
-                let fused = format!("model.layers.{layer}.mlp.experts.gate_up_proj");
+                // Image-text checkpoints (qwen3_5_moe) nest the language model.
+                let nested = format!("model.language_model.layers.{layer}.mlp.");
+                let root = if hf.weights.tensors.keys().any(|k| k.starts_with(&nested)) { "model.language_model.layers" } else { "model.layers" };
+                let fused = format!("{root}.{layer}.mlp.experts.gate_up_proj");
                 if has(&fused) {
-                    let down = format!("model.layers.{layer}.mlp.experts.down_proj");
+                    let down = format!("{root}.{layer}.mlp.experts.down_proj");
                     self.check_shape(&fused, hf.weights.info(&fused).map(|t| t.shape.clone()), &[e, 2 * i, h])?;
                     self.check_shape(&down, hf.weights.info(&down).map(|t| t.shape.clone()), &[e, h, i])?;
                     return Ok(ExpertLayout::HfFused { gate_up: fused, down });
                 }
-                let mixtral = format!("model.layers.{layer}.block_sparse_moe.experts");
+                let mixtral = format!("{root}.{layer}.block_sparse_moe.experts");
                 let layout = if has(&format!("{mixtral}.0.w1.weight")) {
                     ExpertLayout::HfPerExpert { prefix: mixtral, projections: ["w1", "w3", "w2"] }
                 } else {
                     ExpertLayout::HfPerExpert {
-                        prefix: format!("model.layers.{layer}.mlp.experts"),
+                        prefix: format!("{root}.{layer}.mlp.experts"),
                         projections: ["gate_proj", "up_proj", "down_proj"],
                     }
                 };
