@@ -148,24 +148,21 @@ impl SynthPreset {
                 shared_expert_ffn: 1024,
                 linear: Some(LinearPreset { k_heads: 16, v_heads: 64, k_dim: 128, v_dim: 128, conv_kernel: 4, full_attention_interval: 4 }),
             },
+            // The qwen3.5-122b-a10b layout at test size.
             "tiny-hybrid" => Self {
                 name: "tiny-hybrid",
-                arch: "qwen35moe",
                 layers: 4,
                 hidden: 256,
                 heads: 4,
-                kv_heads: 2,
                 head_dim: 64,
                 experts: 16,
                 top_k: 4,
                 expert_ffn: 256,
                 vocab: 512,
-                rope_theta: 1e7,
-                rms_eps: 1e-6,
                 context: 4096,
-                qk_norm: true,
                 shared_expert_ffn: 256,
                 linear: Some(LinearPreset { k_heads: 2, v_heads: 4, k_dim: 64, v_dim: 64, conv_kernel: 4, full_attention_interval: 4 }),
+                ..Self::by_name("qwen3.5-122b-a10b")?
             },
             _ => return None,
         })

@@ -198,39 +198,52 @@ impl GatedDeltaNet {
         let mut out = vec![0f32; seq * vw];
         let head = d.k_dim * d.v_dim;
         let (dk, dv) = (d.k_dim, d.v_dim);
-        let mut mem = vec![0f32; dv];
-        let mut hq = vec![0f32; seq * dk];
-        let mut hk = vec![0f32; seq * dk];
-        let mut hv = vec![0f32; seq * dv];
-        let mut ho = vec![0f32; seq * dv];
-        for hh in 0..nv {
-            let kh = d.key_head(hh);
-            let s = &mut state.ssm[hh * head..(hh + 1) * head];
-            for t in 0..seq {
-                hq[t * dk..(t + 1) * dk].copy_from_slice(&q_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
-                hk[t * dk..(t + 1) * dk].copy_from_slice(&k_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
-                hv[t * dv..(t + 1) * dv].copy_from_slice(&v_all[t * vw + hh * dv..t * vw + (hh + 1) * dv]);
-            }
-            let g: Vec<f32> = (0..seq).map(|t| g_all[t * nv + hh]).collect();
-            let beta: Vec<f32> = (0..seq).map(|t| beta_all[t * nv + hh]).collect();
-            if seq > crate::attention::EXACT_ROWS_MAX {
-                chunked_delta_rule(s, &hq, &hk, &hv, &g, &beta, CHUNK, &mut ho);
-            } else {
+        let (ssm, outp) = (SendPtr(state.ssm.as_mut_ptr()), SendPtr(out.as_mut_ptr()));
+        // Value heads are independent: split them over candle's barrier pool (the calling thread
+        // works too). Each head's arithmetic is the same whichever thread runs it.
+        candle_core::utils::barrier_pool().execute_chunked(nv, |heads| {
+            let (ssm, outp) = (ssm, outp);
+            let mut mem = vec![0f32; dv];
+            let (mut hq, mut hk) = (vec![0f32; seq * dk], vec![0f32; seq * dk]);
+            let (mut hv, mut ho) = (vec![0f32; seq * dv], vec![0f32; seq * dv]);
+            for hh in heads {
+                let kh = d.key_head(hh);
+                // SAFETY: head hh's state slice is touched by this task only.
+                let s = unsafe { std::slice::from_raw_parts_mut(ssm.0.add(hh * head), head) };
                 for t in 0..seq {
-                    delta_update(s, &hk[t * dk..(t + 1) * dk], &hv[t * dv..(t + 1) * dv], g[t].exp(), beta[t], &mut mem);
-                    delta_readout(s, &hq[t * dk..(t + 1) * dk], &mut ho[t * dv..(t + 1) * dv]);
+                    hq[t * dk..(t + 1) * dk].copy_from_slice(&q_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
+                    hk[t * dk..(t + 1) * dk].copy_from_slice(&k_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
+                    hv[t * dv..(t + 1) * dv].copy_from_slice(&v_all[t * vw + hh * dv..t * vw + (hh + 1) * dv]);
+                }
+                let g: Vec<f32> = (0..seq).map(|t| g_all[t * nv + hh]).collect();
+                let beta: Vec<f32> = (0..seq).map(|t| beta_all[t * nv + hh]).collect();
+                if seq > crate::attention::EXACT_ROWS_MAX {
+                    chunked_delta_rule(s, &hq, &hk, &hv, &g, &beta, CHUNK, &mut ho);
+                } else {
+                    for t in 0..seq {
+                        delta_update(s, &hk[t * dk..(t + 1) * dk], &hv[t * dv..(t + 1) * dv], g[t].exp(), beta[t], &mut mem);
+                        delta_readout(s, &hq[t * dk..(t + 1) * dk], &mut ho[t * dv..(t + 1) * dv]);
+                    }
+                }
+                for t in 0..seq {
+                    // SAFETY: columns hh·dv..(hh+1)·dv of every row are written by this task only.
+                    let o = unsafe { std::slice::from_raw_parts_mut(outp.0.add(t * vw + hh * dv), dv) };
+                    o.copy_from_slice(&ho[t * dv..(t + 1) * dv]);
+                    gated_rms_norm(o, &z_all[t * vw + hh * dv..t * vw + (hh + 1) * dv], &self.norm_w, self.eps);
                 }
             }
-            for t in 0..seq {
-                let o = &mut out[t * vw + hh * dv..t * vw + (hh + 1) * dv];
-                o.copy_from_slice(&ho[t * dv..(t + 1) * dv]);
-                gated_rms_norm(o, &z_all[t * vw + hh * dv..t * vw + (hh + 1) * dv], &self.norm_w, self.eps);
-            }
-        }
+        });
         let out = Tensor::from_vec(out, (seq, vw), x.device())?;
         Ok(self.out_proj.forward(&out)?)
     }
 }
+
+/// A raw pointer shared by the head tasks, each writing disjoint ranges.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint ranges (see the call sites) and the pool joins before the owner is used.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
