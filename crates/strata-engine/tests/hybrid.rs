@@ -94,6 +94,15 @@ fn rollback_before_the_checkpoint_is_an_error() {
     engine.model.forward(&[4, 5], &mut cache, Logits::Last, &[]).unwrap();
     let got = engine.model.forward(&[6], &mut cache, Logits::Last, &[]).unwrap().logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(got, want, "restored state decodes bit-identically");
+    // While the checkpoint is held every token logs its update; once released, nothing grows.
+    let logging = cache.bytes();
+    engine.model.forward(&[7], &mut cache, Logits::Last, &[]).unwrap();
+    assert!(cache.bytes() > logging);
+    engine.model.release_checkpoint(&mut cache);
+    let released = cache.bytes();
+    engine.model.forward(&[8, 9], &mut cache, Logits::Last, &[]).unwrap();
+    assert_eq!(cache.bytes(), released, "no log after release");
+    assert!(engine.model.rollback(&mut cache, 8).is_err(), "no rollback after release");
 }
 
 fn spec(source: DraftSource, max_draft: usize, fixed: bool) -> SpecConfig {

@@ -53,6 +53,16 @@ impl KvCache {
         self.recurrent.checkpoint(self.len);
     }
 
+    /// Ends the checkpoint's logging (the end of a speculative round); see [`RecurrentCache::release`].
+    pub fn release_checkpoint(&mut self) {
+        self.recurrent.release();
+    }
+
+    /// Sequence length of the active checkpoint of a hybrid model's recurrent state, if any.
+    pub fn checkpoint_len(&self) -> Option<usize> {
+        self.recurrent.checkpoint_len()
+    }
+
     /// Rolls back to `len` tokens: the KV length moves, recurrent state is restored from the
     /// checkpoint and replayed. Errors (`ModelError::Rollback`, state unchanged) when recurrent
     /// state would be needed from before the checkpoint.

@@ -132,6 +132,15 @@ impl StepLog {
         self.tokens += 1;
     }
 
+    fn clear(&mut self) {
+        self.raw.clear();
+        self.k.clear();
+        self.v.clear();
+        self.decay.clear();
+        self.beta.clear();
+        self.tokens = 0;
+    }
+
     fn truncate(&mut self, d: &GdnDims, n: usize) {
         self.raw.truncate(n * d.conv_dim());
         self.k.truncate(n * d.key_width());
@@ -171,6 +180,8 @@ struct Checkpoint {
     len: usize,
     states: Vec<Option<LinearState>>,
     logs: Vec<Option<StepLog>>,
+    /// False once released: the buffers stay for the next checkpoint, nothing is logged.
+    active: bool,
 }
 
 /// The recurrent state of every Gated DeltaNet layer of one sequence (`None` for attention layers).
@@ -200,7 +211,7 @@ impl RecurrentCache {
     /// Layer `layer`'s state and, while a checkpoint is held, its log.
     pub fn layer_mut(&mut self, layer: usize) -> Option<(&mut LinearState, Option<&mut StepLog>)> {
         let state = self.states.get_mut(layer)?.as_mut()?;
-        let log = self.checkpoint.as_mut().and_then(|c| c.logs.get_mut(layer)).and_then(Option::as_mut);
+        let log = self.checkpoint.as_mut().filter(|c| c.active).and_then(|c| c.logs.get_mut(layer)).and_then(Option::as_mut);
         Some((state, log))
     }
 
@@ -209,9 +220,8 @@ impl RecurrentCache {
         if !self.is_active() {
             return;
         }
-        let logs = self.states.iter().map(|s| s.as_ref().map(|_| StepLog::default())).collect();
-        let states = match self.checkpoint.take() {
-            // Reuse the previous copy's buffers.
+        let (states, logs) = match self.checkpoint.take() {
+            // Reuse the previous copy's and logs' buffers.
             Some(mut c) => {
                 for (dst, src) in c.states.iter_mut().zip(&self.states) {
                     if let (Some(d), Some(s)) = (dst.as_mut(), src.as_ref()) {
@@ -219,16 +229,30 @@ impl RecurrentCache {
                         d.ssm.copy_from_slice(&s.ssm);
                     }
                 }
-                c.states
+                for log in c.logs.iter_mut().flatten() {
+                    log.clear();
+                }
+                (c.states, c.logs)
             }
-            None => self.states.clone(),
+            None => (self.states.clone(), self.states.iter().map(|s| s.as_ref().map(|_| StepLog::default())).collect()),
         };
-        self.checkpoint = Some(Checkpoint { len, states, logs });
+        self.checkpoint = Some(Checkpoint { len, states, logs, active: true });
+    }
+
+    /// Stops logging (the end of a speculative round): later tokens cost nothing and rollback is
+    /// refused until the next [`Self::checkpoint`].
+    pub fn release(&mut self) {
+        if let Some(c) = self.checkpoint.as_mut() {
+            c.active = false;
+            for log in c.logs.iter_mut().flatten() {
+                log.clear();
+            }
+        }
     }
 
     /// Sequence length of the checkpoint held, if any.
     pub fn checkpoint_len(&self) -> Option<usize> {
-        self.checkpoint.as_ref().map(|c| c.len)
+        self.checkpoint.as_ref().filter(|c| c.active).map(|c| c.len)
     }
 
     /// Restores the state of sequence length `len` (from `current`). `Err(checkpoint)` when `len`
@@ -237,7 +261,7 @@ impl RecurrentCache {
         if !self.is_active() || len >= current {
             return Ok(());
         }
-        let Some(c) = self.checkpoint.as_mut() else { return Err(None) };
+        let Some(c) = self.checkpoint.as_mut().filter(|c| c.active) else { return Err(None) };
         if len < c.len {
             return Err(Some(c.len));
         }
@@ -353,5 +377,11 @@ mod tests {
         assert_eq!(c.rollback(2, 4), Ok(()));
         let s = c.states[0].as_ref().unwrap();
         assert_eq!((&s.conv, &s.ssm), (&snapshots[1].conv, &snapshots[1].ssm));
+        // Released: nothing is logged any more and rollback is refused.
+        c.release();
+        step(&mut c, 2);
+        assert!(c.layer_mut(0).unwrap().1.is_none());
+        assert_eq!(c.rollback(2, 3), Err(None));
+        assert_eq!(c.checkpoint_len(), None);
     }
 }

@@ -241,9 +241,15 @@ impl Transformer {
 
     /// Speculative decoding: marks the sequence's current length as one [`Self::rollback`] can
     /// return to, with every later position. Copies the recurrent state of hybrid models (free
-    /// otherwise); call it before drafting.
+    /// otherwise) and logs every later token's update until [`Self::release_checkpoint`]; call it
+    /// before drafting.
     pub fn checkpoint(&self, cache: &mut KvCache) {
         cache.checkpoint();
+    }
+
+    /// Ends a speculative round: stops the logging [`Self::checkpoint`] started.
+    pub fn release_checkpoint(&self, cache: &mut KvCache) {
+        cache.release_checkpoint();
     }
 
     /// Speculative-decoding rollback hook: keeps the first `len` tokens of the sequence state and

@@ -139,8 +139,6 @@ impl<'a> Speculator<'a> {
     pub fn round(&mut self, cache: &mut KvCache, history: &[u32], sampler: &mut Sampler, wanted: usize) -> Result<Vec<Emitted>> {
         let last = *history.last().ok_or(EngineError::EmptyPrompt)?;
         let len0 = cache.len();
-        // Every rollback of this round (self-draft, rejected drafts) returns to len0 or later.
-        self.target.checkpoint(cache);
         // Room for the verify pass [last, d₁..d_N] and no drafting past what is wanted.
         let limit = wanted.saturating_sub(1).min(cache.capacity().saturating_sub(len0 + 1)).min(self.cfg.max_draft);
         let t0 = Instant::now();
@@ -163,6 +161,11 @@ impl<'a> Speculator<'a> {
         let draft_ms = t0.elapsed().as_secs_f64() * 1e3;
 
         let t1 = Instant::now();
+        // Every rollback of this round returns to len0 or later: checkpoint there (self-draft already
+        // did, before drafting). A round without drafts needs none (hybrid models: no state copy).
+        if !drafts.is_empty() && cache.checkpoint_len() != Some(len0) {
+            self.target.checkpoint(cache);
+        }
         let mut input = Vec::with_capacity(drafts.len() + 1);
         input.push(last);
         input.extend_from_slice(&drafts);
@@ -195,6 +198,7 @@ impl<'a> Speculator<'a> {
             emitted.push((sampler.draw(&p), logits));
         }
         self.target.rollback(cache, len0 + 1 + accepted)?;
+        self.target.release_checkpoint(cache);
         let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
         self.policy.observe(drafts.len(), accepted, draft_ms, verify_ms, fanout);
         self.stats.record(drafts.len(), accepted, draft_ms, verify_ms, fanout);
@@ -253,6 +257,9 @@ impl<'a> Speculator<'a> {
     /// the positions the verify pass then overwrites (rolled back before returning).
     fn self_draft(&mut self, layers: usize, cache: &mut KvCache, history: &[u32], n: usize, sampler: &mut Sampler) -> Result<(Vec<u32>, Vec<DraftDist>)> {
         let len0 = cache.len();
+        if n > 0 {
+            self.target.checkpoint(cache);
+        }
         let mut ctx = history.to_vec();
         let mut tok = *history.last().ok_or(EngineError::EmptyPrompt)?;
         let (mut drafts, mut dists) = (Vec::with_capacity(n), Vec::with_capacity(n));
