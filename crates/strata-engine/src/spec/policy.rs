@@ -56,6 +56,9 @@ pub struct DraftPolicy {
     next_explore: u64,
     explore_every: u64,
     last_best: usize,
+    /// Counts exploration probes: they go above the best, below it, and to plain decoding in turn
+    /// (so that a stale baseline, e.g. plain decoding timed on a cold expert cache, is re-measured).
+    probes: u64,
 }
 
 impl DraftPolicy {
@@ -76,6 +79,7 @@ impl DraftPolicy {
             next_explore: 4,
             explore_every: 4,
             last_best: 0,
+            probes: 0,
         }
     }
 
@@ -135,8 +139,15 @@ impl DraftPolicy {
             self.explore_every = 4;
         }
         if self.rounds >= self.next_explore && cap > 0 {
-            // Re-measure a neighbour of the best (its estimate may be stale or a prior).
-            let probe = if best < cap { best + 1 } else { best - 1 };
+            // Re-measure a neighbour of the best (its estimate may be stale or a prior) above, below,
+            // and plain decoding, in turn.
+            self.probes += 1;
+            let probe = match (self.probes % 3, best) {
+                (_, 0) => 1,
+                (0, _) => 0,
+                (1, b) if b < cap => b + 1,
+                (_, b) => b - 1,
+            };
             self.next_explore = self.rounds + self.explore_every;
             self.explore_every = (self.explore_every * 2).min(256);
             return probe;
@@ -157,6 +168,11 @@ impl DraftPolicy {
         }
         // A plain mean over the first samples, then an EMA: one slow early sample must not make a
         // width look expensive (or another cheap) for long.
+        // A measurement off by more than 2× from the estimate means the regime changed (the expert
+        // cache warmed up, the machine got busy): restart that width's mean from it.
+        if self.verify_ms[n].is_some_and(|o| verify_ms > 2.0 * o || verify_ms < 0.5 * o) {
+            self.verify_n[n] = 0;
+        }
         self.verify_n[n] += 1;
         let w = (1.0 / self.verify_n[n] as f64).max(EMA);
         self.verify_ms[n] = Some(self.verify_ms[n].map_or(verify_ms, |o| o + w * (verify_ms - o)));
@@ -211,6 +227,22 @@ mod tests {
         s.next_explore = u64::MAX;
         assert_eq!(s.choose(8), 0);
         assert_eq!(s.choose(0), 0);
+    }
+
+    /// Streaming: plain decoding measured while the expert cache was cold (300 ms) must not keep a
+    /// never-accepted draft of one token going once every width costs the same (100 ms).
+    #[test]
+    fn a_stale_cold_measurement_of_plain_decoding_is_remeasured() {
+        let mut p = DraftPolicy::new(4, None, Some(FanoutModel { experts: 128, top_k: 8 }));
+        let mut chosen = Vec::new();
+        for round in 0..200 {
+            let n = p.choose(4);
+            let ms = if round < 6 { 300.0 } else { 100.0 };
+            p.observe(n, 0, 2.0 * n as f64, ms, Some(8.0 + n as f64));
+            chosen.push(n);
+        }
+        let plain = chosen[100..].iter().filter(|&&n| n == 0).count();
+        assert!(plain >= 90, "plain decoding chosen in {plain} of the last 100 rounds: {chosen:?}");
     }
 
     #[test]
