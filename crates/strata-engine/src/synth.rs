@@ -58,11 +58,6 @@ pub struct LinearPreset {
     pub full_attention_interval: usize,
 }
 
-impl LinearPreset {
-    fn is_recurrent(&self, layer: usize) -> bool {
-        (layer + 1) % self.full_attention_interval != 0
-    }
-}
 
 impl SynthPreset {
     pub const NAMES: [&'static str; 5] = ["qwen3-30b-a3b", "mixtral-8x7b", "qwen3.5-122b-a10b", "tiny-moe", "tiny-hybrid"];
@@ -318,11 +313,13 @@ fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
     let (h, hd, e, i) = (p.hidden, p.head_dim, p.experts, p.expert_ffn);
     let mut rng = Rng::new(o.seed ^ 0x5EED);
     let mut v = vec![(t("token_embd.weight".into(), vec![p.vocab, h], q), Fill::Random)];
+    // The layout readers derive from `full_attention_interval` (written in the metadata).
+    let recurrent = p.linear.map_or_else(|| vec![false; p.layers], |la| strata_formats::LinearAttnConfig::interval_layout(p.layers, la.full_attention_interval));
     for l in 0..p.layers {
         let b = |s: &str| format!("blk.{l}.{s}");
         v.push((t(b("attn_norm.weight"), vec![h], GgmlDType::F32), Fill::Ones));
         match &p.linear {
-            Some(la) if la.is_recurrent(l) => {
+            Some(la) if recurrent[l] => {
                 let (kw, vw, nv) = (la.k_heads * la.k_dim, la.v_heads * la.v_dim, la.v_heads);
                 let f32 = GgmlDType::F32;
                 v.push((t(b("attn_qkv.weight"), vec![2 * kw + vw, h], q), Fill::Random));

@@ -78,6 +78,12 @@ impl Architecture {
         }
     }
 
+    /// Hybrid models: Gated DeltaNet layers beside gated full attention, `(1 + w)` RMSNorm weights
+    /// in HF checkpoints (llama.cpp's converter adds the 1).
+    pub fn is_hybrid(&self) -> bool {
+        matches!(self, Self::Qwen3Next | Self::Qwen35Moe)
+    }
+
     /// RMSNorm of q and k before RoPE, as the architecture defines it.
     fn qk_norm(&self) -> QkNorm {
         match self {
@@ -97,14 +103,6 @@ pub enum QkNorm {
     PerHead,
     /// Over the whole projection before splitting heads (OLMoE): weights `[heads·head_dim]`.
     Full,
-}
-
-impl Architecture {
-    /// Hybrid models: Gated DeltaNet layers beside gated full attention, `(1 + w)` RMSNorm weights
-    /// in HF checkpoints (llama.cpp's converter adds the 1).
-    pub fn is_hybrid(&self) -> bool {
-        matches!(self, Self::Qwen3Next | Self::Qwen35Moe)
-    }
 }
 
 /// Order of the value heads of a Gated DeltaNet layer relative to its key heads.
@@ -150,6 +148,12 @@ impl LinearAttnConfig {
 
     pub fn is_recurrent(&self, layer: usize) -> bool {
         self.recurrent_layers.get(layer).copied().unwrap_or(false)
+    }
+
+    /// The layout `full_attention_interval = every` describes: layer `i` is full attention when
+    /// `(i + 1) % every == 0`, Gated DeltaNet otherwise (transformers `Qwen3NextConfig`).
+    pub fn interval_layout(layers: usize, every: usize) -> Vec<bool> {
+        (0..layers).map(|i| (i + 1) % every.max(1) != 0).collect()
     }
 }
 
@@ -514,10 +518,7 @@ fn hf_linear_attn(path: &Path, v: &serde_json::Value) -> Result<LinearAttnConfig
     let layers = need("num_hidden_layers")?;
     let recurrent_layers = match v.get("layer_types").and_then(|x| x.as_array()) {
         Some(types) => types.iter().map(|t| t.as_str() == Some("linear_attention")).collect(),
-        None => {
-            let every = need("full_attention_interval")?.max(1);
-            (0..layers).map(|i| (i + 1) % every != 0).collect()
-        }
+        None => LinearAttnConfig::interval_layout(layers, need("full_attention_interval")?),
     };
     Ok(LinearAttnConfig {
         num_k_heads: need("linear_num_key_heads")?,
@@ -540,10 +541,7 @@ fn gguf_linear_attn(g: &GgufFile, arch: Architecture) -> Result<LinearAttnConfig
     let layers = u("block_count")?;
     let recurrent_layers = match g.get_bool_array(&k("attention.recurrent_layers")) {
         Ok(r) => r,
-        Err(_) => {
-            let every = u("full_attention_interval")?.max(1);
-            (0..layers).map(|i| (i + 1) % every != 0).collect()
-        }
+        Err(_) => LinearAttnConfig::interval_layout(layers, u("full_attention_interval")?),
     };
     let num_v_heads = u("ssm.time_step_rank")?;
     Ok(LinearAttnConfig {

@@ -100,6 +100,12 @@ impl GatedDeltaNet {
             let index = grouped_qkvz(&d).into_iter().chain(grouped_ba(&d, cd + vw)).collect();
             (vec![qkvz, ba], Gather::Index(index))
         };
+        // One matrix (one activation quantization, one dispatch) when the format allows: the
+        // concatenated outputs are the same.
+        let in_proj = match Linear::fuse(&in_proj.iter().collect::<Vec<_>>())? {
+            Some(f) => vec![f],
+            None => in_proj,
+        };
         let conv_name = p("ssm_conv1d.weight");
         let conv_w = match l.files.tensor_shape(&conv_name).map(|s| s.len()) {
             Some(3) => host(l, &conv_name, &[cd, 1, d.kernel])?,

@@ -17,8 +17,8 @@ thread_local! {
 pub struct KvCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
-    /// Layer → index into `k`/`v` (`usize::MAX` for recurrent layers).
-    slot: Vec<usize>,
+    /// Layer → index into `k`/`v` (`None` for recurrent layers).
+    slot: Vec<Option<usize>>,
     recurrent: RecurrentCache,
     len: usize,
     capacity: usize,
@@ -32,9 +32,9 @@ impl KvCache {
         let (mut k, mut v, mut slot) = (Vec::new(), Vec::new(), Vec::with_capacity(cfg.num_layers));
         for i in 0..cfg.num_layers {
             if cfg.is_recurrent_layer(i) {
-                slot.push(usize::MAX);
+                slot.push(None);
             } else {
-                slot.push(k.len());
+                slot.push(Some(k.len()));
                 k.push(mk()?);
                 v.push(mk()?);
             }
@@ -108,10 +108,7 @@ impl KvCache {
     }
 
     fn kv_slot(&self, layer: usize) -> candle_core::Result<usize> {
-        match self.slot.get(layer) {
-            Some(&s) if s != usize::MAX => Ok(s),
-            _ => Err(candle_core::Error::Msg(format!("layer {layer} has no KV cache"))),
-        }
+        self.slot.get(layer).copied().flatten().ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} has no KV cache")))
     }
 
     /// Decode fast path (CPU): attention of one query `q: [n_heads · head_dim]` over positions

@@ -104,10 +104,10 @@ impl SpecMetrics {
         if let Some(f) = s.mean_fanout() {
             self.fanout.observe(f);
         }
-        // Since start, from the counters (as SpecStats computes them for one request).
-        let (rounds, drafted, accepted) = (self.rounds.get(), self.drafted.get(), self.accepted.get());
-        self.acceptance_rate.set(accepted as f64 / drafted.max(1) as f64);
-        self.mean_accepted_length.set((accepted + rounds) as f64 / rounds.max(1) as f64);
+        // Since start: the counters' totals through SpecStats' own formulas.
+        let total = SpecStats { rounds: self.rounds.get(), drafted: self.drafted.get(), accepted: self.accepted.get(), ..SpecStats::default() };
+        self.acceptance_rate.set(total.acceptance_rate());
+        self.mean_accepted_length.set(total.mean_accepted_length());
     }
 }
 

@@ -166,13 +166,13 @@ impl DraftPolicy {
         if self.rounds_observed == 1 && self.fanout.is_some() {
             return;
         }
-        // A plain mean over the first samples, then an EMA: one slow early sample must not make a
-        // width look expensive (or another cheap) for long.
         // A measurement off by more than 2× from the estimate means the regime changed (the expert
         // cache warmed up, the machine got busy): restart that width's mean from it.
         if self.verify_ms[n].is_some_and(|o| verify_ms > 2.0 * o || verify_ms < 0.5 * o) {
             self.verify_n[n] = 0;
         }
+        // A plain mean over the first samples, then an EMA: one slow early sample must not make a
+        // width look expensive (or another cheap) for long.
         self.verify_n[n] += 1;
         let w = (1.0 / self.verify_n[n] as f64).max(EMA);
         self.verify_ms[n] = Some(self.verify_ms[n].map_or(verify_ms, |o| o + w * (verify_ms - o)));
