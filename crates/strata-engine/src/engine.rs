@@ -9,7 +9,7 @@ use candle_core::Device;
 use serde::Serialize;
 use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer};
 use strata_expert_store::{StreamOptions, StreamingExperts};
-use strata_models::{ExpertProvider, ExpertStats, KvCache, Logits, Transformer};
+use strata_models::{DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, Transformer};
 
 use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
 use crate::spec::{Emitted, SpecConfig, SpecStats, Speculator};
@@ -105,6 +105,15 @@ impl Engine {
         Ok((Arc::new(model), files.total_tensor_bytes()))
     }
 
+    /// Loads a DFlash draft (`--dflash --draft-model DIR`) for `target`: on the target's device,
+    /// RoPE tables for `opts.ctx_size` plus the longest block. Returns it with its weight bytes
+    /// as stored. Errors: see [`DFlashDraft::load`].
+    pub fn load_dflash_draft(path: &std::path::Path, opts: &LoadOptions, target: &Transformer) -> Result<(Arc<DFlashDraft>, u64)> {
+        let files = ModelFiles::open(path)?;
+        let draft = DFlashDraft::load(&files, target, opts.ctx_size + strata_models::EXACT_ROWS_MAX)?;
+        Ok((Arc::new(draft), files.total_tensor_bytes()))
+    }
+
     /// Turns speculative decoding on for every later generation (`None`: off). Errors when the
     /// settings do not fit the model (see [`SpecConfig::validate`]).
     pub fn set_speculation(&mut self, cfg: Option<SpecConfig>) -> Result<()> {
@@ -145,17 +154,24 @@ impl Engine {
         }
         cache.clear();
         let experts0 = self.model.experts().stats();
-        let t0 = Instant::now();
+        let streaming = experts0.is_some();
         let chunk = req.prefill_chunk.max(1);
-        let mut logits = None;
-        for (i, part) in prompt.chunks(chunk).enumerate() {
-            let last = (i + 1) * chunk >= prompt.len();
-            let out = self.model.forward(part, cache, Logits::Last, &[])?;
-            if last {
-                logits = Some(out.logits);
+        let mut spec = match &self.spec {
+            Some(cfg) => Some(Speculator::new(&self.model, cfg, cache.capacity(), streaming, chunk)?),
+            None => None,
+        };
+        let t0 = Instant::now();
+        let logits = match spec.as_mut() {
+            // The speculator keeps what its draft needs from the prompt (DFlash: hidden states).
+            Some(s) => s.prefill(cache, prompt)?,
+            None => {
+                let mut logits = None;
+                for part in prompt.chunks(chunk) {
+                    logits = Some(self.model.forward(part, cache, Logits::Last, &[])?.logits);
+                }
+                logits.ok_or(EngineError::EmptyPrompt)?.flatten_all()?.to_vec1()?
             }
-        }
-        let logits: Vec<f32> = logits.expect("non-empty prompt").flatten_all()?.to_vec1()?;
+        };
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
 
         let mut sampler = Sampler::new(req.sampling.clone());
@@ -165,11 +181,6 @@ impl Engine {
         let mut decoder = StreamDecoder::new();
         let mut stops = StopMatcher::new(req.stop.clone());
         let experts_prefilled = self.model.experts().stats();
-        let streaming = experts_prefilled.is_some();
-        let mut spec = match &self.spec {
-            Some(cfg) => Some(Speculator::new(&self.model, cfg, cache.capacity(), streaming, chunk)?),
-            None => None,
-        };
         let t1 = Instant::now();
         let mut ttft_ms = 0.0;
         let finish;

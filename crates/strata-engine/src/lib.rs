@@ -9,10 +9,11 @@ pub mod sampling;
 pub mod spec;
 pub mod stop;
 pub mod synth;
+pub mod synth_dflash;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent, TokenLogprobs};
 pub use sampling::{Sampler, SamplingParams};
-pub use spec::{DraftSource, NgramParams, SpecConfig, SpecStats};
+pub use spec::{DraftSource, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator};
 pub use strata_expert_store::{CacheBudget, EvictionPolicy, StreamOptions};
 pub use strata_models::ExpertStats;
 pub use strata_expert_store as expert_store;

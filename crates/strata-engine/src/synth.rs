@@ -203,10 +203,10 @@ enum Fill {
 }
 
 /// wyrand (Wang Yi): a fast 64-bit PRNG; reproducible from its seed.
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         Self(seed ^ 0x9E37_79B9_7F4A_7C15)
     }
     fn next(&mut self) -> u64 {
@@ -215,7 +215,7 @@ impl Rng {
         ((t >> 64) ^ t) as u64
     }
     /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
+    pub(crate) fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 }

@@ -118,7 +118,13 @@ fn greedy_speculation_equals_plain_decoding() {
         let draft = Engine::load_draft_model(&other, &LoadOptions::new(512, candle_core::Device::Cpu)).unwrap().0;
         let mut p = prompt(arch);
         p.extend(prompt(arch));
-        let want = generate(&load(&gguf, None), &p, 64).tokens;
+        let resident = load(&gguf, None);
+        let want = generate(&resident, &p, 64).tokens;
+        // A random DFlash draft for this target (z-lab's format; it reads the target's hidden states).
+        let dir = std::env::temp_dir().join(format!("strata-dflash-{arch}-{}", std::process::id()));
+        strata_engine::synth_dflash::write_random_dflash_draft(resident.model.config(), &dir, 2, 6, 7).unwrap();
+        let dflash = Engine::load_dflash_draft(&dir, &LoadOptions::new(512, candle_core::Device::Cpu), &resident.model).unwrap().0;
+        let _ = std::fs::remove_dir_all(&dir);
         for stream in [None, Some("50%")] {
             let mut engine = load(&gguf, stream);
             assert_eq!(generate(&engine, &p, 64).tokens, want, "{arch}: streamed experts ({stream:?})");
@@ -127,6 +133,7 @@ fn greedy_speculation_equals_plain_decoding() {
                 ("ngram adaptive", spec(DraftSource::Ngram(NgramParams { max: 3, min: 1 }), 6, false)),
                 ("self 2 layers fixed 3", spec(DraftSource::SelfDraft { layers: 2 }, 3, true)),
                 ("hybrid draft model fixed 3", spec(DraftSource::Model(draft.clone()), 3, true)),
+                ("dflash block 6 fixed 5", spec(DraftSource::DFlash { draft: dflash.clone(), block_size: 6 }, 5, true)),
             ] {
                 engine.set_speculation(Some(cfg)).unwrap();
                 let g = generate(&engine, &p, 64);

@@ -1,7 +1,7 @@
 //! Speculative sampling follows the target's distribution: the first 3 sampled tokens over 20k
 //! seeded runs (temperature 0.7, top-p 0.9) have the same distribution with and without
 //! speculation (two-sample chi-square per position and for tokens 2–3 jointly, p > 0.001), for a
-//! draft model, self-draft and n-gram drafts. Its own test binary: it runs on one thread (tiny
+//! draft model, self-draft, n-gram and DFlash drafts. Its own test binary: it runs on one thread (tiny
 //! models, where thread hand-offs would cost more than the work).
 
 mod common;
@@ -161,3 +161,26 @@ fn sampled_speculation_follows_the_target_distribution() {
     }
 }
 
+
+/// DFlash under sampling: the trained fixture draft's block proposals (sampled from the draft's
+/// distribution per position, as z-lab's `dflash_generate`) go through the same rejection sampling.
+#[test]
+fn sampled_dflash_follows_the_target_distribution() {
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+    let fx = common::repo_root().join("tests/fixtures/dflash-tiny");
+    let mut engine = Engine::load(&fx.join("target"), &LoadOptions::new(256, candle_core::Device::Cpu), &mut |_, _| {}).unwrap();
+    let draft = Engine::load_dflash_draft(&fx.join("draft_memo"), &LoadOptions::new(256, candle_core::Device::Cpu), &engine.model).unwrap().0;
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fx.join("reference.json")).unwrap()).unwrap();
+    let prompt: Vec<u32> = r["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let runs = 5_000;
+    engine.set_speculation(None).unwrap();
+    let (plain, _) = sample_counts(&engine, &prompt, 1_000_000, runs);
+    engine.set_speculation(Some(spec(DraftSource::DFlash { draft, block_size: 8 }, 7))).unwrap();
+    let (got, drafted) = sample_counts(&engine, &prompt, 0, runs);
+    assert!(drafted >= runs, "too few drafts were verified ({drafted} in {runs} runs)");
+    for (pos, (a, b)) in got.iter().zip(&plain).enumerate() {
+        let (stat, df, p) = two_sample_chi_square(a, b, 1.0);
+        eprintln!("dflash ({runs} runs each), position {pos}: chi² {stat:.1}, df {df}, p {p:.4}");
+        assert!(p > 0.001, "dflash, position {pos}: speculative sampling differs from plain sampling (chi² {stat:.1}, df {df}, p {p:.2e})");
+    }
+}

@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod dflash;
 pub mod error;
 mod experts;
 pub mod gguf;
@@ -18,6 +19,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, HeadOrder, LinearAttnConfig, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
+pub use dflash::DFlashConfig;
 pub use error::{FormatError, Result};
 pub use experts::{weight_from_bytes, ByteRange, ExpertDims, ExpertEncoding, ExpertExtent, ExpertLayout, ExpertTensors};
 pub use model_files::{GenerationDefaults, ModelFiles, TensorEntry, Weight};

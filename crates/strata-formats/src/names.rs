@@ -3,12 +3,17 @@
 
 /// HF names a GGUF tensor may have, most common first (Mixtral checkpoints name the MoE block
 /// `block_sparse_moe`, the Qwen and OLMoE ones `mlp`).
+///
+/// A name with no GGUF mapping is its own (only) candidate: tensors that exist only in HF
+/// checkpoints (a DFlash draft's `fc.weight`) are loaded by their HF name.
 pub fn gguf_to_hf_candidates(name: &str) -> Vec<String> {
-    let Some(primary) = gguf_to_hf(name) else { return Vec::new() };
+    let Some(primary) = gguf_to_hf(name) else { return vec![name.to_string()] };
     let alt = primary.contains(".mlp.gate.").then(|| primary.replace(".mlp.gate.", ".block_sparse_moe.gate."));
-    // Image-text checkpoints (qwen3_5_moe) nest the language model under `model.language_model.`.
-    let nested = primary.strip_prefix("model.").map(|rest| format!("model.language_model.{rest}"));
-    std::iter::once(primary).chain(alt).chain(nested).collect()
+    // Image-text checkpoints (qwen3_5_moe) nest the language model under `model.language_model.`;
+    // DFlash drafts (z-lab) store their layers without the `model.` prefix (`layers.0.…`, `norm`).
+    let rest = primary.strip_prefix("model.").map(str::to_string);
+    let nested = rest.as_ref().map(|rest| format!("model.language_model.{rest}"));
+    std::iter::once(primary).chain(alt).chain(nested).chain(rest).collect()
 }
 
 /// Maps a GGUF tensor name to the HF (transformers) name of the same tensor, if there is one.
@@ -83,7 +88,12 @@ mod tests {
         assert_eq!(gguf_to_hf("blk.3.unknown.weight"), None);
         assert_eq!(
             gguf_to_hf_candidates("blk.1.ffn_gate_inp.weight"),
-            ["model.layers.1.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight", "model.language_model.layers.1.mlp.gate.weight"]
+            [
+                "model.layers.1.mlp.gate.weight",
+                "model.layers.1.block_sparse_moe.gate.weight",
+                "model.language_model.layers.1.mlp.gate.weight",
+                "layers.1.mlp.gate.weight"
+            ]
         );
         assert_eq!(gguf_to_hf("blk.0.ffn_up_shexp.weight").as_deref(), Some("model.layers.0.mlp.shared_expert.up_proj.weight"));
         assert_eq!(gguf_to_hf("blk.2.ssm_a").as_deref(), Some("model.layers.2.linear_attn.A_log"));
@@ -91,7 +101,8 @@ mod tests {
         assert_eq!(gguf_to_hf("blk.2.ssm_conv1d.weight").as_deref(), Some("model.layers.2.linear_attn.conv1d.weight"));
         assert_eq!(
             gguf_to_hf_candidates("blk.0.attn_norm.weight"),
-            ["model.layers.0.input_layernorm.weight", "model.language_model.layers.0.input_layernorm.weight"]
+            ["model.layers.0.input_layernorm.weight", "model.language_model.layers.0.input_layernorm.weight", "layers.0.input_layernorm.weight"]
         );
+        assert_eq!(gguf_to_hf_candidates("fc.weight"), ["fc.weight"]);
     }
 }

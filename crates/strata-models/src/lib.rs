@@ -3,6 +3,7 @@
 //! routing, and an [`ExpertProvider`] through which routed experts are read (resident or streamed).
 
 pub mod attention;
+pub mod dflash;
 pub mod error;
 pub mod experts;
 pub mod gated_delta_net;
@@ -14,6 +15,7 @@ pub mod recurrent;
 pub mod rope;
 pub mod transformer;
 
+pub use dflash::DFlashDraft;
 pub use error::{ModelError, Result};
 pub use experts::{Expert, ExpertProvider, ExpertStats, ResidentExperts};
 pub use kv_cache::KvCache;

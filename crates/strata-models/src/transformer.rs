@@ -188,6 +188,26 @@ impl Transformer {
         self.forward_layers(tokens, cache, logits, taps, self.layers.len())
     }
 
+    /// Token embeddings `[n, hidden]` (f32) of `tokens` (draft models that share the target's
+    /// embedding, DFlash). Errors on a token outside the vocabulary.
+    pub fn embed_tokens(&self, tokens: &[u32]) -> Result<Tensor> {
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::BadToken { id, vocab: self.cfg.vocab_size });
+        }
+        Ok(self.embed.0.embedding(&Tensor::new(tokens, &self.device)?)?)
+    }
+
+    /// The final norm on hidden states `[n, hidden]` (what HF's `hidden_states` holds for the last
+    /// layer).
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.norm.forward(x)?)
+    }
+
+    /// The lm_head alone: hidden states `[n, hidden]` (already normed) → logits `[n, vocab]`.
+    pub fn lm_head(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(x)?)
+    }
+
     /// Decoder layers in the model.
     pub fn num_layers(&self) -> usize {
         self.layers.len()

@@ -3,8 +3,9 @@
 //! distribution under sampling ([`accept`]).
 //!
 //! A round starts with the last emitted token `t` (not yet in the target's KV cache):
-//! 1. the draft source proposes `d₁..d_N` ([`DraftSource`]: a draft model, n-gram lookup, or the
-//!    target's own first layers), with `N` chosen by the [`policy::DraftPolicy`];
+//! 1. the draft source proposes `d₁..d_N` ([`DraftSource`]: a draft model, n-gram lookup, the
+//!    target's own first layers, or a DFlash block drafter), with `N` chosen by the
+//!    [`policy::DraftPolicy`];
 //! 2. the target runs `[t, d₁..d_N]` in one forward (logits at every position);
 //! 3. `d_i` is checked against the target's distribution after `t, d₁..d_{i−1}`; the first rejection
 //!    emits a corrected token and ends the round; if all pass, a bonus token is drawn;
@@ -24,7 +25,8 @@ pub mod stats;
 use std::sync::Arc;
 use std::time::Instant;
 
-use strata_models::{ForwardOutput, KvCache, Logits, Transformer};
+use candle_core::Tensor;
+use strata_models::{DFlashDraft, ForwardOutput, KvCache, Logits, Transformer};
 
 use crate::engine::{EngineError, Result};
 use crate::sampling::Sampler;
@@ -43,6 +45,9 @@ pub enum DraftSource {
     /// The target's first `layers` decoder layers + final norm + lm_head (`--spec self
     /// --draft-layers L`), sharing the target's weights and KV cache.
     SelfDraft { layers: usize },
+    /// DFlash block diffusion (`--dflash --draft-model PATH`): one draft forward proposes a whole
+    /// block of `block_size − 1` tokens from the target's hidden states ([`DFlashDraft`]).
+    DFlash { draft: Arc<DFlashDraft>, block_size: usize },
 }
 
 impl DraftSource {
@@ -51,6 +56,7 @@ impl DraftSource {
             DraftSource::Model(_) => "draft-model",
             DraftSource::Ngram(_) => "ngram",
             DraftSource::SelfDraft { .. } => "self",
+            DraftSource::DFlash { .. } => "dflash",
         }
     }
 }
@@ -87,6 +93,14 @@ impl SpecConfig {
                     return Err(EngineError::Spec(format!("--draft-layers must be in 1..{n} (the target has {n} layers), got {layers}")));
                 }
             }
+            DraftSource::DFlash { block_size, .. } => {
+                if *block_size < 2 || *block_size > strata_models::EXACT_ROWS_MAX {
+                    return Err(EngineError::Spec(format!("--dflash-block-size must be in 2..={}, got {block_size}", strata_models::EXACT_ROWS_MAX)));
+                }
+                if self.max_draft > block_size - 1 {
+                    return Err(EngineError::Spec(format!("a DFlash block of {block_size} drafts at most {} tokens, not {}", block_size - 1, self.max_draft)));
+                }
+            }
             DraftSource::Ngram(p) => {
                 if p.min == 0 || p.min > p.max {
                     return Err(EngineError::Spec(format!("n-gram sizes need 1 ≤ --ngram-min ≤ --ngram-max, got {}..{}", p.min, p.max)));
@@ -100,6 +114,29 @@ impl SpecConfig {
 /// A token emitted by a round and the target logits it was chosen from (for logprobs).
 pub type Emitted = (u32, Vec<f32>);
 
+/// One round as it happened (for tests and debugging; see [`Speculator::trace`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundTrace {
+    /// Target cache length at the start of the round (the position of the round's first token).
+    pub start: usize,
+    /// Draft tokens verified.
+    pub drafts: Vec<u32>,
+    /// DFlash: the argmax of every block position's draft logits (also those not verified).
+    pub block_argmax: Vec<u32>,
+    pub accepted: usize,
+    /// Tokens the round emitted (accepted drafts, then the correction or bonus token).
+    pub emitted: Vec<u32>,
+    /// DFlash: the draft logits `[B − 1][vocab]` of the block.
+    pub draft_logits: Vec<Vec<f32>>,
+}
+
+/// DFlash per-sequence state: the draft's context cache and the context features of committed
+/// positions not yet in it.
+struct DFlashState {
+    cache: KvCache,
+    pending: Vec<Tensor>,
+}
+
 /// The speculative decoder of one sequence: draft state, the draft-length policy and counters.
 pub struct Speculator<'a> {
     cfg: &'a SpecConfig,
@@ -107,9 +144,14 @@ pub struct Speculator<'a> {
     /// Draft model: its KV cache and the tokens in it.
     draft_cache: Option<KvCache>,
     draft_tokens: Vec<u32>,
+    dflash: Option<DFlashState>,
     policy: DraftPolicy,
     prefill_chunk: usize,
     pub stats: SpecStats,
+    /// `Some`: every round is recorded here.
+    pub trace: Option<Vec<RoundTrace>>,
+    /// DFlash, while tracing: the last block's argmax tokens and draft logits.
+    last_block: Option<(Vec<u32>, Vec<Vec<f32>>)>,
 }
 
 impl<'a> Speculator<'a> {
@@ -120,16 +162,57 @@ impl<'a> Speculator<'a> {
             DraftSource::Model(d) => Some(d.new_cache(capacity)?),
             _ => None,
         };
+        let dflash = match &cfg.source {
+            DraftSource::DFlash { draft, block_size } => Some(DFlashState { cache: draft.new_cache(capacity + block_size, target.device())?, pending: Vec::new() }),
+            _ => None,
+        };
         let fanout = target.config().moe.as_ref().filter(|_| streaming).map(|m| FanoutModel { experts: m.num_experts, top_k: m.experts_per_token });
+        let mut policy = DraftPolicy::new(cfg.max_draft, cfg.fixed, fanout);
+        if dflash.is_some() {
+            policy = policy.with_block_draft();
+        }
         Ok(Self {
             cfg,
             target,
             draft_cache,
             draft_tokens: Vec::new(),
-            policy: DraftPolicy::new(cfg.max_draft, cfg.fixed, fanout),
+            dflash,
+            policy,
             prefill_chunk: prefill_chunk.max(1),
             stats: SpecStats::new(cfg.source.name(), cfg.max_draft),
+            trace: None,
+            last_block: None,
         })
+    }
+
+    /// Target layers whose hidden states every target forward of this sequence must return
+    /// (DFlash's context features; empty for the other sources).
+    pub fn taps(&self) -> &[usize] {
+        match &self.cfg.source {
+            DraftSource::DFlash { draft, .. } => draft.target_taps(),
+            _ => &[],
+        }
+    }
+
+    /// Prefills `prompt` into the empty `cache` in chunks, keeping what the draft needs from it
+    /// (DFlash: the prompt's context features). Returns the last position's logits `[vocab]`.
+    pub fn prefill(&mut self, cache: &mut KvCache, prompt: &[u32]) -> Result<Vec<f32>> {
+        let taps = self.taps().to_vec();
+        let mut logits = None;
+        for part in prompt.chunks(self.prefill_chunk) {
+            let out = self.target.forward(part, cache, Logits::Last, &taps)?;
+            self.observe_taps(&out.taps, part.len())?;
+            logits = Some(out.logits);
+        }
+        Ok(logits.ok_or(EngineError::EmptyPrompt)?.flatten_all()?.to_vec1()?)
+    }
+
+    /// DFlash: keeps the context features of the first `rows` positions of a target forward.
+    fn observe_taps(&mut self, taps: &[Tensor], rows: usize) -> Result<()> {
+        let (DraftSource::DFlash { draft, .. }, Some(st)) = (&self.cfg.source, self.dflash.as_mut()) else { return Ok(()) };
+        let taps = taps.iter().map(|t| t.narrow(0, 0, rows)).collect::<candle_core::Result<Vec<_>>>()?;
+        st.pending.push(draft.context_features(self.target, &taps)?);
+        Ok(())
     }
 
     /// One round. `history` is the whole sequence so far and ends with the last emitted token,
@@ -157,6 +240,11 @@ impl<'a> Speculator<'a> {
                 let n = self.policy.choose(limit);
                 self.self_draft(*layers, cache, history, n, sampler)?
             }
+            DraftSource::DFlash { draft, block_size } => {
+                let n = self.policy.choose(limit);
+                let draft = draft.clone();
+                self.draft_dflash(&draft, *block_size, len0, history, n, sampler)?
+            }
         };
         let draft_ms = t0.elapsed().as_secs_f64() * 1e3;
 
@@ -169,7 +257,8 @@ impl<'a> Speculator<'a> {
         let mut input = Vec::with_capacity(drafts.len() + 1);
         input.push(last);
         input.extend_from_slice(&drafts);
-        let out = self.target.forward(&input, cache, if drafts.is_empty() { Logits::Last } else { Logits::All }, &[])?;
+        let taps = self.taps().to_vec();
+        let out = self.target.forward(&input, cache, if drafts.is_empty() { Logits::Last } else { Logits::All }, &taps)?;
         let fanout = fanout(&out);
         let rows: Vec<Vec<f32>> = out.logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
         let mut ctx = history.to_vec();
@@ -199,7 +288,13 @@ impl<'a> Speculator<'a> {
         }
         self.target.rollback(cache, len0 + 1 + accepted)?;
         self.target.release_checkpoint(cache);
+        // DFlash: the committed positions' features condition the next block.
+        self.observe_taps(&out.taps, 1 + accepted)?;
         let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
+        if let Some(t) = self.trace.as_mut() {
+            let (block_argmax, draft_logits) = self.last_block.take().unwrap_or_default();
+            t.push(RoundTrace { start: len0, drafts: drafts.clone(), block_argmax, accepted, emitted: emitted.iter().map(|e| e.0).collect(), draft_logits });
+        }
         self.policy.observe(drafts.len(), accepted, draft_ms, verify_ms, fanout);
         self.stats.record(drafts.len(), accepted, draft_ms, verify_ms, fanout);
         Ok(emitted)
@@ -249,6 +344,40 @@ impl<'a> Speculator<'a> {
             }
             logits = model.forward(&[d], cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
             self.draft_tokens.push(d);
+        }
+        Ok((drafts, dists))
+    }
+
+    /// DFlash: one draft pass over the block `[last, mask × (B − 1)]` at positions `len0..len0 + B`
+    /// with every pending context feature; the first `n` positions' tokens are the drafts (argmax
+    /// under greedy decoding, otherwise sampled from the draft's distribution, as z-lab's
+    /// `dflash_generate`). The draft pass always covers the whole block: its attention inside the
+    /// block is bidirectional, so the proposals do not depend on how many of them are verified.
+    fn draft_dflash(&mut self, draft: &DFlashDraft, block_size: usize, len0: usize, history: &[u32], n: usize, sampler: &mut Sampler) -> Result<(Vec<u32>, Vec<DraftDist>)> {
+        if n == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let st = self.dflash.as_mut().expect("DFlash state");
+        let ctx = match st.pending.len() {
+            0 => None,
+            1 => st.pending.first().cloned(),
+            _ => Some(Tensor::cat(&st.pending, 0)?),
+        };
+        let mut block = vec![draft.mask_token_id(); block_size];
+        block[0] = *history.last().ok_or(EngineError::EmptyPrompt)?;
+        let logits = draft.draft_block(self.target, &mut st.cache, ctx.as_ref(), len0, &block)?;
+        st.pending.clear();
+        let rows: Vec<Vec<f32>> = logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+        let mut ctx = history.to_vec();
+        let (mut drafts, mut dists) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for row in rows.iter().take(n) {
+            let (d, q) = Self::pick(sampler, row, &ctx);
+            drafts.push(d);
+            dists.push(q);
+            ctx.push(d);
+        }
+        if self.trace.is_some() {
+            self.last_block = Some((rows.iter().map(|r| crate::sampling::argmax(r)).collect(), rows));
         }
         Ok((drafts, dists))
     }

@@ -51,6 +51,9 @@ pub struct DraftPolicy {
     verify_n: Vec<u32>,
     union: Vec<Option<f64>>,
     draft_ms_per_token: Option<f64>,
+    /// Block drafters (DFlash): one draft pass per round whatever `N`, timed per round.
+    block_draft: bool,
+    draft_ms_per_round: Option<f64>,
     rounds: u64,
     rounds_observed: u64,
     next_explore: u64,
@@ -74,6 +77,8 @@ impl DraftPolicy {
             verify_n: vec![0; max + 1],
             union: vec![None; max + 1],
             draft_ms_per_token: None,
+            block_draft: false,
+            draft_ms_per_round: None,
             rounds: 0,
             rounds_observed: 0,
             next_explore: 4,
@@ -81,6 +86,13 @@ impl DraftPolicy {
             last_best: 0,
             probes: 0,
         }
+    }
+
+    /// A draft source whose cost does not depend on `N` (one pass proposes a whole block, DFlash):
+    /// drafting costs the measured ms per round when `N > 0`, nothing when `N = 0`.
+    pub fn with_block_draft(mut self) -> Self {
+        self.block_draft = true;
+        self
     }
 
     /// Expected tokens emitted by a round that drafts `n`.
@@ -117,7 +129,11 @@ impl DraftPolicy {
 
     /// Expected tokens per ms when drafting `n`.
     pub fn rate(&self, n: usize) -> Option<f64> {
-        let draft = self.draft_ms_per_token.unwrap_or(0.0) * n as f64;
+        let draft = match (self.block_draft, n) {
+            (_, 0) => 0.0,
+            (true, _) => self.draft_ms_per_round.unwrap_or(0.0),
+            (false, _) => self.draft_ms_per_token.unwrap_or(0.0) * n as f64,
+        };
         Some(self.expected_tokens(n) / (self.verify_estimate(n)? + draft).max(1e-6))
     }
 
@@ -143,6 +159,9 @@ impl DraftPolicy {
             // and plain decoding, in turn.
             self.probes += 1;
             let probe = match (self.probes % 3, best) {
+                // A block drafter pays the same pass for any N: probing the whole block measures
+                // acceptance at every position at once.
+                (_, 0) if self.block_draft => cap,
                 (_, 0) => 1,
                 (0, _) => 0,
                 (1, b) if b < cap => b + 1,
@@ -181,6 +200,7 @@ impl DraftPolicy {
         }
         if n > 0 {
             self.draft_ms_per_token = ema(self.draft_ms_per_token, draft_ms / n as f64);
+            self.draft_ms_per_round = ema(self.draft_ms_per_round, draft_ms);
         }
         // Positions 1..=min(accepted + 1, n) were decided this round.
         for i in 1..=(accepted + 1).min(n) {
@@ -243,6 +263,26 @@ mod tests {
         }
         let plain = chosen[100..].iter().filter(|&&n| n == 0).count();
         assert!(plain >= 90, "plain decoding chosen in {plain} of the last 100 rounds: {chosen:?}");
+    }
+
+    /// A block drafter's cost is per round: a 30 ms pass that proposed 7 tokens still costs 30 ms
+    /// when only 1 of them is verified (a per-token drafter's estimate would be 30/7 ms).
+    #[test]
+    fn block_draft_cost_is_per_round() {
+        let observed = |p: DraftPolicy| {
+            let mut p = p;
+            p.observe(0, 0, 0.0, 10.0, None);
+            for _ in 0..40 {
+                p.observe(7, 1, 30.0, 12.0, None);
+            }
+            p
+        };
+        let (block, per_token) = (observed(DraftPolicy::new(7, None, None).with_block_draft()), observed(DraftPolicy::new(7, None, None)));
+        let (e1, v1) = (block.expected_tokens(1), block.verify_estimate(1).unwrap());
+        assert!((block.rate(1).unwrap() - e1 / (v1 + 30.0)).abs() < 1e-9);
+        assert!((per_token.rate(1).unwrap() - e1 / (v1 + 30.0 / 7.0)).abs() < 1e-9);
+        assert!((block.rate(7).unwrap() - per_token.rate(7).unwrap()).abs() < 1e-9, "the whole block costs the same either way");
+        assert_eq!(block.rate(0), per_token.rate(0));
     }
 
     #[test]
