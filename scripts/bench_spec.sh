@@ -5,6 +5,10 @@
 #  2. The synthetic qwen3-30b-a3b Q4_K ($MOE, `strata synth --preset qwen3-30b-a3b`) with streamed
 #     experts, expert cache 25% of expert bytes, page cache dropped before every run (cold), in a
 #     6 GiB memory cgroup (v1, needs root): plain vs adaptive vs fixed N=4.
+#  3. PART=dflash: the same model and cgroup with a random-weight DFlash draft (`strata synth
+#     --dflash-draft-for`, 2 layers, block 16; acceptance ≈ 0 like the fixture's draft_random),
+#     expert cache $DFLASH_CACHE (default 2500MiB) for every run: plain vs --dflash adaptive vs
+#     --dflash fixed (the whole block verified every round).
 # Every run prints decode tok/s and the speculation stats line; greedy tokens must be identical.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +32,26 @@ if s:
 print(f"{label:<34} decode {d['decode_tok_s']:7.2f} tok/s  tokens {ids}{extra}", flush=True)
 PY
 }
+if [ "${PART:-all}" = dflash ]; then
+  MOE=${MOE:-/work/bench/q3-30b-q4k.gguf}
+  NM=${MOE_TOKENS:-48}
+  DRAFT=${DFLASH_DRAFT:-$(dirname "$MOE")/dflash-random-$(basename "$MOE" .gguf)}
+  [ -f "$DRAFT/model.safetensors" ] || "$S" synth --dflash-draft-for "$MOE" --out "$DRAFT" --layers 2 --block-size 16
+  echo "## synthetic qwen3-30b-a3b Q4_K + random DFlash draft, streamed experts, cache ${DFLASH_CACHE:-2500MiB}, cold page cache, 6 GiB cgroup, $NM tokens"
+  CG=/sys/fs/cgroup/memory/strata6g
+  mkdir -p $CG
+  echo $((6*1024*1024*1024)) > $CG/memory.limit_in_bytes
+  cold() { sync; echo 3 > /proc/sys/vm/drop_caches; echo $$ > $CG/cgroup.procs; }
+  # One expert cache size for every run: the plan shrinks a 25% cache to make room for the draft's
+  # weights (0.49 GB as f32), which would compare the policy against plain decoding with more cache.
+  Q=(-m "$MOE" --prompt "The quick brown fox jumps over the lazy dog. The quick brown fox" -n "$NM" --ctx-size 512 --stream-experts --expert-cache "${DFLASH_CACHE:-2500MiB}")
+  for rep in 1 2; do
+    cold; run "plain ($rep)" "${Q[@]}"
+    cold; run "dflash adaptive ($rep)" "${Q[@]}" --dflash --draft-model "$DRAFT"
+  done
+  cold; run "dflash fixed 15 (whole block)" "${Q[@]}" --dflash --draft-model "$DRAFT" --draft-policy fixed
+  exit 0
+fi
 if [ "${PART:-all}" != moe ]; then
   echo "## SmolLM2-135M Q4_1, resident, $N tokens, $T threads, code-rewrite prompt"
   P=(-m models/SmolLM2-135M-Instruct.Q4_1.gguf --chat "$(cat scripts/spec_rewrite_prompt.txt)" -n "$N")

@@ -20,7 +20,6 @@ use strata_formats::{DFlashConfig, ModelConfig, ModelFiles};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::layers::{Linear, RmsNorm, WeightLoader};
-use crate::mlp::Mlp;
 use crate::rope::RotaryEmbedding;
 use crate::transformer::Transformer;
 
@@ -34,7 +33,10 @@ struct DraftLayer {
     q_norm: RmsNorm,
     k_norm: RmsNorm,
     post_norm: RmsNorm,
-    mlp: Mlp,
+    /// SwiGLU: `down(silu(gate(x)) · up(x))`.
+    gate: Linear,
+    up: Linear,
+    down: Linear,
 }
 
 /// A loaded DFlash draft (weights only; per-sequence state is a [`KvCache`] from
@@ -95,7 +97,9 @@ impl DFlashDraft {
                 q_norm: RmsNorm::load(&l, &p("attn_q_norm.weight"), hd, eps)?,
                 k_norm: RmsNorm::load(&l, &p("attn_k_norm.weight"), hd, eps)?,
                 post_norm: RmsNorm::load(&l, &p("ffn_norm.weight"), h, eps)?,
-                mlp: Mlp::load(&l, i, "", h, cfg.intermediate_size)?,
+                gate: l.linear(&p("ffn_gate"), cfg.intermediate_size, h, false)?,
+                up: l.linear(&p("ffn_up"), cfg.intermediate_size, h, false)?,
+                down: l.linear(&p("ffn_down"), h, cfg.intermediate_size, false)?,
             });
         }
         let mut taps = dflash.target_layer_ids.clone();
@@ -142,10 +146,12 @@ impl DFlashDraft {
         KvCache::new(&self.cfg, capacity.min(self.rope.max_positions()), device)
     }
 
-    /// Context features `[n, H]` from one target forward's `taps` (each `[n, H]`, in
-    /// [`Self::target_taps`] order): concatenated in `target_layer_ids` order (the last target
-    /// layer final-normed, as HF's `hidden_states` has it), then `hidden_norm(fc(·))`.
-    pub fn context_features(&self, target: &Transformer, taps: &[Tensor]) -> Result<Tensor> {
+    /// Raw context features `[n, k·H]` from one target forward's `taps` (each `[n, H]`, in
+    /// [`Self::target_taps`] order): concatenated in `target_layer_ids` order, the last target
+    /// layer final-normed as HF's `hidden_states` has it. [`Self::project`] turns them into the
+    /// draft's context when a draft pass needs them (one GEMM over every pending row; rounds that
+    /// do not draft only keep them).
+    pub fn tap_features(&self, target: &Transformer, taps: &[Tensor]) -> Result<Tensor> {
         if taps.len() != self.taps.len() {
             return Err(ModelError::Candle(candle_core::Error::Msg(format!("DFlash: {} tapped layers, {} expected", taps.len(), self.taps.len()))));
         }
@@ -156,8 +162,12 @@ impl DFlashDraft {
             .zip(&self.tap_order)
             .map(|(&id, &t)| if id + 1 == self.target_layers { target.final_norm(&taps[t]) } else { Ok(taps[t].clone()) })
             .collect::<Result<Vec<_>>>()?;
-        let x = Tensor::cat(&parts, 1)?;
-        Ok(self.hidden_norm.forward(&self.fc.forward(&x)?)?)
+        Ok(Tensor::cat(&parts, 1)?)
+    }
+
+    /// Context features `[n, H]` = `hidden_norm(fc(raw))` of raw features `[n, k·H]`.
+    pub fn project(&self, raw: &Tensor) -> Result<Tensor> {
+        Ok(self.hidden_norm.forward(&self.fc.forward_batched(raw)?)?)
     }
 
     /// One draft pass. `ctx: [C, H]` are the context features of positions
@@ -199,9 +209,9 @@ impl DFlashDraft {
                 Some(t) => Tensor::cat(&[t, &xn], 0)?,
                 None => xn.clone(),
             };
-            let q = self.rope.apply(&heads(layer.q.forward(&xn)?, b, nh, Some(&layer.q_norm))?, start)?;
-            let k = self.rope.apply(&heads(layer.k.forward(&kv_in)?, c + b, nkv, Some(&layer.k_norm))?, start - c)?;
-            let v = heads(layer.v.forward(&kv_in)?, c + b, nkv, None)?;
+            let q = self.rope.apply(&heads(layer.q.forward_batched(&xn)?, b, nh, Some(&layer.q_norm))?, start)?;
+            let k = self.rope.apply(&heads(layer.k.forward_batched(&kv_in)?, c + b, nkv, Some(&layer.k_norm))?, start - c)?;
+            let v = heads(layer.v.forward_batched(&kv_in)?, c + b, nkv, None)?;
             let (k_all, v_all) = cache.append(i, &k, &v)?;
             let total = k_all.dim(2)?;
             // Bidirectional attention over everything cached: no mask. Query heads sharing a kv
@@ -212,9 +222,10 @@ impl DFlashDraft {
             let att = candle_nn::ops::softmax_last_dim(&att)?;
             let out = att.matmul(&v_all)?.reshape((nh, b, hd))?.transpose(0, 1)?.reshape((b, nh * hd))?;
             debug_assert_eq!(total, start + b);
-            x = (x + layer.o.forward(&out)?)?;
+            x = (x + layer.o.forward_batched(&out)?)?;
             let xn = layer.post_norm.forward(&x)?;
-            x = (x + layer.mlp.forward(&xn)?)?;
+            let g = candle_nn::ops::silu(&layer.gate.forward_batched(&xn)?)?;
+            x = (x + layer.down.forward_batched(&(g * layer.up.forward_batched(&xn)?)?)?)?;
         }
         // Keep the context's K/V; the block's are overwritten by the next pass.
         cache.advance(c);
@@ -224,7 +235,7 @@ impl DFlashDraft {
 
     /// Bytes of the draft's weights as held.
     pub fn weight_bytes(&self) -> usize {
-        let l: usize = self.layers.iter().map(|l| [&l.q, &l.k, &l.v, &l.o].iter().map(|x| x.weight_bytes()).sum::<usize>() + l.mlp.weight_bytes()).sum();
+        let l: usize = self.layers.iter().flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]).map(|x| x.weight_bytes()).sum();
         l + self.fc.weight_bytes()
     }
 }

@@ -172,12 +172,23 @@ impl Linear {
         }
     }
 
-    /// `x: [.., in] → [.., out]`.
+    /// `x: [.., in] → [.., out]`. Each row's result is bit-identical however many rows are
+    /// passed (up to [`crate::EXACT_ROWS_MAX`]).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_with(x, true)
+    }
+
+    /// Like [`Self::forward`] without the bit-identity guarantee: short multi-row inputs use
+    /// candle's GEMM too (draft models, whose outputs only propose tokens).
+    pub fn forward_batched(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_with(x, false)
+    }
+
+    fn forward_with(&self, x: &Tensor, exact_rows: bool) -> candle_core::Result<Tensor> {
         let y = match &self.w {
             LinearWeight::Candle(w) => {
                 let rows = if x.rank() == 2 { x.dim(0)? } else { 0 };
-                if rows > 1 && rows <= crate::attention::EXACT_ROWS_MAX && x.device().is_cpu() {
+                if exact_rows && rows > 1 && rows <= crate::attention::EXACT_ROWS_MAX && x.device().is_cpu() {
                     // candle's multi-row CPU kernels (x86 repacked Q4_K tiles) sum in another order
                     // than its one-row kernel: short passes (speculative verification) go row by row
                     // so that their outputs are bit-identical to decoding.

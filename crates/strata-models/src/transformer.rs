@@ -203,9 +203,11 @@ impl Transformer {
         Ok(self.norm.forward(x)?)
     }
 
-    /// The lm_head alone: hidden states `[n, hidden]` (already normed) → logits `[n, vocab]`.
+    /// The lm_head alone, for draft models: hidden states `[n, hidden]` (already normed) → logits
+    /// `[n, vocab]` in one GEMM (not bit-identical to one-row passes, see
+    /// [`Linear::forward_batched`]).
     pub fn lm_head(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(x)?)
+        Ok(self.lm_head.forward_batched(x)?)
     }
 
     /// Decoder layers in the model.

@@ -130,8 +130,8 @@ pub struct RoundTrace {
     pub draft_logits: Vec<Vec<f32>>,
 }
 
-/// DFlash per-sequence state: the draft's context cache and the context features of committed
-/// positions not yet in it.
+/// DFlash per-sequence state: the draft's context cache and the raw (tapped, not yet projected)
+/// features of committed positions not yet in it.
 struct DFlashState {
     cache: KvCache,
     pending: Vec<Tensor>,
@@ -211,7 +211,7 @@ impl<'a> Speculator<'a> {
     fn observe_taps(&mut self, taps: &[Tensor], rows: usize) -> Result<()> {
         let (DraftSource::DFlash { draft, .. }, Some(st)) = (&self.cfg.source, self.dflash.as_mut()) else { return Ok(()) };
         let taps = taps.iter().map(|t| t.narrow(0, 0, rows)).collect::<candle_core::Result<Vec<_>>>()?;
-        st.pending.push(draft.context_features(self.target, &taps)?);
+        st.pending.push(draft.tap_features(self.target, &taps)?);
         Ok(())
     }
 
@@ -360,8 +360,8 @@ impl<'a> Speculator<'a> {
         let st = self.dflash.as_mut().expect("DFlash state");
         let ctx = match st.pending.len() {
             0 => None,
-            1 => st.pending.first().cloned(),
-            _ => Some(Tensor::cat(&st.pending, 0)?),
+            1 => Some(draft.project(&st.pending[0])?),
+            _ => Some(draft.project(&Tensor::cat(&st.pending, 0)?)?),
         };
         let mut block = vec![draft.mask_token_id(); block_size];
         block[0] = *history.last().ok_or(EngineError::EmptyPrompt)?;

@@ -15,7 +15,10 @@
 //! `N = 0` is plain decoding and is always a candidate, so a source that does not pay is turned
 //! down to 0. Widths other than the best are re-measured now and then (exploration with back-off:
 //! the interval doubles each time exploring does not change the choice), which keeps the estimates
-//! current as acceptance and cache hit rates change.
+//! current as acceptance and cache hit rates change. Exploration has a budget: what probes lose
+//! against the best choice (measured time minus their tokens at the best choice's ms per token) is
+//! kept under [`EXPLORE_BUDGET`] of the time spent, so an expensive probe (a 16-token block whose
+//! streamed experts must all be read) waits until the run is long enough to afford it.
 
 /// Fan-out model for streamed experts: experts per layer `E` and experts per token `k`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,6 +36,8 @@ impl FanoutModel {
 }
 
 const EMA: f64 = 0.15;
+/// Most of the decode time exploration may lose against the best choice.
+pub const EXPLORE_BUDGET: f64 = 0.03;
 /// Prior acceptance per position before anything is measured.
 const ALPHA_PRIOR: f64 = 0.5;
 /// Resident verify cost grows by this fraction of a one-token pass per extra token (prior).
@@ -62,6 +67,11 @@ pub struct DraftPolicy {
     /// Counts exploration probes: they go above the best, below it, and to plain decoding in turn
     /// (so that a stale baseline, e.g. plain decoding timed on a cold expert cache, is re-measured).
     probes: u64,
+    /// ms of every observed round, and what probes lost against the best choice (≥ 0).
+    spent_ms: f64,
+    explore_loss_ms: f64,
+    /// The best width when the current round is a probe (its loss is measured against it).
+    probing: Option<usize>,
 }
 
 impl DraftPolicy {
@@ -85,6 +95,9 @@ impl DraftPolicy {
             explore_every: 4,
             last_best: 0,
             probes: 0,
+            spent_ms: 0.0,
+            explore_loss_ms: 0.0,
+            probing: None,
         }
     }
 
@@ -127,14 +140,24 @@ impl DraftPolicy {
         })
     }
 
-    /// Expected tokens per ms when drafting `n`.
-    pub fn rate(&self, n: usize) -> Option<f64> {
+    /// Estimated ms of a round drafting `n` (draft + verify).
+    pub fn round_estimate(&self, n: usize) -> Option<f64> {
         let draft = match (self.block_draft, n) {
             (_, 0) => 0.0,
             (true, _) => self.draft_ms_per_round.unwrap_or(0.0),
             (false, _) => self.draft_ms_per_token.unwrap_or(0.0) * n as f64,
         };
-        Some(self.expected_tokens(n) / (self.verify_estimate(n)? + draft).max(1e-6))
+        Some(self.verify_estimate(n)? + draft)
+    }
+
+    /// Expected tokens per ms when drafting `n`.
+    pub fn rate(&self, n: usize) -> Option<f64> {
+        Some(self.expected_tokens(n) / self.round_estimate(n)?.max(1e-6))
+    }
+
+    /// ms a round of `ms` that emitted `tokens` lost against rounds of width `best`.
+    fn loss(&self, ms: f64, tokens: f64, best: usize) -> f64 {
+        ms - tokens / self.rate(best).unwrap_or(f64::INFINITY)
     }
 
     /// The draft length for the next round, at most `available` (what the source can propose, the
@@ -157,8 +180,7 @@ impl DraftPolicy {
         if self.rounds >= self.next_explore && cap > 0 {
             // Re-measure a neighbour of the best (its estimate may be stale or a prior) above, below,
             // and plain decoding, in turn.
-            self.probes += 1;
-            let probe = match (self.probes % 3, best) {
+            let probe = match ((self.probes + 1) % 3, best) {
                 // A block drafter pays the same pass for any N: probing the whole block measures
                 // acceptance at every position at once.
                 (_, 0) if self.block_draft => cap,
@@ -167,6 +189,13 @@ impl DraftPolicy {
                 (1, b) if b < cap => b + 1,
                 (_, b) => b - 1,
             };
+            let cost = self.round_estimate(probe).unwrap_or(0.0);
+            let loss = self.loss(cost, self.expected_tokens(probe), best).max(0.0);
+            if self.explore_loss_ms + loss > EXPLORE_BUDGET * (self.spent_ms + cost) {
+                return best; // not affordable yet: the budget grows with the time spent
+            }
+            self.probes += 1;
+            self.probing = Some(best);
             self.next_explore = self.rounds + self.explore_every;
             self.explore_every = (self.explore_every * 2).min(256);
             return probe;
@@ -180,6 +209,11 @@ impl DraftPolicy {
     pub fn observe(&mut self, n: usize, accepted: usize, draft_ms: f64, verify_ms: f64, union: Option<f64>) {
         let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + EMA * (x - o)));
         let n = n.min(self.max);
+        self.spent_ms += draft_ms + verify_ms;
+        if let Some(best) = self.probing.take() {
+            let loss = self.loss(draft_ms + verify_ms, (accepted + 1) as f64, best);
+            self.explore_loss_ms = (self.explore_loss_ms + loss).max(0.0);
+        }
         // The first round runs on a cold expert cache: it says nothing about later rounds.
         self.rounds_observed += 1;
         if self.rounds_observed == 1 && self.fanout.is_some() {
@@ -283,6 +317,25 @@ mod tests {
         assert!((per_token.rate(1).unwrap() - e1 / (v1 + 30.0 / 7.0)).abs() < 1e-9);
         assert!((block.rate(7).unwrap() - per_token.rate(7).unwrap()).abs() < 1e-9, "the whole block costs the same either way");
         assert_eq!(block.rate(0), per_token.rate(0));
+    }
+
+    /// Streamed experts: a never-accepted block drafter whose 16-token verify costs 10× a plain
+    /// step is probed only as the budget allows: what probing loses stays within EXPLORE_BUDGET
+    /// of the run.
+    #[test]
+    fn expensive_probes_stay_within_the_budget() {
+        let mut p = DraftPolicy::new(15, None, Some(FanoutModel { experts: 128, top_k: 8 })).with_block_draft();
+        let (mut spent, mut plain) = (0.0, 0.0);
+        for _ in 0..2000 {
+            let n = p.choose(15);
+            let ms = if n == 0 { 100.0 } else { 300.0 + 1000.0 };
+            p.observe(n, 0, if n > 0 { 300.0 } else { 0.0 }, ms - if n > 0 { 300.0 } else { 0.0 }, Some(8.0 + 4.0 * n as f64));
+            spent += ms;
+            plain += 100.0;
+        }
+        let ratio = plain / spent;
+        assert!(ratio >= 1.0 - EXPLORE_BUDGET - 0.01, "adaptive ran at {ratio:.3}× plain decoding");
+        assert!(p.probes >= 2, "the block was probed {} times", p.probes);
     }
 
     #[test]
