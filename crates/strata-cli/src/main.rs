@@ -1,5 +1,6 @@
 //! `strata`: an LLM inference server and CLI for MoE models that stream expert weights.
 
+mod compare;
 mod default_model;
 mod generate;
 mod info;
@@ -34,6 +35,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Write a synthetic (random-weight) MoE GGUF with a real model's dimensions, for benchmarks.
     Synth(synth::SynthArgs),
+    /// The same model on the CPU and on `--device` (cuda): logits over a prompt and greedy tokens.
+    CompareDevices(compare::CompareArgs),
     /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/ and print its path.
     FetchDefault,
 }
@@ -47,6 +50,7 @@ fn main() {
         Command::Bench(a) => measure::bench(a),
         Command::Synth(a) => synth::run(a),
         Command::Info(a) => info::run(a),
+        Command::CompareDevices(a) => compare::run(a),
         Command::FetchDefault => default_model::ensure().map(|p| println!("{}", p.display())),
     };
     if let Err(e) = res {

@@ -61,6 +61,10 @@ pub struct ModelArgs {
     /// weight). Trades quality for fewer expert bytes per token.
     #[arg(long, env = "STRATA_MOE_TOP_K")]
     pub moe_top_k: Option<usize>,
+    /// Compute device: auto (cuda:0 when built with `--features cuda` and a GPU is present, else
+    /// cpu), cpu, cuda, cuda:N.
+    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(strata_engine::device::DeviceChoice))]
+    pub device: strata_engine::device::DeviceChoice,
     #[command(flatten)]
     pub spec: crate::spec_args::SpecArgs,
 }
@@ -114,7 +118,9 @@ impl ModelArgs {
         let bar = ProgressBar::new(1);
         bar.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
         bar.set_message(path.display().to_string());
-        let opts = self.load_options(&plan);
+        let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
+        eprintln!("device: {}", strata_engine::device::device_name(&device));
+        let opts = self.load_options(&plan, device);
         let engine = Engine::from_files(&files, &opts, &mut |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
@@ -138,8 +144,8 @@ impl ModelArgs {
 
     /// Load options that follow `plan`: experts stream when its strategy is EXPERT-STREAMING, into
     /// the cache size it chose (from `--expert-cache` or what is left).
-    pub fn load_options(&self, plan: &Plan) -> LoadOptions {
-        let mut opts = LoadOptions::new(self.ctx_size, candle_core::Device::Cpu);
+    pub fn load_options(&self, plan: &Plan, device: candle_core::Device) -> LoadOptions {
+        let mut opts = LoadOptions::new(self.ctx_size, device);
         opts.moe_top_k = self.moe_top_k;
         if plan.strategy == Strategy::ExpertStreaming {
             let budget = match (self.expert_cache, plan.expert_cache_bytes) {

@@ -2,6 +2,7 @@
 //! sampling, stop handling, and the measurement commands (perplexity, bench).
 
 pub mod bench;
+pub mod device;
 pub mod engine;
 pub mod moe_bench;
 pub mod perplexity;

@@ -1,0 +1,84 @@
+//! `strata compare-devices`: the same model on the CPU and on another device (`--device cuda`):
+//! every position's logits over a prompt (max |Δ| ÷ max |cpu logit| and relative L2), and greedy
+//! tokens from both. The H100 acceptance check of the CUDA backend (scripts/cuda_device_check.sh).
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use strata_engine::device::{device_name, open_device, DeviceChoice};
+use strata_engine::{Engine, GenerateRequest, LoadOptions, SamplingParams};
+use strata_models::Logits;
+
+#[derive(Args, Debug)]
+pub struct CompareArgs {
+    /// Model (.gguf or HF directory).
+    #[arg(long, short = 'm')]
+    pub model: PathBuf,
+    /// The device compared with the CPU.
+    #[arg(long, default_value = "cuda")]
+    pub device: DeviceChoice,
+    /// Prompt text (tokenized with BOS as the model asks).
+    #[arg(long, short = 'p', conflicts_with = "ids")]
+    pub prompt: Option<String>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Vec<u32>,
+    /// Greedy tokens generated on each device.
+    #[arg(long, short = 'n', default_value_t = 64)]
+    pub tokens: usize,
+    /// Fail (exit 1) when the relative logit error exceeds this.
+    #[arg(long, default_value_t = 1e-3)]
+    pub tolerance: f64,
+}
+
+pub fn run(a: CompareArgs) -> Result<()> {
+    let device = open_device(a.device).map_err(anyhow::Error::msg)?;
+    if device.is_cpu() {
+        bail!("--device {:?} opened the CPU: nothing to compare", a.device);
+    }
+    let load = |d: candle_core::Device| Engine::load(&a.model, &LoadOptions::new(4096, d), &mut |_, _| {});
+    let (cpu, dev) = (load(candle_core::Device::Cpu)?, load(device.clone())?);
+    let ids = match &a.prompt {
+        Some(p) => cpu.text_prompt(p)?,
+        None if !a.ids.is_empty() => a.ids.clone(),
+        None => bail!("give --prompt or --ids"),
+    };
+    let logits = |e: &Engine| -> Result<Vec<Vec<f32>>> {
+        let mut cache = e.new_cache(ids.len() + 1)?;
+        Ok(e.model.forward(&ids, &mut cache, Logits::All, &[])?.logits.to_dtype(candle_core::DType::F32)?.to_vec2()?)
+    };
+    let (lc, ld) = (logits(&cpu)?, logits(&dev)?);
+    let (mut worst_rel, mut worst_l2, mut argmax_same) = (0f64, 0f64, 0);
+    for (c, d) in lc.iter().zip(&ld) {
+        let scale = c.iter().fold(0f64, |m, &x| m.max(x.abs() as f64)).max(1e-12);
+        let diff = c.iter().zip(d).fold(0f64, |m, (&x, &y)| m.max((x - y).abs() as f64));
+        let l2 = (c.iter().zip(d).map(|(&x, &y)| ((x - y) as f64).powi(2)).sum::<f64>() / c.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().max(1e-30)).sqrt();
+        worst_rel = worst_rel.max(diff / scale);
+        worst_l2 = worst_l2.max(l2);
+        argmax_same += usize::from(strata_engine::sampling::argmax(c) == strata_engine::sampling::argmax(d));
+    }
+    let greedy = |e: &Engine| -> Result<Vec<u32>> {
+        let mut req = GenerateRequest::new(ids.clone(), a.tokens, SamplingParams::greedy());
+        req.ignore_eos = true;
+        let mut cache = e.new_cache(ids.len() + a.tokens + 1)?;
+        Ok(e.generate(&mut cache, &req, &mut |_| ControlFlow::Continue(()))?.tokens)
+    };
+    let (gc, gd) = (greedy(&cpu)?, greedy(&dev)?);
+    let same = gc.iter().zip(&gd).take_while(|(x, y)| x == y).count();
+    println!("| model | device | positions | max |Δlogit| ÷ max |logit| | max relative L2 | argmax equal | greedy tokens equal |");
+    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| {} | {} | {} | {worst_rel:.2e} | {worst_l2:.2e} | {argmax_same}/{} | {same}/{} |",
+        a.model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+        device_name(&device),
+        lc.len(),
+        lc.len(),
+        gc.len()
+    );
+    if worst_rel > a.tolerance {
+        bail!("logits differ by {worst_rel:.2e} (relative) > --tolerance {}", a.tolerance);
+    }
+    Ok(())
+}
