@@ -2,7 +2,8 @@
 # Builds `strata` with the CUDA backend (`--features cuda`) on a machine with no GPU, for the lent
 # H100/H200 (sm_90). The CUDA 13.0 toolkit comes from PyPI wheels through
 # ../shared/tools/cuda-toolkit.sh (override with CUDA_TOOLKIT_SH); cold build ~15 min on 2 cores.
-# Output: dist/strata-cuda (stripped; git-ignored; carry it to the device with `carry: ["dist"]`).
+# Output: dist/strata-cuda.xz (stripped, xz-compressed; git-ignored; carry it to the device with
+# `carry: ["dist"]`; scripts/cuda_device_check.sh unpacks it there).
 # This is also how the code behind the `cuda` feature is type-checked: CI builds without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +16,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 cargo build --release --features cuda -p strata-cli
 mkdir -p dist
 strip -o dist/strata-cuda "$CARGO_TARGET_DIR/release/strata"
-ls -la dist/strata-cuda
+# 63 MB stripped (candle's PTX): too large for a device call with the working tree; 8 MB as xz.
+xz -T0 -6 -c dist/strata-cuda > dist/strata-cuda.xz
+rm dist/strata-cuda
+ls -la dist/

@@ -35,7 +35,8 @@ impl FromStr for DeviceChoice {
 /// Whether this build has the CUDA backend.
 pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 
-/// Opens the device. CUDA devices get their default memory pool's release threshold set to
+/// Opens the device. CUDA quantized matmuls use f32 activations (see `open_cuda`). CUDA devices
+/// get their default memory pool's release threshold set to
 /// `u64::MAX`: cudarc's allocations come from it, and the default (0) hands memory back to the
 /// driver at every synchronisation (measured ~30% slower matmuls on the H100, see
 /// `../shared/tools/cuda-toolkit.sh`).
@@ -59,6 +60,12 @@ fn open_cuda(_n: usize) -> Result<Device, String> {
 fn open_cuda(n: usize) -> Result<Device, String> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let device = Device::new_cuda(n).map_err(|e| format!("cuda:{n}: {e}"))?;
+    // Quantized matmuls dequantize weights and keep activations in f32 (candle's DMMV kernels) unless
+    // STRATA_CUDA_MMVQ=1 picks its MMVQ/MMQ kernels, which quantize activations to Q8_1. Measured on
+    // the H100 (docs/performance.md, "CUDA"): DMMV logits equal the CPU's f32 reference within
+    // 1.2e-6 with identical greedy tokens on SmolLM2, and decode 12% faster there; MMVQ's Q8_1
+    // activations moved SmolLM2's logits by up to 17% of their range.
+    candle_core::quantized::cuda::set_force_dmmv(!std::env::var("STRATA_CUDA_MMVQ").is_ok_and(|v| v == "1"));
     if let Device::Cuda(d) = &device {
         let stream = d.cuda_stream();
         let cu_device = stream.context().cu_device();

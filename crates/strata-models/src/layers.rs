@@ -111,6 +111,11 @@ impl Linear {
 
     fn from_shared_with(q: std::sync::Arc<QTensor>, formats: fn(GgmlDType) -> Option<strata_kernels::BlockFormat>) -> candle_core::Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
+        if q.device().is_cpu() && std::env::var("STRATA_CPU_DEQUANTIZE").is_ok_and(|v| v == "1") {
+            // Diagnostics (`strata compare-devices`): f32 weights and activations on the CPU, the
+            // reference for GPU kernels that dequantize weights and keep activations in f32.
+            return Ok(Self { w: LinearWeight::Candle(QMatMul::Tensor(q.dequantize(&candle_core::Device::Cpu)?)), b: None, out_dim: rows });
+        }
         let w = match formats(q.dtype()) {
             Some(format) if q.device().is_cpu() => {
                 let m = strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols).map_err(candle_core::Error::msg)?;

@@ -182,6 +182,9 @@ impl SparseMoe {
                 by_expert.entry(e).or_default().push((t as u32, w));
             }
         }
+        if !x.device().is_cpu() {
+            return Ok((self.combine_on_device(x, by_expert, experts)?, routing));
+        }
         let mut out = vec![0f32; seq * h];
         for (e, tokens) in by_expert {
             let expert = experts.expert(self.layer, e as usize)?;
@@ -210,5 +213,29 @@ impl SparseMoe {
             }
         }
         Ok((Tensor::from_vec(out, (seq, h), x.device())?, routing))
+    }
+
+    /// GPU path of [`Self::forward`]: expert outputs weighted and summed on the device (no copy
+    /// to the host per expert; the router's top-k is the only host round trip per layer).
+    fn combine_on_device(&self, x: &Tensor, by_expert: BTreeMap<u32, Vec<(u32, f32)>>, experts: &dyn ExpertProvider) -> Result<Tensor> {
+        let (seq, h) = x.dims2()?;
+        let dev = x.device();
+        let mut acc = Tensor::zeros((seq, h), x.dtype(), dev)?;
+        for (e, tokens) in by_expert {
+            let expert = experts.expert(self.layer, e as usize)?;
+            let w = Tensor::new(tokens.iter().map(|&(_, w)| w).collect::<Vec<f32>>(), dev)?.to_dtype(x.dtype())?.unsqueeze(1)?;
+            if tokens.len() == seq {
+                acc = (acc + expert.mlp.forward(x)?.broadcast_mul(&w)?)?;
+            } else {
+                let idx = Tensor::new(tokens.iter().map(|&(t, _)| t).collect::<Vec<u32>>(), dev)?;
+                let y = expert.mlp.forward(&x.index_select(&idx, 0)?)?.broadcast_mul(&w)?;
+                acc = acc.index_add(&idx, &y, 0)?;
+            }
+        }
+        if let Some(s) = &self.shared {
+            let g = candle_nn::ops::sigmoid(&s.gate.forward(x)?)?; // [seq, 1]
+            acc = (acc + s.mlp.forward(x)?.broadcast_mul(&g)?)?;
+        }
+        Ok(acc)
     }
 }

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Runs ON the lent GPU machine (no Rust there): the carried `dist/strata-cuda.xz` from
+# scripts/build_cuda.sh (dist/strata-cuda.xz, unpacked to /tmp). Prints tables and writes logs under $OUT.
+#  1. GPU facts; measured device-to-device copy and pinned / pageable host-to-device copy (torch).
+#  2. Correctness: `strata compare-devices` (cuda vs cpu logits over the fixture prompt, greedy
+#     tokens) on the committed fixtures, and on SmolLM2 when models/SmolLM2-135M-Instruct.Q4_1.gguf
+#     is there.
+#  3. PART=bench: the synthetic qwen3-30b-a3b Q4_K generated on the machine's disk, decoded fully
+#     resident in VRAM (`strata bench`), and with --stream-experts (experts in host RAM / page cache).
+set -uo pipefail
+OUT=${OUT:-/tmp/strata-out}
+mkdir -p "$OUT"
+S=${STRATA:-/tmp/strata-cuda}
+if [ ! -x "$S" ]; then
+  # build_cuda.sh's binary is 63 MB, near the 64 MiB a device call carries: it travels xz-compressed.
+  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" dist/strata-cuda.xz "$S" && chmod +x "$S"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 - <<'PY' 2>&1 | tee "$OUT/bandwidth.txt"
+import torch, time
+def t(f, n=20):
+    f(); torch.cuda.synchronize(); s=time.perf_counter()
+    for _ in range(n): f()
+    torch.cuda.synchronize(); return (time.perf_counter()-s)/n
+a=torch.empty(1<<30, dtype=torch.uint8, device='cuda'); b=torch.empty_like(a)
+d2d=t(lambda: b.copy_(a)); print(f"device-to-device copy: {2*a.numel()/d2d/1e9:.0f} GB/s (read + write)")
+hp=torch.empty(1<<30, dtype=torch.uint8).pin_memory(); hg=torch.empty(1<<30, dtype=torch.uint8)
+print(f"pinned host-to-device: {a.numel()/t(lambda: a.copy_(hp, non_blocking=True)):.3e} B/s")
+print(f"pageable host-to-device: {a.numel()/t(lambda: a.copy_(hg), 5):.3e} B/s")
+PY
+echo "## compare-devices (cuda vs cpu, f32 activations)" | tee "$OUT/compare.md"
+ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['input_ids'])))" "$1"; }
+F=tests/fixtures
+DT=$(ids $F/dflash-tiny/reference.json)
+"$S" compare-devices -m $F/dflash-tiny/target --ids "$DT" -n 48 2>>"$OUT/compare.err" | tail -1 | tee -a "$OUT/compare.md"
+for m in qwen3_moe qwen2_moe mixtral olmoe qwen3_next qwen3_5_moe; do
+  I=$(ids $F/moe-tiny/$m.reference.json)
+  for form in "$F/moe-tiny/$m" "$F/moe-tiny/$m.gguf"; do
+    timeout 120 "$S" compare-devices -m "$form" --ids "$I" -n 16 2>>"$OUT/compare.err" | tail -1 | tee -a "$OUT/compare.md" || echo "| $form | FAILED (see compare.err) |" | tee -a "$OUT/compare.md"
+  done
+done
+SMOL=${SMOL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+if [ -f "$SMOL" ]; then
+  "$S" compare-devices -m "$SMOL" -p "The capital of France is" -n 64 --tolerance 1e-2 2>>"$OUT/compare.err" | tail -1 | tee -a "$OUT/compare.md"
+fi
+echo "## DFlash on cuda (fixture target + draft_memo): greedy tokens equal plain decoding" | tee "$OUT/dflash.md"
+for mode in plain dflash; do
+  extra=(); [ $mode = dflash ] && extra=(--dflash --draft-model $F/dflash-tiny/draft_memo --draft-policy fixed)
+  "$S" generate -m $F/dflash-tiny/target --device cuda -p "the quick brown fox" -n 48 --temp 0 --ignore-eos --json "${extra[@]}" 2>/dev/null > "$OUT/$mode.json"
+done
+python3 -c "
+import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2]))
+print('dflash == plain:', a['generated_token_ids']==b['generated_token_ids'], '| spec:', (b.get('spec') or {}).get('mean_accepted_length'))" "$OUT/plain.json" "$OUT/dflash.json" | tee -a "$OUT/dflash.md"
+if [ "${PART:-}" = bench ]; then
+  M=/tmp/q3-30b-q4k.gguf
+  [ -f $M ] || "$S" synth --preset qwen3-30b-a3b --out $M 2>&1 | tail -1 | tee "$OUT/synth.txt"
+  echo "## resident in VRAM (quantized matmuls: DMMV, f32 activations)" | tee "$OUT/bench.md"
+  "$S" bench -m $M --device cuda -p 512 -n 128 -r 3 --stream-experts off 2>&1 | tee -a "$OUT/bench.md" | tail -4
+  echo "## resident in VRAM, STRATA_CUDA_MMVQ=1 (Q8_1 activations)" | tee -a "$OUT/bench.md"
+  STRATA_CUDA_MMVQ=1 "$S" bench -m $M --device cuda -p 512 -n 128 -r 3 --stream-experts off 2>&1 | tee -a "$OUT/bench.md" | tail -4
+  echo "## --stream-experts, expert cache 25% (host RAM), experts copied to the GPU per use" | tee -a "$OUT/bench.md"
+  "$S" generate -m $M --device cuda --stream-experts --expert-cache 25% -p "The quick brown fox" -n 64 --ignore-eos --temp 0 2>&1 >/dev/null | tee -a "$OUT/bench.md" | tail -4
+fi
+cat "$OUT/compare.md"
