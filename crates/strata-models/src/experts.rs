@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use candle_core::Device;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
 use strata_formats::{ExpertDims, ExpertLayout, ExpertTensors, ModelConfig, ModelFiles};
 
 use crate::error::{ModelError, Result};
@@ -35,6 +36,45 @@ impl Expert {
     }
 }
 
+/// A layer's routed experts as three 3-D quantized tensors on a GPU (gate and up `[E, I, H]`, down
+/// `[E, H, I]`, as GGUF stores `ffn_*_exps`): all of a batch's selected experts run in one launch
+/// per projection (candle's `indexed_moe_forward`, which quantizes activations to Q8_1 like
+/// llama.cpp's CUDA MoE kernels) instead of one per expert and projection.
+#[derive(Debug)]
+pub struct FusedExperts {
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+}
+
+impl FusedExperts {
+    /// Formats used fused: Q4_K, the one checked on the H100 (docs/performance.md, "CUDA": logits
+    /// within 6.9e-3 of the f32 reference, the size of Q8_1 activation rounding). candle's Q8_0
+    /// kernel was also tried and moved logits by 39% with half the argmaxes wrong: left out, as are
+    /// the K-quants not yet checked (their layers keep one launch per expert).
+    pub fn supports(dtype: GgmlDType) -> bool {
+        dtype == GgmlDType::Q4K
+    }
+
+    /// `x: [seq, H]`, `ids: [seq, k]` u32 (on the device) → each selected expert's output
+    /// `[seq, k, H]` (unweighted).
+    pub fn forward(&self, x: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (seq, h) = x.dims2()?;
+        // The kernels read their input from the start of its buffer: give them packed tensors.
+        let packed = |t: Tensor| if t.is_contiguous() && t.layout().start_offset() == 0 { Ok(t) } else { t.affine(1.0, 0.0) };
+        let x3 = packed(x.reshape((seq, 1, h))?)?;
+        let g = self.gate.indexed_moe_forward(&x3, ids)?;
+        let u = self.up.indexed_moe_forward(&x3, ids)?;
+        let a = packed((candle_nn::ops::silu(&g)? * u)?)?;
+        self.down.indexed_moe_forward(&a, ids)
+    }
+
+    /// Bytes of the three tensors as stored.
+    pub fn bytes(&self) -> usize {
+        [&self.gate, &self.up, &self.down].iter().map(|t| t.storage_size_in_bytes()).sum()
+    }
+}
+
 /// Source of routed experts' weights for the MoE blocks.
 ///
 /// Implementations must be cheap to call for resident experts (an `Arc` clone): MoE blocks call
@@ -48,6 +88,12 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     /// Routing for `layer` is known: `experts` (ids, possibly repeated) will be asked for next. A
     /// streaming provider may start reading them all concurrently. The default does nothing.
     fn will_need(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Layer `layer`'s experts as [`FusedExperts`] when the provider holds them so (resident
+    /// quantized GGUF experts on a GPU); MoE blocks then run them in one launch per projection.
+    fn fused(&self, _layer: usize) -> Option<&FusedExperts> {
+        None
+    }
 
     /// Cumulative streaming counters (`None` for resident experts).
     fn stats(&self) -> Option<ExpertStats> {
@@ -108,18 +154,20 @@ impl ExpertStats {
 /// Every expert of every MoE layer held in memory.
 #[derive(Debug, Default)]
 pub struct ResidentExperts {
-    /// `layers[l]` is empty for dense layers.
+    /// `layers[l]` is empty for dense layers and layers held as `fused`.
     layers: Vec<Vec<Arc<Expert>>>,
+    fused: Vec<Option<FusedExperts>>,
 }
 
 impl ResidentExperts {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![Vec::new(); num_layers] }
+        Self { layers: vec![Vec::new(); num_layers], fused: (0..num_layers).map(|_| None).collect() }
     }
 
     /// From experts already built: `layers[l]` holds layer `l`'s experts (empty for dense layers).
     pub fn from_layers(layers: Vec<Vec<Arc<Expert>>>) -> Self {
-        Self { layers }
+        let fused = (0..layers.len()).map(|_| None).collect();
+        Self { layers, fused }
     }
 
     /// Resolves and checks layer `layer`'s expert tensors, then reads all of them.
@@ -127,6 +175,16 @@ impl ResidentExperts {
         let Some(m) = &cfg.moe else { return Ok(()) };
         let dims = ExpertDims { num_experts: m.num_experts, hidden: cfg.hidden_size, intermediate: m.expert_intermediate_size };
         let layout = files.expert_layout(layer, dims)?;
+        // On a GPU, GGUF experts in a format candle's fused MoE kernels take are held as the three
+        // 3-D tensors (STRATA_FUSED_MOE=0: one tensor per expert, as on the CPU).
+        if let (false, ModelFiles::Gguf(g), ExpertLayout::Gguf { gate, up, down }) = (device.is_cpu(), files, &layout) {
+            let all = [gate, up, down].iter().all(|n| g.tensor_info(n).is_ok_and(|t| FusedExperts::supports(t.dtype)));
+            if all && !std::env::var("STRATA_FUSED_MOE").is_ok_and(|v| v == "0") {
+                let q = |n: &str| g.read_qtensor(n, device);
+                self.fused[layer] = Some(FusedExperts { gate: q(gate)?, up: q(up)?, down: q(down)? });
+                return Ok(());
+            }
+        }
         let name = |e: usize| match &layout {
             ExpertLayout::Gguf { gate, .. } => format!("{gate}[{e}]"),
             ExpertLayout::HfPerExpert { prefix, .. } => format!("{prefix}.{e}"),
@@ -140,13 +198,17 @@ impl ResidentExperts {
 
     /// Total bytes of all experts held.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(|e| e.bytes).sum()
+        self.layers.iter().flatten().map(|e| e.bytes).sum::<usize>() + self.fused.iter().flatten().map(FusedExperts::bytes).sum::<usize>()
     }
 }
 
 impl ExpertProvider for ResidentExperts {
     fn memory_bytes(&self) -> u64 {
         self.bytes() as u64
+    }
+
+    fn fused(&self, layer: usize) -> Option<&FusedExperts> {
+        self.fused.get(layer)?.as_ref()
     }
 
     fn expert(&self, layer: usize, expert: usize) -> Result<Arc<Expert>> {

@@ -13,7 +13,7 @@ use candle_core::Tensor;
 use strata_formats::{ModelConfig, MoeConfig, RouterScoring};
 
 use crate::error::Result;
-use crate::experts::ExpertProvider;
+use crate::experts::{ExpertProvider, FusedExperts};
 use crate::layers::{Linear, WeightLoader};
 use crate::mlp::Mlp;
 
@@ -174,6 +174,9 @@ impl SparseMoe {
     pub fn forward(&self, x: &Tensor, experts: &dyn ExpertProvider) -> Result<(Tensor, LayerRouting)> {
         let (seq, h) = x.dims2()?;
         let routing = self.router.route(x, self.layer)?;
+        if let Some(f) = experts.fused(self.layer) {
+            return Ok((self.forward_fused(x, &routing, f)?, routing));
+        }
         experts.will_need(self.layer, &routing.expert_ids);
         let mut by_expert: BTreeMap<u32, Vec<(u32, f32)>> = BTreeMap::new();
         for t in 0..seq {
@@ -213,6 +216,21 @@ impl SparseMoe {
             }
         }
         Ok((Tensor::from_vec(out, (seq, h), x.device())?, routing))
+    }
+
+    /// [`Self::forward`] over [`FusedExperts`]: one launch per projection for every selected
+    /// expert, weighted sum over the top-k on the device.
+    fn forward_fused(&self, x: &Tensor, routing: &LayerRouting, f: &FusedExperts) -> Result<Tensor> {
+        let (seq, _) = x.dims2()?;
+        let (dev, k) = (x.device(), routing.top_k);
+        let ids = Tensor::from_vec(routing.expert_ids.clone(), (seq, k), dev)?;
+        let w = Tensor::from_vec(routing.weights.clone(), (seq, k, 1), dev)?.to_dtype(x.dtype())?;
+        let mut out = f.forward(x, &ids)?.broadcast_mul(&w)?.sum(1)?;
+        if let Some(s) = &self.shared {
+            let g = candle_nn::ops::sigmoid(&s.gate.forward(x)?)?;
+            out = (out + s.mlp.forward(x)?.broadcast_mul(&g)?)?;
+        }
+        Ok(out)
     }
 
     /// GPU path of [`Self::forward`]: expert outputs weighted and summed on the device (no copy
