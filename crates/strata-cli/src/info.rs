@@ -10,9 +10,6 @@ use crate::model_args::ModelArgs;
 pub struct InfoArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Device to plan for (only `cpu` until the CUDA backend lands).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
     /// Measure drive, RAM and kernel rates now (< 20 s) and cache them for this drive.
     #[arg(long)]
     pub calibrate: bool,
@@ -22,8 +19,8 @@ pub struct InfoArgs {
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
-    if a.device != "cpu" {
-        anyhow::bail!("--device {}: only cpu plans exist until the CUDA backend lands", a.device);
+    if let strata_engine::device::DeviceChoice::Cuda(_) = a.model.device {
+        anyhow::bail!("--device cuda: the memory plan does not account for GPU memory yet (VRAM expert tier: open); plans are for host RAM");
     }
     a.model.set_threads();
     let path = a.model.model_path()?;
