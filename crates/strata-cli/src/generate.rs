@@ -158,6 +158,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "decode_tok_s": gen.decode_tok_s(),
             "threads": args.model.threads(),
             "experts": gen.experts,
+            "experts_decode": gen.experts_decode,
+            "prefetch": engine.model.prefetch_mode().map(|m| m.name()),
+            "prefetch_decode": gen.prefetch_decode,
             "spec": gen.spec.as_ref().map(spec_json),
             "memory": memory_report(&engine, &cache, rss_before_load),
         });
@@ -181,6 +184,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             eprintln!("{}", crate::measure::expert_stats_line(x, gen.prompt_tokens + gen.tokens.len()));
             if let Some(d) = &gen.experts_decode {
                 eprintln!("{}", crate::measure::drive_floor_line(d, gen.tokens.len().saturating_sub(1), std::path::Path::new(&plan.model.path)));
+                if let (Some(p), Some(mode)) = (&gen.prefetch_decode, engine.model.prefetch_mode()) {
+                    eprintln!("{}", crate::measure::prefetch_line(d, p, mode));
+                }
             }
         }
     }

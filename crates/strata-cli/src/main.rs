@@ -6,6 +6,7 @@ mod generate;
 mod info;
 mod measure;
 mod model_args;
+mod repack;
 mod serve;
 mod spec_args;
 mod synth;
@@ -35,6 +36,9 @@ enum Command {
     Info(info::InfoArgs),
     /// Write a synthetic (random-weight) MoE GGUF with a real model's dimensions, for benchmarks.
     Synth(synth::SynthArgs),
+    /// Rewrite an MoE GGUF so each expert's gate/up/down is one 4 KiB-aligned range (one read per
+    /// streamed expert); tokens are identical.
+    Repack(repack::RepackArgs),
     /// The same model on the CPU and on `--device` (cuda): logits over a prompt and greedy tokens.
     CompareDevices(compare::CompareArgs),
     /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/ and print its path.
@@ -49,6 +53,7 @@ fn main() {
         Command::Perplexity(a) => measure::perplexity(a),
         Command::Bench(a) => measure::bench(a),
         Command::Synth(a) => synth::run(a),
+        Command::Repack(a) => repack::run(a),
         Command::Info(a) => info::run(a),
         Command::CompareDevices(a) => compare::run(a),
         Command::FetchDefault => default_model::ensure().map(|p| println!("{}", p.display())),

@@ -201,6 +201,25 @@ pub fn expert_stats_line(x: &strata_engine::ExpertStats, tokens: usize) -> Strin
     )
 }
 
+/// One line of prefetch figures for the decode phase: reads the prefetcher started and how many
+/// were used, and every predictor's precision / recall.
+pub fn prefetch_line(x: &strata_engine::ExpertStats, p: &strata_engine::PrefetchStats, mode: strata_engine::PrefetchMode) -> String {
+    let pr = |s: &strata_models::PredictorStats| format!("{:.2}/{:.2}", s.precision(), s.recall());
+    format!(
+        "prefetch ({}): {} experts read ahead, {} used ({:.0}%); precision on uncached experts {:.2} ({} of {}) | precision/recall: pregate {}, previous {}, union {}",
+        mode.name(),
+        x.prefetch_reads,
+        x.prefetch_used,
+        100.0 * x.prefetch_used as f64 / x.prefetch_reads.max(1) as f64,
+        x.prefetch_candidates_used as f64 / x.prefetch_candidates.max(1) as f64,
+        x.prefetch_candidates_used,
+        x.prefetch_candidates,
+        pr(&p.pregate),
+        pr(&p.previous),
+        pr(&p.union)
+    )
+}
+
 /// The decode phase's reads held against the drive's peak: achieved GB/s ÷ peak, and the floor the
 /// misses imply (miss bytes per token ÷ peak read rate). The peak is `strata info --calibrate`'s
 /// measurement for the drive holding `model` (or the plan's default, said so).

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use strata_engine::{CacheBudget, Engine, EvictionPolicy, LoadOptions, StreamOptions};
+use strata_engine::{CacheBudget, Engine, EvictionPolicy, LoadOptions, PrefetchMode, StreamOptions};
 use strata_plan::{Plan, PlanRequest, Strategy, StreamMode};
 
 /// The plan says the model cannot run here: `main` prints the reason and exits with status 2.
@@ -57,6 +57,16 @@ pub struct ModelArgs {
     /// Expert cache eviction policy: lru, lru2 (LRU-2, frequency-aware) or lfu.
     #[arg(long, default_value = "lru", value_parser = clap::value_parser!(EvictionPolicy))]
     pub expert_cache_policy: EvictionPolicy,
+    /// Expert prefetch with --stream-experts: while a MoE layer computes, read the experts
+    /// predicted for the next one. `pregate` (the next layer's router on the current hidden
+    /// state), `previous` (the experts that layer used for the previous token), `union` of both,
+    /// or `off`. Every predictor's precision/recall is reported either way.
+    #[arg(long, default_value = "pregate", value_parser = clap::value_parser!(PrefetchMode))]
+    pub prefetch: PrefetchMode,
+    /// Read predictions only while the predictor's measured precision on experts the cache lacks
+    /// is at least this (measured whether or not they are read; 0: always read them).
+    #[arg(long, default_value_t = strata_engine::expert_store::DEFAULT_PREFETCH_MIN_PRECISION)]
+    pub prefetch_min_precision: f64,
     /// Use only the K best of the router's experts per token (renormalised to the full top-k's
     /// weight). Trades quality for fewer expert bytes per token.
     #[arg(long, env = "STRATA_MOE_TOP_K")]
@@ -130,13 +140,14 @@ impl ModelArgs {
         self.spec.apply(&mut engine, &opts)?;
         if let Some(s) = &opts.stream_experts {
             eprintln!(
-                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}), policy {}, {} reads in flight, O_DIRECT {}",
+                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}), policy {}, {} reads in flight, O_DIRECT {}, prefetch {}",
                 engine.resident_weight_bytes as f64 / 1e9,
                 engine.model.experts().memory_bytes() as f64 / 1e9,
                 s.budget,
                 s.policy.name(),
                 s.io_threads,
-                s.direct_io
+                s.direct_io,
+                s.prefetch.name()
             );
         }
         Ok((engine, plan))
@@ -159,6 +170,8 @@ impl ModelArgs {
                 direct_io: self.direct_io,
                 io_threads: self.io_threads.max(1),
                 policy: self.expert_cache_policy,
+                prefetch: self.prefetch,
+                prefetch_min_precision: self.prefetch_min_precision,
             });
         }
         opts

@@ -1,6 +1,7 @@
 //! `strata generate --stream-experts` end to end on synthetic models made by `strata synth`:
 //! identical greedy tokens to the resident run at expert-cache budgets of 10%, 50% and 100%, and
-//! the process's peak RSS bounded by (resident weights + KV cache + expert cache) + 10%.
+//! the process's peak RSS bounded by (resident weights + KV cache + expert cache) + 10%; `strata
+//! repack` and every `--prefetch` predictor keep the tokens.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -48,6 +49,37 @@ fn tiny_moe_streamed_tokens_equal_resident() {
             eprintln!("{quant} skew {skew} at {budget}: {x}");
         }
     }
+}
+
+#[test]
+fn repacked_model_and_every_prefetch_predictor_keep_the_tokens() {
+    let model = tmp("tiny-repack.gguf");
+    synth(&model, &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing-skew", "0.5"]);
+    let bundled = tmp("tiny-repack-bundled.gguf");
+    let r = strata().arg("repack").arg(&model).arg(&bundled).output().unwrap();
+    assert!(r.status.success(), "repack: {}", String::from_utf8_lossy(&r.stderr));
+    assert!(String::from_utf8_lossy(&r.stdout).contains("experts of 4 MoE layers bundled"), "{}", String::from_utf8_lossy(&r.stdout));
+    let want = generate(&model, &[])["generated_token_ids"].clone();
+    assert_eq!(generate(&bundled, &[])["generated_token_ids"], want, "bundled, resident");
+    for p in ["off", "pregate", "previous", "union"] {
+        for m in [&model, &bundled] {
+            let got = generate(m, &["--stream-experts", "--expert-cache", "10%", "--prefetch", p, "--prefetch-min-precision", "0"]);
+            assert_eq!(got["generated_token_ids"], want, "{} --prefetch {p}", m.display());
+            assert_eq!(got["prefetch"], p, "{got}");
+            let (x, pd) = (&got["experts_decode"], &got["prefetch_decode"]);
+            assert!(pd["pregate"]["actual"].as_u64().unwrap() > 0, "{pd}");
+            if p == "off" {
+                assert_eq!(x["prefetch_reads"], 0, "{x}");
+            }
+        }
+    }
+    // Bad input: a dense model has nothing to bundle; an unknown predictor is refused by name.
+    let dense = tmp("dense-out.gguf");
+    let r = strata().arg("repack").arg(&bundled).arg(&dense).output().unwrap();
+    assert!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("already repacked"), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(!dense.exists());
+    let r = strata().args(["generate", "--prompt", "x", "--stream-experts", "--prefetch", "psychic", "-m"]).arg(&model).output().unwrap();
+    assert!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("unknown prefetch predictor `psychic`"), "{}", String::from_utf8_lossy(&r.stderr));
 }
 
 #[test]

@@ -9,7 +9,7 @@ use candle_core::Device;
 use serde::Serialize;
 use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer};
 use strata_expert_store::{StreamOptions, StreamingExperts};
-use strata_models::{DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, Transformer};
+use strata_models::{DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, PrefetchStats, Transformer};
 
 use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
 use crate::spec::{Emitted, SpecConfig, SpecStats, Speculator};
@@ -94,6 +94,9 @@ impl Engine {
         };
         let mut model = Transformer::load_with_experts(files, &opts.device, opts.ctx_size, experts, progress)?;
         model.set_moe_top_k(opts.moe_top_k);
+        if let Some(so) = &opts.stream_experts {
+            model.set_prefetch(so.prefetch);
+        }
         Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name(), resident_weight_bytes, spec: None })
     }
 
@@ -181,6 +184,7 @@ impl Engine {
         let mut decoder = StreamDecoder::new();
         let mut stops = StopMatcher::new(req.stop.clone());
         let experts_prefilled = self.model.experts().stats();
+        let prefetch_prefilled = self.model.prefetch_stats();
         let t1 = Instant::now();
         let mut ttft_ms = 0.0;
         let finish;
@@ -264,6 +268,10 @@ impl Engine {
             _ => None,
         };
         let (experts, experts_decode) = (delta(experts0), delta(experts_prefilled));
+        let prefetch_decode = match (self.model.prefetch_stats(), prefetch_prefilled) {
+            (Some(now), Some(before)) => Some(now.since(&before)),
+            _ => None,
+        };
         Ok(Generation {
             prompt_tokens: prompt.len(),
             tokens,
@@ -272,6 +280,7 @@ impl Engine {
             timings: Timings { prefill_ms, decode_ms, ttft_ms },
             experts,
             experts_decode,
+            prefetch_decode,
             spec: spec.map(|s| s.stats),
         })
     }
@@ -357,6 +366,9 @@ pub struct Generation {
     pub experts: Option<ExpertStats>,
     /// The same counters for the decode phase only (after prefill).
     pub experts_decode: Option<ExpertStats>,
+    /// Precision/recall of the expert-prefetch predictors during decode (`None` without
+    /// streaming).
+    pub prefetch_decode: Option<PrefetchStats>,
     /// Speculative-decoding counters (`None` without speculation).
     pub spec: Option<SpecStats>,
 }

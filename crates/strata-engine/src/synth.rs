@@ -309,7 +309,7 @@ fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
 fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
     let p = &o.preset;
     let q = o.quant;
-    let t = |name: String, shape: Vec<usize>, dtype| TensorSpec { name, shape, dtype };
+    let t = |name: String, shape: Vec<usize>, dtype| TensorSpec { name, shape, dtype, align: 0 };
     let (h, hd, e, i) = (p.hidden, p.head_dim, p.experts, p.expert_ffn);
     let mut rng = Rng::new(o.seed ^ 0x5EED);
     let mut v = vec![(t("token_embd.weight".into(), vec![p.vocab, h], q), Fill::Random)];
@@ -424,6 +424,7 @@ pub fn synth(out: &Path, o: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -
                 }
             }
         }
+        Ok(())
     };
     write_gguf(out, &meta, &specs, 16 << 20, &mut fill, progress)?;
     let file_bytes = std::fs::metadata(out).map_err(|e| format!("{}: {e}", out.display()))?.len();

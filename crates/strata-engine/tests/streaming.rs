@@ -1,14 +1,15 @@
 //! Expert streaming (`--stream-experts`) against the resident path on the MoE fixtures: bit-identical
 //! logits at every prompt position and identical greedy tokens, for expert-cache budgets of 10%,
 //! 50% and 100% of the expert bytes, each eviction policy, buffered and O_DIRECT reads; and the
-//! failure modes (a model file truncated under a running engine).
+//! failure modes (a model file truncated under a running engine). Expert prefetch (every predictor,
+//! and off) changes no logit and no token.
 
 mod common;
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use strata_engine::{CacheBudget, Engine, EvictionPolicy, GenerateRequest, LoadOptions, SamplingParams, StreamOptions};
+use strata_engine::{CacheBudget, Engine, EvictionPolicy, GenerateRequest, LoadOptions, PrefetchMode, SamplingParams, StreamOptions};
 use strata_models::Logits;
 
 fn fixture(name: &str) -> PathBuf {
@@ -22,7 +23,8 @@ fn load(path: &Path, stream: Option<StreamOptions>) -> Engine {
 }
 
 fn stream(percent: f64, policy: EvictionPolicy, direct_io: bool) -> StreamOptions {
-    StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy }
+    // Prefetch gate open: predictions are always read, so the prefetch path is exercised.
+    StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy, prefetch: PrefetchMode::default(), prefetch_min_precision: 0.0 }
 }
 
 const PROMPT: [u32; 12] = [3, 17, 92, 5, 41, 7, 64, 11, 250, 33, 8, 19];
@@ -47,15 +49,52 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
 fn check_model(name: &str) {
     let path = fixture(name);
     let (want_logits, want_tokens) = run(&load(&path, None));
-    for (percent, policy) in [(10.0, EvictionPolicy::Lru), (50.0, EvictionPolicy::Lru2), (100.0, EvictionPolicy::Lfu), (10.0, EvictionPolicy::Lfu)] {
-        let engine = load(&path, Some(stream(percent, policy, false)));
+    let cases = [
+        (10.0, EvictionPolicy::Lru, PrefetchMode::Union),
+        (10.0, EvictionPolicy::Lru, PrefetchMode::Off),
+        (50.0, EvictionPolicy::Lru2, PrefetchMode::PreGate),
+        (100.0, EvictionPolicy::Lfu, PrefetchMode::Previous),
+        (10.0, EvictionPolicy::Lfu, PrefetchMode::PreGate),
+    ];
+    for (percent, policy, prefetch) in cases {
+        let engine = load(&path, Some(StreamOptions { prefetch, ..stream(percent, policy, false) }));
+        let gated = load(&path, Some(StreamOptions { prefetch, prefetch_min_precision: strata_engine::expert_store::DEFAULT_PREFETCH_MIN_PRECISION, ..stream(percent, policy, false) }));
+        assert_eq!(run(&gated).1, want_tokens, "{name} at {percent}% (prefetch {prefetch:?}, gated): greedy tokens");
+        let g = gated.model.experts().stats().unwrap();
+        if percent < 100.0 && prefetch != PrefetchMode::Off {
+            assert!(g.prefetch_candidates > 0 && g.prefetch_candidates_used <= g.prefetch_candidates, "{name}: the gate measured nothing: {g:?}");
+        }
         let (logits, tokens) = run(&engine);
-        assert_eq!(bits(&logits), bits(&want_logits), "{name} at {percent}% ({policy:?}): logits");
-        assert_eq!(tokens, want_tokens, "{name} at {percent}% ({policy:?}): greedy tokens");
+        assert_eq!(bits(&logits), bits(&want_logits), "{name} at {percent}% ({policy:?}, prefetch {prefetch:?}): logits");
+        assert_eq!(tokens, want_tokens, "{name} at {percent}% ({policy:?}, prefetch {prefetch:?}): greedy tokens");
         let s = engine.model.experts().stats().expect("streaming stats");
         assert!(s.misses > 0 && s.bytes_read > 0 && s.reads > 0, "{name}: nothing was read: {s:?}");
         assert!(s.touched_bytes >= s.bytes_read / 2, "{name}: {s:?}");
-        eprintln!("{name} {percent}% {policy:?}: hit rate {:.2}, {} bytes read in {} reads", s.hit_rate(), s.bytes_read, s.reads);
+        assert_eq!(engine.model.prefetch_mode(), Some(prefetch));
+        let p = engine.model.prefetch_stats().expect("prefetch stats");
+        assert!(p.pregate.actual > 0 && p.pregate.correct <= p.pregate.predicted, "{name}: predictors not scored: {p:?}");
+        assert!(s.prefetch_used <= s.prefetch_reads);
+        if prefetch == PrefetchMode::Off {
+            assert_eq!(s.prefetch_reads, 0, "{name}: --prefetch off read ahead");
+        } else if percent < 100.0 {
+            assert!(s.prefetch_reads > 0, "{name} {prefetch:?}: nothing was prefetched: {s:?}");
+        }
+        eprintln!(
+            "{name} {percent}% {policy:?} prefetch {prefetch:?}: hit rate {:.2}, {} bytes read in {} reads, {} prefetched ({} used), uncached precision {}/{}; precision/recall pregate {:.2}/{:.2} previous {:.2}/{:.2} union {:.2}/{:.2}",
+            s.hit_rate(),
+            s.bytes_read,
+            s.reads,
+            s.prefetch_reads,
+            s.prefetch_used,
+            s.prefetch_candidates_used,
+            s.prefetch_candidates,
+            p.pregate.precision(),
+            p.pregate.recall(),
+            p.previous.precision(),
+            p.previous.recall(),
+            p.union.precision(),
+            p.union.recall()
+        );
         if percent == 100.0 {
             // Everything fits: a second run reads nothing more.
             let before = s;

@@ -64,7 +64,7 @@ pub fn bench_disk(path: &Path, block_sizes: &[usize], depths: &[usize], direct_m
                             ReadJob { file: 0, offset, len: bs, need: bs, dst: s.as_mut_ptr() }
                         })
                         .collect();
-                    io.submit(jobs).wait()?;
+                    io.submit(jobs, crate::io::Priority::Demand).wait()?;
                     bytes += (qd * 4 * bs) as u64;
                 }
                 let seconds = t0.elapsed().as_secs_f64();

@@ -2,12 +2,16 @@
 //! reads of all experts a layer needs are in flight together (queue depth = threads). SwiftLM's
 //! expert streaming reached queue depth 24 the same way. Optional `O_DIRECT` bypasses the page
 //! cache; its reads must be aligned ([`DIRECT_ALIGN`]) in offset, length and buffer address.
+//!
+//! Two queues: demand reads (a layer's routing is known) always go before prefetch reads
+//! (predictions), so a wrong prediction never delays a read the forward pass waits for; a
+//! prefetch that turns out to be needed is promoted ([`IoEngine::promote`]).
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -54,6 +58,11 @@ impl Ticket {
         }
     }
 
+    /// Whether every read finished.
+    pub fn is_done(&self) -> bool {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).0 == 0
+    }
+
     /// Blocks until every read finished. Errors: the first failed read (I/O error, short read).
     pub fn wait(&self) -> Result<(), String> {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -78,10 +87,30 @@ struct Busy {
     since: Option<Instant>,
 }
 
+/// Which queue a batch of reads joins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// A forward pass waits (or will wait) for these.
+    Demand,
+    /// A prediction: run when no demand read is queued.
+    Prefetch,
+}
+
+type Queued = (ReadJob, Arc<Ticket>);
+
+#[derive(Default)]
+struct Queues {
+    demand: VecDeque<Queued>,
+    prefetch: VecDeque<Queued>,
+    closed: bool,
+}
+
 struct Shared {
     files: Vec<(PathBuf, File, u64)>,
     counters: IoCounters,
     busy: Mutex<Busy>,
+    queues: Mutex<Queues>,
+    ready: Condvar,
 }
 
 impl Shared {
@@ -134,7 +163,6 @@ impl Shared {
 /// A fixed pool of reader threads over a set of files opened once.
 pub struct IoEngine {
     shared: Arc<Shared>,
-    tx: Mutex<Option<Sender<(ReadJob, Arc<Ticket>)>>>,
     workers: Vec<std::thread::JoinHandle<()>>,
     direct: bool,
 }
@@ -165,16 +193,20 @@ impl IoEngine {
             let len = f.metadata().map_err(|e| format!("{}: {e}", p.display()))?.len();
             opened.push((p.clone(), f, len));
         }
-        let shared = Arc::new(Shared { files: opened, counters: IoCounters::default(), busy: Mutex::new(Busy { in_flight: 0, since: None }) });
-        let (tx, rx) = channel::<(ReadJob, Arc<Ticket>)>();
-        let rx = Arc::new(Mutex::new(rx));
+        let shared = Arc::new(Shared {
+            files: opened,
+            counters: IoCounters::default(),
+            busy: Mutex::new(Busy { in_flight: 0, since: None }),
+            queues: Mutex::new(Queues::default()),
+            ready: Condvar::new(),
+        });
         let workers = (0..threads.max(1))
             .map(|i| {
-                let (shared, rx) = (shared.clone(), rx.clone());
-                std::thread::Builder::new().name(format!("strata-io-{i}")).spawn(move || worker(&shared, &rx)).expect("spawn I/O thread")
+                let shared = shared.clone();
+                std::thread::Builder::new().name(format!("strata-io-{i}")).spawn(move || worker(&shared)).expect("spawn I/O thread")
             })
             .collect();
-        Ok(Self { shared, tx: Mutex::new(Some(tx)), workers, direct })
+        Ok(Self { shared, workers, direct })
     }
 
     pub fn direct(&self) -> bool {
@@ -198,28 +230,57 @@ impl IoEngine {
     }
 
     /// Queues `jobs` at once and returns their shared completion ticket.
-    pub fn submit(&self, jobs: Vec<ReadJob>) -> Arc<Ticket> {
+    pub fn submit(&self, jobs: Vec<ReadJob>, priority: Priority) -> Arc<Ticket> {
         let ticket = Ticket::new(jobs.len());
         if jobs.is_empty() {
             return ticket;
         }
         self.shared.begin(jobs.len());
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        for job in jobs {
-            let sent = tx.as_ref().map(|tx| tx.send((job, ticket.clone())).is_ok()).unwrap_or(false);
-            if !sent {
+        let mut q = self.shared.queues.lock().unwrap_or_else(|e| e.into_inner());
+        if q.closed {
+            drop(q);
+            for _ in &jobs {
                 self.shared.end();
                 ticket.finish(Some("I/O engine stopped".into()));
             }
+            return ticket;
         }
+        let queue = match priority {
+            Priority::Demand => &mut q.demand,
+            Priority::Prefetch => &mut q.prefetch,
+        };
+        queue.extend(jobs.into_iter().map(|j| (j, ticket.clone())));
+        drop(q);
+        self.shared.ready.notify_all();
         ticket
+    }
+
+    /// Moves the still-queued prefetch reads of `ticket` to the demand queue (a prediction turned
+    /// out to be needed). Returns how many moved.
+    pub fn promote(&self, ticket: &Arc<Ticket>) -> usize {
+        let mut q = self.shared.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let (mine, rest): (VecDeque<Queued>, VecDeque<Queued>) = q.prefetch.drain(..).partition(|(_, t)| Arc::ptr_eq(t, ticket));
+        q.prefetch = rest;
+        let n = mine.len();
+        q.demand.extend(mine);
+        n
     }
 }
 
-fn worker(shared: &Shared, rx: &Mutex<Receiver<(ReadJob, Arc<Ticket>)>>) {
+fn worker(shared: &Shared) {
     loop {
-        let msg = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-        let Ok((job, ticket)) = msg else { return };
+        let (job, ticket) = {
+            let mut q = shared.queues.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if let Some(j) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
+                    break j;
+                }
+                if q.closed {
+                    return;
+                }
+                q = shared.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
         let r = shared.run(job);
         shared.end();
         ticket.finish(r.err());
@@ -228,7 +289,9 @@ fn worker(shared: &Shared, rx: &Mutex<Receiver<(ReadJob, Arc<Ticket>)>>) {
 
 impl Drop for IoEngine {
     fn drop(&mut self) {
-        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // Workers finish the queued reads (their slots outlive the engine's users), then stop.
+        self.shared.queues.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+        self.shared.ready.notify_all();
         for w in self.workers.drain(..) {
             let _ = w.join();
         }

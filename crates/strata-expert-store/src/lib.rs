@@ -6,15 +6,17 @@
 //! - [`policy`]: eviction policies (LRU, LRU-2, LFU).
 //! - [`budget`]: `--expert-cache` sizes and available memory (cgroup limits included).
 //! - [`disk_bench`]: `strata bench --disk`, the drive's random-read bandwidth.
+//! - [`prefetch_gate`]: whether predictions of the next layer's experts are precise enough to read.
 //! - [`provider`]: [`StreamingExperts`], the [`strata_models::ExpertProvider`] tying them together.
 
 pub mod budget;
 pub mod disk_bench;
 pub mod io;
 pub mod policy;
+pub mod prefetch_gate;
 pub mod provider;
 pub mod slab;
 
 pub use budget::{available_memory, parse_bytes, process_rss, CacheBudget};
 pub use policy::EvictionPolicy;
-pub use provider::{StreamOptions, StreamingExperts};
+pub use provider::{StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION};

@@ -8,6 +8,11 @@
 //! (Q4_1, Q8_0, Q4_K) use the slot's bytes directly; others are decoded into candle tensors beside the
 //! slot. An expert leaves the cache on eviction; its slot returns to the free list when the last
 //! forward pass using it drops it.
+//!
+//! Prefetch (`prefetch(layer, ids)`, predictions for the next MoE layer): reads join the I/O
+//! engine's low-priority queue and only take room that is free or held by experts neither the
+//! current routing nor the predicted layer uses; a prediction the layer then needs is promoted to
+//! the demand queue. A finished read nobody asked for is evictable like a cached expert.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,11 +24,12 @@ use strata_formats::{ExpertDims, ExpertEncoding, ExpertExtent, ModelConfig, Mode
 use strata_kernels::{QuantMatrix, WeightBytes};
 use strata_models::layers::{expert_kernel_format, Linear};
 use strata_models::mlp::Mlp;
-use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError};
+use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError, PrefetchMode};
 
 use crate::budget::{available_memory, CacheBudget};
-use crate::io::{IoEngine, ReadJob, Ticket, DIRECT_ALIGN};
+use crate::io::{IoEngine, Priority, ReadJob, Ticket, DIRECT_ALIGN};
 use crate::policy::{EvictionPolicy, Usage};
+use crate::prefetch_gate::PrefetchGate;
 use crate::slab::{Slab, Slot};
 
 /// Options of `--stream-experts`.
@@ -36,17 +42,25 @@ pub struct StreamOptions {
     /// Reader threads = reads in flight at once (`--io-threads`).
     pub io_threads: usize,
     pub policy: EvictionPolicy,
+    /// `--prefetch`: which prediction of the next MoE layer's experts is read ahead.
+    pub prefetch: PrefetchMode,
+    /// `--prefetch-min-precision`: predictions are read only while their measured precision on
+    /// uncached experts is at least this ([`crate::prefetch_gate`]); 0 reads them always.
+    pub prefetch_min_precision: f64,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        Self { budget: CacheBudget::Auto, direct_io: false, io_threads: 16, policy: EvictionPolicy::Lru }
+        Self { budget: CacheBudget::Auto, direct_io: false, io_threads: 16, policy: EvictionPolicy::Lru, prefetch: PrefetchMode::default(), prefetch_min_precision: DEFAULT_PREFETCH_MIN_PRECISION }
     }
 }
 
-/// How one expert is read into its slot: jobs (file, offset, len, need, slot offset) and, for
-/// aligned `O_DIRECT` supersets, the moves that compact the data afterwards (src, dst, len). After
-/// them gate, up and down lie at slot offsets 0, G and G+U.
+/// Default `--prefetch-min-precision` (see [`crate::prefetch_gate`]).
+pub const DEFAULT_PREFETCH_MIN_PRECISION: f64 = 0.5;
+
+/// How one expert is read into its slot: jobs (file, offset, len, need, slot offset) and the moves
+/// that compact the data afterwards (src, dst, len). After them gate, up and down lie at slot
+/// offsets 0, G and G+U.
 #[derive(Debug, Clone, Default)]
 struct ReadPlan {
     jobs: Vec<(usize, u64, usize, usize, usize)>,
@@ -55,38 +69,51 @@ struct ReadPlan {
     span: usize,
 }
 
+/// Parts of one expert at most this far apart in a file are read as one range (the gap is read
+/// and dropped): one request instead of two (`strata repack`'s alignment padding, safetensors'
+/// headers between tensors).
+const MAX_GAP: u64 = 4096;
+
 impl ReadPlan {
-    /// Ranges adjacent in the same file are coalesced into one read.
+    /// Parts in the same file, in order and at most [`MAX_GAP`] apart, become one read; with
+    /// `direct`, every read is widened to [`DIRECT_ALIGN`] in offset and length.
     fn new(extent: &ExpertExtent, direct: bool) -> Self {
-        let mut ranges: Vec<(usize, u64, usize, usize)> = Vec::new(); // file, offset, len, final slot offset
+        struct Run {
+            file: usize,
+            start: u64,
+            end: u64,
+            /// (file offset, len, final slot offset)
+            parts: Vec<(u64, usize, usize)>,
+        }
+        let mut runs: Vec<Run> = Vec::new();
         let mut dst = 0usize;
         for p in &extent.parts {
             let len = p.len as usize;
-            match ranges.last_mut() {
-                Some(r) if r.0 == p.file && r.1 + r.2 as u64 == p.offset => r.2 += len,
-                _ => ranges.push((p.file, p.offset, len, dst)),
+            match runs.last_mut() {
+                Some(r) if r.file == p.file && p.offset >= r.end && p.offset - r.end <= MAX_GAP => {
+                    r.end = p.offset + p.len;
+                    r.parts.push((p.offset, len, dst));
+                }
+                _ => runs.push(Run { file: p.file, start: p.offset, end: p.offset + p.len, parts: vec![(p.offset, len, dst)] }),
             }
             dst += len;
         }
         let mut plan = ReadPlan::default();
-        if !direct {
-            for (file, offset, len, at) in ranges {
-                plan.jobs.push((file, offset, len, len, at));
-            }
-            plan.span = dst;
-            return plan;
-        }
-        let a = DIRECT_ALIGN as u64;
         let mut cursor = 0usize;
-        for (file, offset, len, at) in ranges {
-            let start = offset / a * a;
-            let delta = (offset - start) as usize;
-            let alen = (delta + len).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-            plan.jobs.push((file, start, alen, delta + len, cursor));
-            plan.moves.push((cursor + delta, at, len));
-            cursor += alen;
+        for r in runs {
+            let start = if direct { r.start / DIRECT_ALIGN as u64 * DIRECT_ALIGN as u64 } else { r.start };
+            let need = (r.end - start) as usize;
+            let len = if direct { need.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN } else { need };
+            plan.jobs.push((r.file, start, len, need, cursor));
+            for (offset, plen, at) in r.parts {
+                let src = cursor + (offset - start) as usize;
+                if src != at {
+                    plan.moves.push((src, at, plen));
+                }
+            }
+            cursor += len;
         }
-        plan.span = cursor;
+        plan.span = cursor.max(dst);
         plan
     }
 }
@@ -100,14 +127,39 @@ enum State {
 struct Entry {
     state: State,
     usage: Usage,
+    /// Read by a prefetch and not asked for yet.
+    prefetched: bool,
 }
 
-#[derive(Default)]
+impl Entry {
+    /// Ready, or pending with every read finished (its slot can be dropped).
+    fn evictable(&self) -> bool {
+        match &self.state {
+            State::Ready(_) => true,
+            State::Pending { ticket, .. } => ticket.is_done(),
+        }
+    }
+}
+
+/// Why reads are started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Need {
+    /// `expert()`: wait for a slot if none is free.
+    Wait,
+    /// `will_need`: skip what there is no room for (`expert()` retries).
+    Skip,
+    /// A prediction for `layer`: only free room or unneeded experts of other layers.
+    Prefetch { layer: usize },
+}
+
 struct CacheState {
     map: HashMap<(usize, usize), Entry>,
     tick: u64,
     /// Experts of the most recent `will_need`: evicted only when nothing else can be.
     protected: HashSet<(usize, usize)>,
+    /// Per layer: the predicted experts the cache lacked at the last prediction (read or not).
+    candidates: HashMap<usize, Vec<usize>>,
+    gate: PrefetchGate,
 }
 
 #[derive(Debug, Default)]
@@ -116,6 +168,10 @@ struct Counters {
     misses: AtomicU64,
     stall_ns: AtomicU64,
     touched_bytes: AtomicU64,
+    prefetch_reads: AtomicU64,
+    prefetch_used: AtomicU64,
+    prefetch_candidates: AtomicU64,
+    prefetch_candidates_used: AtomicU64,
 }
 
 /// Routed experts streamed from the model file(s). See the module docs.
@@ -131,6 +187,8 @@ pub struct StreamingExperts {
     capacity: usize,
     /// Memory one cached expert costs (slot + decoded tensors), bytes.
     entry_bytes: u64,
+    /// Experts one prefetch may start at most.
+    prefetch_limit: usize,
     expert_bytes_total: u64,
     state: Mutex<CacheState>,
     counters: Counters,
@@ -199,8 +257,15 @@ impl StreamingExperts {
             policy: opts.policy,
             capacity,
             entry_bytes,
+            prefetch_limit: prefetch_limit(capacity, moe.experts_per_token),
             expert_bytes_total: total,
-            state: Mutex::new(CacheState::default()),
+            state: Mutex::new(CacheState {
+                map: HashMap::new(),
+                tick: 0,
+                protected: HashSet::new(),
+                candidates: HashMap::new(),
+                gate: PrefetchGate::new(opts.prefetch_min_precision),
+            }),
             counters: Counters::default(),
         })
     }
@@ -223,17 +288,26 @@ impl StreamingExperts {
         })
     }
 
-    /// Evicts one expert by the policy: unprotected ready entries first, then protected ones.
-    /// Returns false when nothing can be evicted (all pending).
-    fn evict_one(&self, st: &mut CacheState) -> bool {
+    /// Evicts one expert by the policy: unprotected evictable entries first, then protected ones.
+    /// A prefetch for `layer` evicts neither protected experts nor `layer`'s nor `keep`. Returns
+    /// false when nothing can be evicted.
+    fn evict_one(&self, st: &mut CacheState, need: Need, keep: &[(usize, usize)]) -> bool {
         let victim = |protect: bool| {
             st.map
                 .iter()
-                .filter(|(k, e)| matches!(e.state, State::Ready(_)) && (protect || !st.protected.contains(k)))
+                .filter(|(k, e)| e.evictable() && (protect || !st.protected.contains(k)))
+                .filter(|(k, _)| match need {
+                    Need::Prefetch { layer } => k.0 != layer && !keep.contains(k),
+                    _ => true,
+                })
                 .min_by_key(|(_, e)| self.policy.score(&e.usage))
                 .map(|(k, _)| *k)
         };
-        match victim(false).or_else(|| victim(true)) {
+        let found = match need {
+            Need::Prefetch { .. } => victim(false),
+            _ => victim(false).or_else(|| victim(true)),
+        };
+        match found {
             Some(k) => {
                 st.map.remove(&k);
                 true
@@ -242,9 +316,8 @@ impl StreamingExperts {
         }
     }
 
-    /// Makes room and queues the reads of `keys` not yet cached or pending. With `must`, waits for
-    /// a slot when none is free; otherwise skips experts it has no room for.
-    fn start_reads(&self, keys: &[(usize, usize)], must: bool) -> Result<(), ModelError> {
+    /// Makes room and queues the reads of `keys` not yet cached or pending (see [`Need`]).
+    fn start_reads(&self, keys: &[(usize, usize)], need: Need) -> Result<(), ModelError> {
         let mut jobs = Vec::new();
         let mut files_checked = false;
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -259,13 +332,17 @@ impl StreamingExperts {
                 files_checked = true;
             }
             while st.map.len() >= self.capacity {
-                if !self.evict_one(&mut st) {
+                if !self.evict_one(&mut st, need, keys) {
                     break;
                 }
             }
+            let prefetch = matches!(need, Need::Prefetch { .. });
+            if prefetch && st.map.len() >= self.capacity {
+                return Ok(()); // no room a prediction may take
+            }
             let slot = match self.slab.try_acquire() {
                 Some(s) => s,
-                None if must => {
+                None if need == Need::Wait => {
                     drop(st);
                     let s = self.slab.acquire_timeout(SLOT_WAIT).ok_or_else(|| ModelError::ExpertRead {
                         layer,
@@ -278,6 +355,7 @@ impl StreamingExperts {
                     }
                     s
                 }
+                None if prefetch => return Ok(()),
                 None => continue,
             };
             let plan = ReadPlan::new(extent, self.io.direct());
@@ -287,8 +365,11 @@ impl StreamingExperts {
                 // SAFETY: `at + len <= span <= slot.len()`, checked when the slab was sized.
                 jobs.push(ReadJob { file, offset, len, need, dst: unsafe { base.add(at) } });
             }
-            let ticket = self.io.submit(jobs.split_off(first));
-            st.map.insert((layer, expert), Entry { state: State::Pending { slot, ticket }, usage: Usage::default() });
+            let ticket = self.io.submit(jobs.split_off(first), if prefetch { Priority::Prefetch } else { Priority::Demand });
+            if prefetch {
+                self.counters.prefetch_reads.fetch_add(1, Ordering::Relaxed);
+            }
+            st.map.insert((layer, expert), Entry { state: State::Pending { slot, ticket }, usage: Usage::default(), prefetched: prefetch });
         }
         Ok(())
     }
@@ -334,6 +415,12 @@ impl StreamingExperts {
     }
 }
 
+/// Experts one prefetch may start: two layers' worth of top-k (the union of two predictors), at
+/// most a quarter of the cache so that predictions never crowd out the working set (at least one).
+fn prefetch_limit(capacity: usize, top_k: usize) -> usize {
+    (2 * top_k).min(capacity / 4).max(1)
+}
+
 /// Bytes of the tensors decoded beside the slot for parts our kernels do not run.
 fn decoded_bytes(x: &ExpertExtent, dims: ExpertDims) -> u64 {
     let elems = (dims.hidden * dims.intermediate) as u64;
@@ -353,34 +440,44 @@ impl ExpertProvider for StreamingExperts {
         let key = (layer, expert);
         let bytes = self.extent(layer, expert)?.bytes();
         self.counters.touched_bytes.fetch_add(bytes, Ordering::Relaxed);
-        let mut counted_miss = false;
+        let mut counted = false; // this call was counted as a hit or a miss
         loop {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
             st.tick += 1;
             let tick = st.tick;
             let ticket = match st.map.get_mut(&key) {
-                Some(Entry { state: State::Ready(x), usage }) => {
+                Some(Entry { state: State::Ready(x), usage, prefetched }) => {
                     usage.touch(tick);
-                    if !counted_miss {
+                    if std::mem::take(prefetched) {
+                        self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if !counted {
                         self.counters.hits.fetch_add(1, Ordering::Relaxed);
                     }
                     return Ok(x.clone());
                 }
-                Some(Entry { state: State::Pending { ticket, .. }, .. }) => ticket.clone(),
+                Some(Entry { state: State::Pending { ticket, .. }, prefetched, .. }) => {
+                    // A prediction read in time counts as a hit: the expert was in memory when asked.
+                    if *prefetched && ticket.is_done() && !counted {
+                        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                        counted = true;
+                    }
+                    ticket.clone()
+                }
                 None => {
                     drop(st);
-                    self.start_reads(&[key], true)?;
-                    if !counted_miss {
+                    self.start_reads(&[key], Need::Wait)?;
+                    if !counted {
                         self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                        counted_miss = true;
+                        counted = true;
                     }
                     continue;
                 }
             };
             drop(st);
-            if !counted_miss {
+            if !counted {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                counted_miss = true;
+                counted = true;
             }
             let t0 = Instant::now();
             let result = ticket.wait();
@@ -392,11 +489,14 @@ impl ExpertProvider for StreamingExperts {
                 result.map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
                 continue;
             }
-            let Some(Entry { state: State::Pending { slot, .. }, mut usage }) = st.map.remove(&key) else { unreachable!("checked above") };
+            let Some(Entry { state: State::Pending { slot, .. }, mut usage, prefetched }) = st.map.remove(&key) else { unreachable!("checked above") };
             result.map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
             let x = Arc::new(self.build(layer, expert, slot)?);
             usage.touch(tick);
-            st.map.insert(key, Entry { state: State::Ready(x.clone()), usage });
+            if prefetched {
+                self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
+            }
+            st.map.insert(key, Entry { state: State::Ready(x.clone()), usage, prefetched: false });
             return Ok(x);
         }
     }
@@ -405,11 +505,47 @@ impl ExpertProvider for StreamingExperts {
         let mut keys: Vec<(usize, usize)> = experts.iter().map(|&e| (layer, e as usize)).collect();
         keys.sort_unstable();
         keys.dedup();
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).protected = keys.iter().copied().collect();
-        // Errors surface from `expert()`, which retries the read.
-        if let Err(e) = self.start_reads(&keys, false) {
-            tracing::debug!("prefetch failed: {e}");
+        {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.protected = keys.iter().copied().collect();
+            // Score the last prediction for this layer on what the cache lacked.
+            if let Some(c) = st.candidates.remove(&layer) {
+                let used = c.iter().filter(|&&e| keys.binary_search(&(layer, e)).is_ok()).count();
+                st.gate.observe(c.len(), used);
+                self.counters.prefetch_candidates.fetch_add(c.len() as u64, Ordering::Relaxed);
+                self.counters.prefetch_candidates_used.fetch_add(used as u64, Ordering::Relaxed);
+            }
+            // Predictions this layer needs: their queued reads go first now.
+            for k in &keys {
+                if let Some(Entry { state: State::Pending { ticket, .. }, prefetched: true, .. }) = st.map.get(k) {
+                    self.io.promote(ticket);
+                }
+            }
         }
+        // Errors surface from `expert()`, which retries the read.
+        if let Err(e) = self.start_reads(&keys, Need::Skip) {
+            tracing::debug!("expert reads not started: {e}");
+        }
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let keys: Vec<(usize, usize)> = {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let missing: Vec<usize> = experts.iter().take(self.prefetch_limit).map(|&e| e as usize).filter(|&e| !st.map.contains_key(&(layer, e))).collect();
+            let open = st.gate.open();
+            st.candidates.insert(layer, missing.clone());
+            if !open {
+                return; // measured in the shadow only
+            }
+            missing.into_iter().map(|e| (layer, e)).collect()
+        };
+        if let Err(e) = self.start_reads(&keys, Need::Prefetch { layer }) {
+            tracing::debug!("prefetch not started: {e}");
+        }
+    }
+
+    fn prefetch_limit(&self) -> usize {
+        self.prefetch_limit
     }
 
     fn memory_bytes(&self) -> u64 {
@@ -426,6 +562,10 @@ impl ExpertProvider for StreamingExperts {
             stall_ns: self.counters.stall_ns.load(Ordering::Relaxed),
             io_busy_ns: io.busy_ns.load(Ordering::Relaxed),
             touched_bytes: self.counters.touched_bytes.load(Ordering::Relaxed),
+            prefetch_reads: self.counters.prefetch_reads.load(Ordering::Relaxed),
+            prefetch_used: self.counters.prefetch_used.load(Ordering::Relaxed),
+            prefetch_candidates: self.counters.prefetch_candidates.load(Ordering::Relaxed),
+            prefetch_candidates_used: self.counters.prefetch_candidates_used.load(Ordering::Relaxed),
         })
     }
 }
@@ -443,13 +583,23 @@ mod tests {
     }
 
     #[test]
-    fn buffered_plan_coalesces_adjacent_ranges() {
-        let p = ReadPlan::new(&extent([(0, 100, 10), (0, 110, 10), (0, 500, 7)]), false);
-        assert_eq!(p.jobs, vec![(0, 100, 20, 20, 0), (0, 500, 7, 7, 20)]);
+    fn buffered_plan_coalesces_close_ranges() {
+        // Adjacent: one read, nothing moves.
+        let p = ReadPlan::new(&extent([(0, 100, 10), (0, 110, 10), (0, 120, 7)]), false);
+        assert_eq!(p.jobs, vec![(0, 100, 27, 27, 0)]);
         assert!(p.moves.is_empty());
         assert_eq!(p.span, 27);
+        // Small gaps are read and compacted away.
+        let p = ReadPlan::new(&extent([(0, 100, 10), (0, 120, 10), (0, 500, 7)]), false);
+        assert_eq!(p.jobs, vec![(0, 100, 407, 407, 0)]);
+        assert_eq!(p.moves, vec![(20, 10, 10), (400, 20, 7)]);
+        assert_eq!(p.span, 407);
+        // Another file, a range behind the previous one, or a gap over MAX_GAP: separate reads.
         let p = ReadPlan::new(&extent([(0, 100, 10), (1, 110, 10), (1, 120, 7)]), false);
         assert_eq!(p.jobs, vec![(0, 100, 10, 10, 0), (1, 110, 17, 17, 10)]);
+        let p = ReadPlan::new(&extent([(0, 9000, 10), (0, 100, 10), (0, 110 + MAX_GAP + 1, 7)]), false);
+        assert_eq!(p.jobs, vec![(0, 9000, 10, 10, 0), (0, 100, 10, 10, 10), (0, 110 + MAX_GAP + 1, 7, 7, 20)]);
+        assert!(p.moves.is_empty());
     }
 
     #[test]

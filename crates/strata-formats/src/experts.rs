@@ -3,6 +3,9 @@
 //! Layouts (expert `e` of layer `L`, `E` experts, hidden `H`, expert intermediate `I`):
 //! - GGUF (llama.cpp's converter): 3-D tensors `blk.L.ffn_{gate,up}_exps.weight` `[E, I, H]` and
 //!   `blk.L.ffn_down_exps.weight` `[E, H, I]`; expert `e` is one contiguous slice of each.
+//! - GGUF per expert (`strata repack`'s bundled layout; also llama.cpp's legacy Mixtral naming):
+//!   `blk.L.ffn_{gate,up}.e.weight` `[I, H]` and `blk.L.ffn_down.e.weight` `[H, I]`. `strata repack`
+//!   writes each expert's three back to back from a 4 KiB-aligned offset: one read per expert.
 //! - HF per expert (under `model.layers.` or, for image-text checkpoints,
 //!   `model.language_model.layers.`): `model.layers.L.mlp.experts.e.{gate,up,down}_proj.weight` (Qwen-MoE, OLMoE) or
 //!   `model.layers.L.block_sparse_moe.experts.e.{w1,w3,w2}.weight` (Mixtral).
@@ -33,6 +36,8 @@ pub struct ExpertTensors {
 pub enum ExpertLayout {
     /// GGUF 3-D tensors, names of (gate, up, down).
     Gguf { gate: String, up: String, down: String },
+    /// GGUF 2-D tensors per expert: `blk.{layer}.ffn_{gate,up,down}.{e}.weight`.
+    GgufPerExpert { layer: usize },
     /// One HF tensor per expert and projection: `{prefix}.{e}.{proj}.weight` for proj in
     /// (gate, up, down) order.
     HfPerExpert { prefix: String, projections: [&'static str; 3] },
@@ -59,6 +64,15 @@ impl ModelFiles {
             ModelFiles::Gguf(g) => {
                 let n = |p: &str| format!("blk.{layer}.ffn_{p}_exps.weight");
                 let (gate, up, down) = (n("gate"), n("up"), n("down"));
+                if !g.tensors.contains_key(&gate) && g.tensors.contains_key(&per_expert_name(layer, "gate", 0)) {
+                    for x in 0..e {
+                        for (p, shape) in [("gate", [i, h]), ("up", [i, h]), ("down", [h, i])] {
+                            let name = per_expert_name(layer, p, x);
+                            self.check_shape(&name, g.tensors.get(name.as_str()).map(|t| t.shape.clone()), &shape)?;
+                        }
+                    }
+                    return Ok(ExpertLayout::GgufPerExpert { layer });
+                }
                 for (name, shape) in [(&gate, [e, i, h]), (&up, [e, i, h]), (&down, [e, h, i])] {
                     self.check_shape(name, g.tensors.get(name.as_str()).map(|t| t.shape.clone()), &shape)?;
                 }
@@ -116,6 +130,10 @@ impl ModelFiles {
                 let q = |n: &str| g.read_qtensor_index(n, expert, device).map(Weight::Quantized);
                 Ok(ExpertTensors { gate: q(gate)?, up: q(up)?, down: q(down)? })
             }
+            (ModelFiles::Gguf(g), ExpertLayout::GgufPerExpert { layer }) => {
+                let q = |p: &str| g.read_qtensor(&per_expert_name(*layer, p, expert), device).map(Weight::Quantized);
+                Ok(ExpertTensors { gate: q("gate")?, up: q("up")?, down: q("down")? })
+            }
             (ModelFiles::Hf(hf), ExpertLayout::HfPerExpert { prefix, projections: [g, u, d] }) => {
                 let t = |p: &str| hf.weights.load_f32(&format!("{prefix}.{expert}.{p}.weight"), device).map(Weight::Dense);
                 Ok(ExpertTensors { gate: t(g)?, up: t(u)?, down: t(d)? })
@@ -133,6 +151,20 @@ impl ModelFiles {
             _ => Err(FormatError::invalid(self.path(), format!("expert layout {layout:?} does not belong to this file"))),
         }
     }
+}
+
+/// GGUF name of one expert's projection in the per-expert layout: `blk.{layer}.ffn_{proj}.{e}.weight`.
+pub fn per_expert_name(layer: usize, proj: &str, expert: usize) -> String {
+    format!("blk.{layer}.ffn_{proj}.{expert}.weight")
+}
+
+/// Whether `name` is a GGUF per-expert projection (`blk.L.ffn_{gate,up,down}.E.weight`).
+pub fn is_per_expert_name(name: &str) -> bool {
+    let mut it = name.split('.');
+    matches!(
+        (it.next(), it.next().map(|l| l.parse::<usize>().is_ok()), it.next(), it.next().map(|e| e.parse::<usize>().is_ok()), it.next(), it.next()),
+        (Some("blk"), Some(true), Some("ffn_gate" | "ffn_up" | "ffn_down"), Some(true), Some("weight"), None)
+    )
 }
 
 /// A byte range in one of the model's weight files ([`ModelFiles::weight_files`] index).
@@ -199,6 +231,16 @@ impl ModelFiles {
                 };
                 let e = |n: &str| -> Result<ExpertEncoding> { Ok(ExpertEncoding::Ggml(g.tensor_info(n)?.dtype)) };
                 Ok(ExpertExtent { parts: [r(gate)?, r(up)?, r(down)?], encodings: [e(gate)?, e(up)?, e(down)?] })
+            }
+            (ModelFiles::Gguf(g), ExpertLayout::GgufPerExpert { layer }) => {
+                let mut parts = [ByteRange { file: 0, offset: 0, len: 0 }; 3];
+                let mut encodings = [ExpertEncoding::Float(DType::F32); 3];
+                for ((part, enc), p) in parts.iter_mut().zip(&mut encodings).zip(["gate", "up", "down"]) {
+                    let info = g.tensor_info(&per_expert_name(*layer, p, expert))?;
+                    *part = ByteRange { file: 0, offset: info.offset, len: info.size };
+                    *enc = ExpertEncoding::Ggml(info.dtype);
+                }
+                Ok(ExpertExtent { parts, encodings })
             }
             (ModelFiles::Hf(hf), ExpertLayout::HfPerExpert { prefix, projections }) => {
                 let mut parts = [ByteRange { file: 0, offset: 0, len: 0 }; 3];

@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod gguf_write;
 mod model_files;
 pub mod names;
+pub mod repack;
 pub mod safetensors;
 pub mod tokenizer;
 

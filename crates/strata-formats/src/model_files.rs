@@ -67,9 +67,12 @@ pub struct TensorEntry {
 }
 
 impl TensorEntry {
-    /// A routed expert tensor (GGUF `ffn_*_exps`, HF `.experts.`): shared experts are not.
+    /// A routed expert tensor (GGUF `ffn_*_exps` or per expert `ffn_*.E`, HF `.experts.`): shared
+    /// experts are not.
     pub fn is_routed_expert(&self) -> bool {
-        self.name.contains("_exps.") || (self.name.contains(".experts.") && !self.name.contains("shared_expert"))
+        self.name.contains("_exps.")
+            || crate::experts::is_per_expert_name(&self.name)
+            || (self.name.contains(".experts.") && !self.name.contains("shared_expert"))
     }
 
     pub fn elements(&self) -> u64 {

@@ -89,6 +89,17 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     /// streaming provider may start reading them all concurrently. The default does nothing.
     fn will_need(&self, _layer: usize, _experts: &[u32]) {}
 
+    /// A prediction: `experts` (distinct, most likely first) may be asked for when `layer` routes.
+    /// A streaming provider starts reads for those it has room for without evicting the experts
+    /// of the current routing or of `layer`. The default does nothing.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Experts one [`Self::prefetch`] may name at most (0: prefetch is pointless, as for resident
+    /// experts).
+    fn prefetch_limit(&self) -> usize {
+        0
+    }
+
     /// Layer `layer`'s experts as [`FusedExperts`] when the provider holds them so (resident
     /// quantized GGUF experts on a GPU); MoE blocks then run them in one launch per projection.
     fn fused(&self, _layer: usize) -> Option<&FusedExperts> {
@@ -123,6 +134,16 @@ pub struct ExpertStats {
     pub io_busy_ns: u64,
     /// Stored bytes of every expert used (hits and misses): what a token touches.
     pub touched_bytes: u64,
+    /// Experts whose reads a prefetch started.
+    pub prefetch_reads: u64,
+    /// Of those, experts a forward pass then asked for (the rest were wasted reads).
+    pub prefetch_used: u64,
+    /// Predicted experts the cache lacked when predicted (read or, with the prefetch gate closed,
+    /// not): what a prefetch could have read.
+    pub prefetch_candidates: u64,
+    /// Of those, experts the layer then routed to: `prefetch_candidates_used / prefetch_candidates`
+    /// is the predictor's precision where it matters.
+    pub prefetch_candidates_used: u64,
 }
 
 impl ExpertStats {
@@ -136,6 +157,10 @@ impl ExpertStats {
             stall_ns: self.stall_ns - earlier.stall_ns,
             io_busy_ns: self.io_busy_ns - earlier.io_busy_ns,
             touched_bytes: self.touched_bytes - earlier.touched_bytes,
+            prefetch_reads: self.prefetch_reads - earlier.prefetch_reads,
+            prefetch_used: self.prefetch_used - earlier.prefetch_used,
+            prefetch_candidates: self.prefetch_candidates - earlier.prefetch_candidates,
+            prefetch_candidates_used: self.prefetch_candidates_used - earlier.prefetch_candidates_used,
         }
     }
 
@@ -187,6 +212,7 @@ impl ResidentExperts {
         }
         let name = |e: usize| match &layout {
             ExpertLayout::Gguf { gate, .. } => format!("{gate}[{e}]"),
+            ExpertLayout::GgufPerExpert { layer } => format!("blk.{layer}.ffn_*.{e}"),
             ExpertLayout::HfPerExpert { prefix, .. } => format!("{prefix}.{e}"),
             ExpertLayout::HfFused { gate_up, .. } => format!("{gate_up}[{e}]"),
         };

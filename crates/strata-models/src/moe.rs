@@ -172,12 +172,23 @@ impl SparseMoe {
     /// Tokens are grouped by expert, so each selected expert runs once on all its tokens (one matmul
     /// per expert for prefill, one matvec per selected expert for decode).
     pub fn forward(&self, x: &Tensor, experts: &dyn ExpertProvider) -> Result<(Tensor, LayerRouting)> {
-        let (seq, h) = x.dims2()?;
-        let routing = self.router.route(x, self.layer)?;
-        if let Some(f) = experts.fused(self.layer) {
-            return Ok((self.forward_fused(x, &routing, f)?, routing));
-        }
+        let routing = self.route(x)?;
         experts.will_need(self.layer, &routing.expert_ids);
+        Ok((self.forward_routed(x, &routing, experts)?, routing))
+    }
+
+    /// The router's decision for `x: [seq, hidden]`.
+    pub fn route(&self, x: &Tensor) -> Result<LayerRouting> {
+        self.router.route(x, self.layer)
+    }
+
+    /// [`Self::forward`] with the routing already made (the caller has told the provider what it
+    /// will need, and may have started prefetches meanwhile).
+    pub fn forward_routed(&self, x: &Tensor, routing: &LayerRouting, experts: &dyn ExpertProvider) -> Result<Tensor> {
+        let (seq, h) = x.dims2()?;
+        if let Some(f) = experts.fused(self.layer) {
+            return self.forward_fused(x, routing, f);
+        }
         let mut by_expert: BTreeMap<u32, Vec<(u32, f32)>> = BTreeMap::new();
         for t in 0..seq {
             let (ids, ws) = routing.token(t);
@@ -186,7 +197,7 @@ impl SparseMoe {
             }
         }
         if !x.device().is_cpu() {
-            return Ok((self.combine_on_device(x, by_expert, experts)?, routing));
+            return self.combine_on_device(x, by_expert, experts);
         }
         let mut out = vec![0f32; seq * h];
         for (e, tokens) in by_expert {
@@ -215,7 +226,7 @@ impl SparseMoe {
                 }
             }
         }
-        Ok((Tensor::from_vec(out, (seq, h), x.device())?, routing))
+        Ok(Tensor::from_vec(out, (seq, h), x.device())?)
     }
 
     /// [`Self::forward`] over [`FusedExperts`]: one launch per projection for every selected

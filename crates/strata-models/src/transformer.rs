@@ -22,6 +22,7 @@ use crate::experts::{ExpertProvider, ResidentExperts};
 use crate::gated_delta_net::GatedDeltaNet;
 use crate::mlp::Mlp;
 use crate::moe::{LayerRouting, SparseMoe};
+use crate::prefetch::{PrefetchMode, PrefetchStats, Prefetcher};
 use crate::rope::RotaryEmbedding;
 
 /// Which positions get logits.
@@ -80,6 +81,8 @@ pub struct Transformer {
     lm_head: Linear,
     rope: RotaryEmbedding,
     experts: Arc<dyn ExpertProvider>,
+    /// Predicts the next MoE layer's experts for a streaming provider (`None`: no prediction).
+    prefetcher: Option<Prefetcher>,
     device: Device,
 }
 
@@ -148,7 +151,9 @@ impl Transformer {
         let positions = max_positions.max(1);
         let rope = RotaryEmbedding::new(cfg.rope_theta, cfg.rope_dim, &cfg.rope_scaling, cfg.rope_style, positions, device)?;
         let experts = experts.unwrap_or_else(|| Arc::new(resident));
-        Ok(Self { cfg, embed, layers, norm, lm_head, rope, experts, device: device.clone() })
+        let mut model = Self { cfg, embed, layers, norm, lm_head, rope, experts, prefetcher: None, device: device.clone() };
+        model.set_prefetch(PrefetchMode::default());
+        Ok(model)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -167,6 +172,43 @@ impl Transformer {
                 m.router_mut().set_top_k_override(k);
             }
         }
+    }
+
+    /// `--prefetch`: which prediction of the next MoE layer's experts is read ahead (see
+    /// [`crate::prefetch`]). Only a provider with a [`ExpertProvider::prefetch_limit`] gets
+    /// predictions; with [`PrefetchMode::Off`] every predictor is still scored, nothing is read.
+    pub fn set_prefetch(&mut self, mode: PrefetchMode) {
+        let limit = self.experts.prefetch_limit();
+        let moe = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Moe(_)));
+        self.prefetcher = (limit > 0 && moe).then(|| Prefetcher::new(mode, self.layers.len(), limit));
+    }
+
+    /// Cumulative precision/recall counters of the prefetch predictors (`None` without prefetch).
+    pub fn prefetch_stats(&self) -> Option<PrefetchStats> {
+        self.prefetcher.as_ref().map(Prefetcher::stats)
+    }
+
+    /// The predictor whose predictions are read ahead (`None` without a streaming provider).
+    pub fn prefetch_mode(&self) -> Option<PrefetchMode> {
+        self.prefetcher.as_ref().map(Prefetcher::mode)
+    }
+
+    /// The first MoE layer in `from..end`.
+    fn next_moe_layer(&self, from: usize, end: usize) -> Option<usize> {
+        (from..end).find(|&j| matches!(self.layers[j].ffn, FeedForward::Moe(_)))
+    }
+
+    /// Predicts MoE layer `j`'s experts from the residual stream `x: [seq, hidden]` (pre-gating:
+    /// layer `j`'s ffn_norm and router on `x`) and the layer's last routing, and hands the
+    /// prediction to the provider.
+    fn prefetch_layer(&self, p: &Prefetcher, j: usize, x: &Tensor) -> Result<()> {
+        let FeedForward::Moe(moe) = &self.layers[j].ffn else { return Ok(()) };
+        let pregate = moe.route(&self.layers[j].ffn_norm.forward(x)?)?;
+        let ids = p.predict(j, Some(&pregate));
+        if !ids.is_empty() {
+            self.experts.prefetch(j, &ids);
+        }
+        Ok(())
     }
 
     /// The provider routed experts are read through.
@@ -231,7 +273,11 @@ impl Transformer {
         let mask = if seq > 1 { Some(causal_mask(seq, cache.len(), &self.device)?) } else { None };
         let mut tapped = Vec::with_capacity(taps.len());
         let mut routing = Vec::new();
-        for (i, layer) in self.layers.iter().take(n_layers.max(1)).enumerate() {
+        let end = n_layers.clamp(1, self.layers.len());
+        if let (Some(p), Some(j)) = (&self.prefetcher, self.next_moe_layer(0, end)) {
+            self.prefetch_layer(p, j, &x)?;
+        }
+        for (i, layer) in self.layers.iter().take(end).enumerate() {
             let xn = layer.attn_norm.forward(&x)?;
             let h = match &layer.mixer {
                 Mixer::Attention(a) => a.forward(&xn, i, cache, &self.rope, mask.as_ref())?,
@@ -242,7 +288,17 @@ impl Transformer {
             let h = match &layer.ffn {
                 FeedForward::Dense(m) => m.forward(&xn)?,
                 FeedForward::Moe(moe) => {
-                    let (h, r) = moe.forward(&xn, self.experts.as_ref())?;
+                    let r = moe.route(&xn)?;
+                    self.experts.will_need(i, &r.expert_ids);
+                    if let Some(p) = &self.prefetcher {
+                        p.observe(&r);
+                        // Reads for the next MoE layer overlap this layer's experts and the next
+                        // layer's token mixer.
+                        if let Some(j) = self.next_moe_layer(i + 1, end) {
+                            self.prefetch_layer(p, j, &x)?;
+                        }
+                    }
+                    let h = moe.forward_routed(&xn, &r, self.experts.as_ref())?;
                     routing.push(r);
                     h
                 }

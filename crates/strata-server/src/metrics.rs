@@ -15,6 +15,10 @@ pub struct ExpertMetrics {
     read_bytes: Counter,
     reads: Counter,
     touched_bytes: Counter,
+    prefetch_reads: Counter,
+    prefetch_used: Counter,
+    prefetch_candidates: Counter,
+    prefetch_candidates_used: Counter,
     stall_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     read_bytes_per_second: Gauge<f64, std::sync::atomic::AtomicU64>,
     hit_rate: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -28,6 +32,10 @@ impl ExpertMetrics {
         r.register("expert_read_bytes", "Bytes of expert weights read from the model files", self.read_bytes.clone());
         r.register("expert_reads", "Expert read requests issued", self.reads.clone());
         r.register("expert_touched_bytes", "Stored bytes of every routed expert used (hits and misses)", self.touched_bytes.clone());
+        r.register("expert_prefetch_reads", "Experts read ahead on a prediction of the next layer's routing", self.prefetch_reads.clone());
+        r.register("expert_prefetch_used", "Experts read ahead that the layer then used", self.prefetch_used.clone());
+        r.register("expert_prefetch_candidates", "Predicted experts the cache lacked (read ahead or, with the prefetch gate closed, not)", self.prefetch_candidates.clone());
+        r.register("expert_prefetch_candidates_used", "Predicted uncached experts the layer then used", self.prefetch_candidates_used.clone());
         r.register("expert_stall_seconds", "Time decode waited for expert reads", self.stall_seconds.clone());
         r.register("ssd_read_bytes_per_second", "Achieved expert read rate while reads were in flight", self.read_bytes_per_second.clone());
         r.register("expert_cache_hit_rate", "Fraction of expert lookups served from the cache", self.hit_rate.clone());
@@ -42,6 +50,10 @@ impl ExpertMetrics {
         self.read_bytes.inc_by(d.bytes_read);
         self.reads.inc_by(d.reads);
         self.touched_bytes.inc_by(d.touched_bytes);
+        self.prefetch_reads.inc_by(d.prefetch_reads);
+        self.prefetch_used.inc_by(d.prefetch_used);
+        self.prefetch_candidates.inc_by(d.prefetch_candidates);
+        self.prefetch_candidates_used.inc_by(d.prefetch_candidates_used);
         self.stall_seconds.inc_by(d.stall_ns as f64 / 1e9);
         self.read_bytes_per_second.set(now.read_gbps() * 1e9);
         self.hit_rate.set(now.hit_rate());

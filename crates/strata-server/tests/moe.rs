@@ -74,6 +74,9 @@ fn streams_experts_reports_metrics_and_survives_a_truncated_file() {
         .unwrap();
     assert!(read > 0.0, "{metrics}");
     assert!(metrics.contains("strata_ssd_read_bytes_per_second"), "{metrics}");
+    // The prefetch gate measures the predictor on uncached experts whether or not it reads them.
+    let candidates: f64 = metrics.lines().find_map(|l| l.strip_prefix("strata_expert_prefetch_candidates_total ")).expect("prefetch metrics").trim().parse().unwrap();
+    assert!(candidates > 0.0, "{metrics}");
 
     let len = std::fs::metadata(&path).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
