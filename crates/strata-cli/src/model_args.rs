@@ -67,6 +67,11 @@ pub struct ModelArgs {
     /// is at least this (measured whether or not they are read; 0: always read them).
     #[arg(long, default_value_t = strata_engine::expert_store::DEFAULT_PREFETCH_MIN_PRECISION)]
     pub prefetch_min_precision: f64,
+    /// Split expert reads longer than this into concurrent pieces (e.g. `512KiB`), so a single
+    /// missed expert keeps several reads in flight; 0 (default): never (measured slower on our
+    /// test drive, see docs/performance.md).
+    #[arg(long, default_value = "0", value_parser = strata_engine::expert_store::parse_bytes)]
+    pub read_chunk: u64,
     /// Use only the K best of the router's experts per token (renormalised to the full top-k's
     /// weight). Trades quality for fewer expert bytes per token.
     #[arg(long, env = "STRATA_MOE_TOP_K")]
@@ -172,6 +177,7 @@ impl ModelArgs {
                 policy: self.expert_cache_policy,
                 prefetch: self.prefetch,
                 prefetch_min_precision: self.prefetch_min_precision,
+                read_chunk: self.read_chunk as usize,
             });
         }
         opts

@@ -23,8 +23,9 @@ fn load(path: &Path, stream: Option<StreamOptions>) -> Engine {
 }
 
 fn stream(percent: f64, policy: EvictionPolicy, direct_io: bool) -> StreamOptions {
-    // Prefetch gate open: predictions are always read, so the prefetch path is exercised.
-    StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy, prefetch: PrefetchMode::default(), prefetch_min_precision: 0.0 }
+    // Prefetch gate open: predictions are always read, so the prefetch path is exercised; reads
+    // split into 4 KiB pieces (the fixtures' experts are 8–25 KB), so piece splitting is too.
+    StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy, prefetch: PrefetchMode::default(), prefetch_min_precision: 0.0, read_chunk: 4096 }
 }
 
 const PROMPT: [u32; 12] = [3, 17, 92, 5, 41, 7, 64, 11, 250, 33, 8, 19];

@@ -19,4 +19,4 @@ pub mod slab;
 
 pub use budget::{available_memory, parse_bytes, process_rss, CacheBudget};
 pub use policy::EvictionPolicy;
-pub use provider::{StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION};
+pub use provider::{StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION, DEFAULT_READ_CHUNK};

@@ -47,12 +47,33 @@ pub struct StreamOptions {
     /// `--prefetch-min-precision`: predictions are read only while their measured precision on
     /// uncached experts is at least this ([`crate::prefetch_gate`]); 0 reads them always.
     pub prefetch_min_precision: f64,
+    /// `--read-chunk`: reads longer than this are split into concurrent pieces (bytes; 0: never),
+    /// so that even one missed expert keeps several reads in flight.
+    pub read_chunk: usize,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        Self { budget: CacheBudget::Auto, direct_io: false, io_threads: 16, policy: EvictionPolicy::Lru, prefetch: PrefetchMode::default(), prefetch_min_precision: DEFAULT_PREFETCH_MIN_PRECISION }
+        Self { budget: CacheBudget::Auto, direct_io: false, io_threads: 16, policy: EvictionPolicy::Lru, prefetch: PrefetchMode::default(), prefetch_min_precision: DEFAULT_PREFETCH_MIN_PRECISION, read_chunk: DEFAULT_READ_CHUNK }
     }
+}
+
+/// Default `--read-chunk` (bytes): 0, reads are not split. Splitting a 2.65 MB expert into
+/// 512 KiB or 256 KiB pieces was measured slower on the 2-core VM's drive (docs/performance.md,
+/// "Prefetch and bundled layout": 0.59 vs 0.77 GB/s while reading); it is there for drives that
+/// need queue depth.
+pub const DEFAULT_READ_CHUNK: usize = 0;
+
+/// Splits the read `(offset, len, need, slot offset)` into pieces of at most `chunk` bytes
+/// (`chunk` 0: one piece). Each piece's `need` is the part of the original `need` it covers.
+fn pieces(offset: u64, len: usize, need: usize, at: usize, chunk: usize) -> Vec<(u64, usize, usize, usize)> {
+    if chunk == 0 || len <= chunk {
+        return vec![(offset, len, need, at)];
+    }
+    (0..len).step_by(chunk).map(|s| {
+        let l = chunk.min(len - s);
+        (offset + s as u64, l, need.saturating_sub(s).min(l), at + s)
+    }).collect()
 }
 
 /// Default `--prefetch-min-precision` (see [`crate::prefetch_gate`]).
@@ -189,6 +210,8 @@ pub struct StreamingExperts {
     entry_bytes: u64,
     /// Experts one prefetch may start at most.
     prefetch_limit: usize,
+    /// Reads are split into pieces of at most this many bytes (0: not split).
+    read_chunk: usize,
     expert_bytes_total: u64,
     state: Mutex<CacheState>,
     counters: Counters,
@@ -258,6 +281,8 @@ impl StreamingExperts {
             capacity,
             entry_bytes,
             prefetch_limit: prefetch_limit(capacity, moe.experts_per_token),
+            // O_DIRECT pieces must stay aligned.
+            read_chunk: opts.read_chunk.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN,
             expert_bytes_total: total,
             state: Mutex::new(CacheState {
                 map: HashMap::new(),
@@ -362,8 +387,10 @@ impl StreamingExperts {
             let base = slot.as_mut_ptr();
             let first = jobs.len();
             for &(file, offset, len, need, at) in &plan.jobs {
-                // SAFETY: `at + len <= span <= slot.len()`, checked when the slab was sized.
-                jobs.push(ReadJob { file, offset, len, need, dst: unsafe { base.add(at) } });
+                for (offset, len, need, at) in pieces(offset, len, need, at, self.read_chunk) {
+                    // SAFETY: `at + len <= span <= slot.len()`, checked when the slab was sized.
+                    jobs.push(ReadJob { file, offset, len, need, dst: unsafe { base.add(at) } });
+                }
             }
             let ticket = self.io.submit(jobs.split_off(first), if prefetch { Priority::Prefetch } else { Priority::Demand });
             if prefetch {
@@ -600,6 +627,15 @@ mod tests {
         let p = ReadPlan::new(&extent([(0, 9000, 10), (0, 100, 10), (0, 110 + MAX_GAP + 1, 7)]), false);
         assert_eq!(p.jobs, vec![(0, 9000, 10, 10, 0), (0, 100, 10, 10, 10), (0, 110 + MAX_GAP + 1, 7, 7, 20)]);
         assert!(p.moves.is_empty());
+    }
+
+    #[test]
+    fn long_reads_split_into_pieces_that_cover_them() {
+        assert_eq!(pieces(100, 10, 10, 0, 0), vec![(100, 10, 10, 0)]);
+        assert_eq!(pieces(100, 10, 10, 0, 16), vec![(100, 10, 10, 0)]);
+        assert_eq!(pieces(100, 10, 10, 5, 4), vec![(100, 4, 4, 5), (104, 4, 4, 9), (108, 2, 2, 13)]);
+        // An aligned superset past the end of the file: the last pieces need less, or nothing.
+        assert_eq!(pieces(0, 12288, 5000, 0, 4096), vec![(0, 4096, 4096, 0), (4096, 4096, 904, 4096), (8192, 4096, 0, 8192)]);
     }
 
     #[test]
