@@ -1,7 +1,8 @@
 //! `strata repack` (bundled expert layout) on the MoE fixture GGUFs: the repacked file loads
 //! resident and streamed, gives bit-identical logits and identical greedy tokens, plans the same
 //! expert bytes, and reads each streamed expert in one request instead of three. Error cases: a
-//! dense model, a file already repacked, the output being the input.
+//! dense model, a file already repacked, the output being the input. HF checkpoints need no repack:
+//! their per-expert tensors are read as one range.
 
 mod common;
 
@@ -139,4 +140,18 @@ fn repack_refuses_bad_inputs_and_keeps_the_input() {
     assert!(repack_gguf(&copy, &dir.join("t.gguf"), &mut |_, _| {}).is_err());
     assert!(!dir.join("t.gguf").exists());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hf_per_expert_tensors_are_one_read_per_expert() {
+    // safetensors stores an expert's down, gate and up projections back to back (names sorted):
+    // read as one range, then put in place.
+    for name in ["qwen3_moe", "mixtral"] {
+        let path = common::repo_root().join("tests/fixtures/moe-tiny").join(name);
+        let (want_logits, want_tokens) = run(&load(&path, None));
+        let engine = load(&path, streamed(100.0));
+        assert_eq!(run(&engine), (want_logits, want_tokens), "{name}: streamed");
+        let s = engine.model.experts().stats().unwrap();
+        assert_eq!(s.reads, s.misses, "{name}: {} reads for {} experts", s.reads, s.misses);
+    }
 }

@@ -80,12 +80,14 @@ fn pieces(offset: u64, len: usize, need: usize, at: usize, chunk: usize) -> Vec<
 pub const DEFAULT_PREFETCH_MIN_PRECISION: f64 = 0.5;
 
 /// How one expert is read into its slot: jobs (file, offset, len, need, slot offset) and the moves
-/// that compact the data afterwards (src, dst, len). After them gate, up and down lie at slot
-/// offsets 0, G and G+U.
+/// that put the data in place afterwards (src, dst, len), in ascending `dst`. After them gate, up
+/// and down lie at slot offsets 0, G and G+U.
 #[derive(Debug, Clone, Default)]
 struct ReadPlan {
     jobs: Vec<(usize, u64, usize, usize, usize)>,
     moves: Vec<(usize, usize, usize)>,
+    /// Moves can run in place (every `src >= dst`); otherwise they copy from a snapshot.
+    in_place: bool,
     /// Slot bytes the plan uses.
     span: usize,
 }
@@ -96,8 +98,9 @@ struct ReadPlan {
 const MAX_GAP: u64 = 4096;
 
 impl ReadPlan {
-    /// Parts in the same file, in order and at most [`MAX_GAP`] apart, become one read; with
-    /// `direct`, every read is widened to [`DIRECT_ALIGN`] in offset and length.
+    /// Parts in the same file, taken in file order (safetensors stores `down_proj` before
+    /// `gate_proj` and `up_proj`) and at most [`MAX_GAP`] apart, become one read; with `direct`,
+    /// every read is widened to [`DIRECT_ALIGN`] in offset and length.
     fn new(extent: &ExpertExtent, direct: bool) -> Self {
         struct Run {
             file: usize,
@@ -106,18 +109,22 @@ impl ReadPlan {
             /// (file offset, len, final slot offset)
             parts: Vec<(u64, usize, usize)>,
         }
-        let mut runs: Vec<Run> = Vec::new();
+        let mut parts: Vec<(usize, u64, usize, usize)> = Vec::new(); // file, offset, len, final slot offset
         let mut dst = 0usize;
         for p in &extent.parts {
-            let len = p.len as usize;
+            parts.push((p.file, p.offset, p.len as usize, dst));
+            dst += p.len as usize;
+        }
+        parts.sort_by_key(|p| (p.0, p.1));
+        let mut runs: Vec<Run> = Vec::new();
+        for (file, offset, len, at) in parts {
             match runs.last_mut() {
-                Some(r) if r.file == p.file && p.offset >= r.end && p.offset - r.end <= MAX_GAP => {
-                    r.end = p.offset + p.len;
-                    r.parts.push((p.offset, len, dst));
+                Some(r) if r.file == file && offset >= r.end && offset - r.end <= MAX_GAP => {
+                    r.end = offset + len as u64;
+                    r.parts.push((offset, len, at));
                 }
-                _ => runs.push(Run { file: p.file, start: p.offset, end: p.offset + p.len, parts: vec![(p.offset, len, dst)] }),
+                _ => runs.push(Run { file, start: offset, end: offset + len as u64, parts: vec![(offset, len, at)] }),
             }
-            dst += len;
         }
         let mut plan = ReadPlan::default();
         let mut cursor = 0usize;
@@ -134,8 +141,26 @@ impl ReadPlan {
             }
             cursor += len;
         }
+        // In ascending `dst` with every `src >= dst`, a move never overwrites a later move's source
+        // (destinations are disjoint and each lies below the next one's).
+        plan.moves.sort_by_key(|m| m.1);
+        plan.in_place = plan.moves.iter().all(|m| m.0 >= m.1);
         plan.span = cursor.max(dst);
         plan
+    }
+
+    /// Applies the moves to a slot whose reads completed.
+    fn place(&self, slot: &mut Slot) {
+        if self.in_place {
+            for &(src, dst, len) in &self.moves {
+                slot.copy_within(src, dst, len);
+            }
+        } else {
+            let snapshot = slot.as_ref()[..self.span].to_vec();
+            for &(src, dst, len) in &self.moves {
+                slot.write(dst, &snapshot[src..src + len]);
+            }
+        }
     }
 }
 
@@ -404,9 +429,7 @@ impl StreamingExperts {
     /// Builds a ready expert from a slot whose reads completed.
     fn build(&self, layer: usize, expert: usize, mut slot: Slot) -> Result<Expert, ModelError> {
         let extent = self.extent(layer, expert)?;
-        for (src, dst, len) in ReadPlan::new(extent, self.io.direct()).moves {
-            slot.copy_within(src, dst, len);
-        }
+        ReadPlan::new(extent, self.io.direct()).place(&mut slot);
         let (h, i) = (self.dims.hidden, self.dims.intermediate);
         let lens = extent.parts.map(|p| p.len as usize);
         let offs = [0, lens[0], lens[0] + lens[1]];
@@ -624,9 +647,28 @@ mod tests {
         // Another file, a range behind the previous one, or a gap over MAX_GAP: separate reads.
         let p = ReadPlan::new(&extent([(0, 100, 10), (1, 110, 10), (1, 120, 7)]), false);
         assert_eq!(p.jobs, vec![(0, 100, 10, 10, 0), (1, 110, 17, 17, 10)]);
+        // Parts are read in file order; far apart, they stay separate reads.
         let p = ReadPlan::new(&extent([(0, 9000, 10), (0, 100, 10), (0, 110 + MAX_GAP + 1, 7)]), false);
-        assert_eq!(p.jobs, vec![(0, 9000, 10, 10, 0), (0, 100, 10, 10, 10), (0, 110 + MAX_GAP + 1, 7, 7, 20)]);
-        assert!(p.moves.is_empty());
+        assert_eq!(p.jobs, vec![(0, 100, 10, 10, 0), (0, 110 + MAX_GAP + 1, 7, 7, 10), (0, 9000, 10, 10, 17)]);
+        assert_eq!(p.moves, vec![(17, 0, 10), (0, 10, 10), (10, 20, 7)]);
+        assert!(!p.in_place);
+    }
+
+    #[test]
+    fn safetensors_order_is_one_read_placed_through_a_snapshot() {
+        // HF per-expert tensors: down_proj, gate_proj, up_proj back to back.
+        let x = extent([(0, 1000, 100), (0, 1100, 100), (0, 900, 100)]);
+        let p = ReadPlan::new(&x, false);
+        assert_eq!(p.jobs, vec![(0, 900, 300, 300, 0)]);
+        assert_eq!(p.moves, vec![(100, 0, 100), (200, 100, 100), (0, 200, 100)]);
+        assert!(!p.in_place);
+        let slab = Slab::new(1, 4096).unwrap();
+        let mut slot = slab.try_acquire().unwrap();
+        let file: Vec<u8> = (0..300).map(|i| (i / 100) as u8).collect(); // down=0, gate=1, up=2
+        slot.write(0, &file);
+        p.place(&mut slot);
+        let want: Vec<u8> = [1u8, 2, 0].iter().flat_map(|&b| std::iter::repeat_n(b, 100)).collect();
+        assert_eq!(&slot.as_ref()[..300], want.as_slice());
     }
 
     #[test]
@@ -641,8 +683,10 @@ mod tests {
     #[test]
     fn direct_plan_reads_aligned_supersets_and_compacts() {
         let p = ReadPlan::new(&extent([(0, 5000, 3000), (0, 20000, 100), (0, 8192, 4096)]), true);
-        assert_eq!(p.jobs, vec![(0, 4096, 4096, 3904, 0), (0, 16384, 4096, 3716, 4096), (0, 8192, 4096, 4096, 8192)]);
-        assert_eq!(p.moves, vec![(904, 0, 3000), (4096 + 3616, 3000, 100), (8192, 3100, 4096)]);
+        // 5000..8000 and 8192..12288 are 192 bytes apart: one aligned read 4096..12288.
+        assert_eq!(p.jobs, vec![(0, 4096, 8192, 8192, 0), (0, 16384, 4096, 3716, 8192)]);
+        assert_eq!(p.moves, vec![(904, 0, 3000), (8192 + 3616, 3000, 100), (4096, 3100, 4096)]);
+        assert!(p.in_place);
         for (off, len, _, _, at) in p.jobs.iter().map(|j| (j.1, j.2, j.3, j.0, j.4)) {
             assert_eq!((off % 4096, len % 4096, at % 4096), (0, 0, 0));
         }

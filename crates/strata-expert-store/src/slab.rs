@@ -106,6 +106,14 @@ impl Slot {
     }
 
     /// Moves `len` bytes inside the slot from `src` to `dst` (compaction after aligned reads).
+    /// Copies `bytes` to offset `dst` of the slot.
+    pub fn write(&mut self, dst: usize, bytes: &[u8]) {
+        assert!(dst + bytes.len() <= self.len());
+        // SAFETY: the range is inside this slot, which `&mut self` holds exclusively; `bytes` is
+        // not inside the slot (it is a shared borrow while the slot is borrowed mutably).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.as_mut_ptr().add(dst), bytes.len()) }
+    }
+
     pub fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
         assert!(src + len <= self.len() && dst + len <= self.len());
         // SAFETY: both ranges are inside this slot, which `&mut self` holds exclusively.
