@@ -46,7 +46,9 @@ echo "## $(basename "$MOE"), cache $CACHE, cold, 6 GiB cgroup, $N tokens, 2 thre
 # LAYOUTS="original bundled" (default both); PREFETCH: the predictors; GATE: --prefetch-min-precision
 # values (2 = never read: the predictor is only measured; 0 = always read).
 for P in ${PREFETCH:-off union pregate previous}; do
-  for G in ${GATE:-0.5}; do
+  GATES=${GATE:-0.5}
+  [ "$P" = off ] && GATES=${GATES%% *} # the gate does not apply: one run
+  for G in $GATES; do
     for L in ${LAYOUTS:-original bundled}; do
       M=$MOE; [ "$L" = bundled ] && M=$BUNDLED
       run "$L --prefetch $P gate $G" -m "$M" --prefetch "$P" --prefetch-min-precision "$G"
