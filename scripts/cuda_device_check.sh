@@ -7,6 +7,12 @@
 #     is there.
 #  3. PART=bench: the synthetic qwen3-30b-a3b Q4_K generated on the machine's disk, decoded fully
 #     resident in VRAM (`strata bench`), and with --stream-experts (experts in host RAM / page cache).
+#  4. PART=tier (instead of 2 and 3): the GPU expert tier (--gpu-expert-cache). Correctness: the
+#     tier on cuda vs the CPU (`compare-devices --gpu-expert-cache`, VRAM 10% so experts are
+#     evicted and copied again; quantized models with STRATA_CPU_DEQUANTIZE=1, the f32 reference of
+#     the DMMV kernels). Speed on the synthetic 30B: resident (fused and per-expert), VRAM tier 25%
+#     / 50% over a host tier holding every expert (page-locked), and over a 50% host tier that
+#     reads the drive with O_DIRECT; tier/*.json are `generate --json` outputs.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -28,6 +34,58 @@ hp=torch.empty(1<<30, dtype=torch.uint8).pin_memory(); hg=torch.empty(1<<30, dty
 print(f"pinned host-to-device: {a.numel()/t(lambda: a.copy_(hp, non_blocking=True)):.3e} B/s")
 print(f"pageable host-to-device: {a.numel()/t(lambda: a.copy_(hg), 5):.3e} B/s")
 PY
+ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['input_ids'])))" "$1"; }
+F=tests/fixtures
+if [ "${PART:-}" = tier ]; then
+  mkdir -p "$OUT/tier" /tmp/tier
+  {
+    echo "## GPU expert tier vs CPU (logits; greedy tokens)"
+    "$S" synth --preset tiny-moe --quant Q4_K --out /tmp/tiny-q4k.gguf >/dev/null 2>&1
+    for g in 10% 100%; do
+      STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-q4k.gguf -p "The quick brown fox" -n 32 --gpu-expert-cache $g 2>>"$OUT/tier/compare.err" | tail -2
+    done
+    for m in qwen3_moe mixtral qwen2_moe qwen3_next; do
+      I=$(ids $F/moe-tiny/$m.reference.json)
+      timeout 120 "$S" compare-devices -m $F/moe-tiny/$m --ids "$I" -n 16 --gpu-expert-cache 10% 2>>"$OUT/tier/compare.err" | tail -2
+      STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m $F/moe-tiny/$m.gguf --ids "$I" -n 16 --gpu-expert-cache 10% 2>>"$OUT/tier/compare.err" | tail -2
+    done
+  } 2>&1 | tee "$OUT/tier/compare.md"
+  M=/tmp/q3-30b-q4k.gguf
+  if [ ! -f $M ]; then
+    t0=$(date +%s)
+    "$S" synth --preset qwen3-30b-a3b --out $M 2>&1 | tail -1 > "$OUT/tier/synth.txt"
+    echo "synth: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tier/synth.txt"
+  fi
+  P="The quick brown fox"
+  run() { # name, then generate flags
+    local n=$1; shift
+    timeout 240 "$S" generate -m $M --device cuda -p "$P" -n ${TOKENS:-128} --ignore-eos --temp 0 --json "$@" > /tmp/tier/$n.json 2> /tmp/tier/$n.err
+    python3 - /tmp/tier/$n.json "$n" <<'PY'
+import json, sys
+try: g = json.load(open(sys.argv[1]))
+except Exception as e: print(f"| {sys.argv[2]} | FAILED ({e}) |"); sys.exit()
+x = g.get("experts_decode") or {}
+n = max(1, len(g["generated_token_ids"]) - 1)
+print(f"| {sys.argv[2]} | {g['decode_tok_s']:.1f} | {100*x.get('hits',0)/max(1,x.get('hits',0)+x.get('misses',0)):.1f}% | {x.get('upload_bytes',0)/n/1e6:.1f} | {x.get('bytes_read',0)/n/1e6:.1f} | {x.get('stall_ns',0)/n/1e6:.2f} | {x.get('prefetch_reads',0)}/{x.get('prefetch_used',0)} |")
+PY
+  }
+  {
+    echo "| run | decode tok/s | VRAM hit rate | copied MB/token | drive MB/token | stall ms/token | prefetch copies/used |"
+    echo "|---|---|---|---|---|---|---|"
+    run resident-fused --stream-experts off
+    STRATA_FUSED_MOE=0 run resident-per-expert --stream-experts off
+    run tier-vram100 --stream-experts on --expert-cache 100% --gpu-expert-cache 100%
+    for g in 50% 25%; do
+      run tier-vram$g-host100 --stream-experts on --expert-cache 100% --gpu-expert-cache $g
+      run tier-vram$g-host100-noprefetch --stream-experts on --expert-cache 100% --gpu-expert-cache $g --prefetch off
+    done
+    sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null
+    run tier-vram25-host50-drive --stream-experts on --expert-cache 50% --gpu-expert-cache 25% --direct-io
+  } 2>&1 | tee "$OUT/tier/bench.md"
+  grep -H "expert streaming\|experts:\|rror\|panic" /tmp/tier/*.err | head -40 > "$OUT/tier/lines.txt"
+  tar czf "$OUT/tier/runs.tgz" -C /tmp tier
+  exit 0
+fi
 echo "## compare-devices (cuda vs cpu, f32 activations)" | tee "$OUT/compare.md"
 ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['input_ids'])))" "$1"; }
 F=tests/fixtures

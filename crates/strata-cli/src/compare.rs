@@ -31,6 +31,11 @@ pub struct CompareArgs {
     /// Fail (exit 1) when the relative logit error exceeds this.
     #[arg(long, default_value_t = 1e-3)]
     pub tolerance: f64,
+    /// Run the device side with streamed experts through the GPU expert tier: every expert in the
+    /// host cache, this much in VRAM (e.g. `10%`, so that experts are evicted and copied again),
+    /// predictions copied ahead whatever their precision.
+    #[arg(long)]
+    pub gpu_expert_cache: Option<strata_engine::CacheBudget>,
 }
 
 pub fn run(a: CompareArgs) -> Result<()> {
@@ -38,8 +43,16 @@ pub fn run(a: CompareArgs) -> Result<()> {
     if device.is_cpu() {
         bail!("--device {:?} opened the CPU: nothing to compare", a.device);
     }
-    let load = |d: candle_core::Device| Engine::load(&a.model, &LoadOptions::new(4096, d), &mut |_, _| {});
-    let (cpu, dev) = (load(candle_core::Device::Cpu)?, load(device.clone())?);
+    let load = |opts: LoadOptions| Engine::load(&a.model, &opts, &mut |_, _| {});
+    let mut dev_opts = LoadOptions::new(4096, device.clone());
+    dev_opts.stream_experts = a.gpu_expert_cache.map(|gpu_expert_cache| strata_engine::StreamOptions {
+        budget: strata_engine::CacheBudget::Percent(100.0),
+        gpu_expert_cache,
+        prefetch_min_precision: 0.0,
+        io_threads: 4,
+        ..Default::default()
+    });
+    let (cpu, dev) = (load(LoadOptions::new(4096, candle_core::Device::Cpu))?, load(dev_opts)?);
     let ids = match &a.prompt {
         Some(p) => cpu.text_prompt(p)?,
         None if !a.ids.is_empty() => a.ids.clone(),
@@ -77,6 +90,17 @@ pub fn run(a: CompareArgs) -> Result<()> {
         lc.len(),
         gc.len()
     );
+    if let Some(x) = dev.model.experts().stats() {
+        println!(
+            "GPU expert tier: {} hits, {} misses, {} copies ({:.1} MB) to VRAM, {} prefetched ({} used)",
+            x.hits,
+            x.misses,
+            x.uploads,
+            x.upload_bytes as f64 / 1e6,
+            x.prefetch_reads,
+            x.prefetch_used
+        );
+    }
     if worst_rel > a.tolerance {
         bail!("logits differ by {worst_rel:.2e} (relative) > --tolerance {}", a.tolerance);
     }

@@ -19,9 +19,6 @@ pub struct InfoArgs {
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
-    if let strata_engine::device::DeviceChoice::Cuda(_) = a.model.device {
-        anyhow::bail!("--device cuda: the memory plan does not account for GPU memory yet (VRAM expert tier: open); plans are for host RAM");
-    }
     a.model.set_threads();
     let path = a.model.model_path()?;
     if a.calibrate {
@@ -86,12 +83,57 @@ fn print_plan(p: &Plan) {
         s.cgroup_limit.map(|l| format!(", cgroup limit {}", gb(l))).unwrap_or_default(),
         if s.simulated { " (simulated)" } else { "" }
     );
-    println!("overcommit   {:.2}× (everything resident ÷ available)", p.overcommit);
+    if let Some(g) = &p.gpu {
+        println!(
+            "GPU          VRAM {} total, {} free{}; everything resident needs {} ({} for dense weights, KV, compute and a 2 GiB reserve)",
+            gb(g.memory.vram_total),
+            gb(g.memory.vram_free),
+            if g.memory.simulated { " (simulated)" } else { "" },
+            gb(g.vram_resident_total),
+            gb(g.vram_fixed)
+        );
+        println!("overcommit   {:.2}× (everything resident ÷ free VRAM)", p.overcommit);
+    } else {
+        println!("overcommit   {:.2}× (everything resident ÷ available)", p.overcommit);
+    }
     println!("strategy     {}: {}", p.strategy.name(), p.reason);
-    if let (Some(c), Some(n), Some(h)) = (p.expert_cache_bytes, p.expert_cache_experts, p.expected_hit_rate) {
-        println!("expert cache {} = {n} experts; expected hit rate ≥ {:.0}% (uniform routing; real routing is usually more local)", gb(c), h * 100.0);
+    match &p.gpu {
+        Some(g) => {
+            if let (Some(vb), Some(vn), Some(vh), Some(hb), Some(hn), Some(hh)) = (
+                g.vram_expert_cache_bytes,
+                g.vram_expert_cache_experts,
+                g.expected_vram_hit_rate,
+                g.host_expert_cache_bytes,
+                g.host_expert_cache_experts,
+                g.expected_host_hit_rate,
+            ) {
+                println!("VRAM experts {} = {vn} experts; expected hit rate ≥ {:.0}% (uniform routing)", gb(vb), vh * 100.0);
+                println!("host experts {} = {hn} experts, page-locked; expected hit rate ≥ {:.0}%; misses read from the drive", gb(hb), hh * 100.0);
+            }
+            println!(
+                "estimate     decode {:.1} tok/s ({:.1} ms compute + {:.1} ms VRAM-miss copies + {:.1} ms drive reads per token), prefill {:.0} tok/s — GPU rates measured on an H100 (not this GPU): pinned copy {:.1} GB/s, {:.0} GB/s touched resident, {:.0} GB/s through the VRAM expert tier; drive {:.2} GB/s",
+                p.estimate.decode_tok_s,
+                g.decode_compute_ms,
+                g.decode_copy_ms,
+                g.decode_read_ms,
+                p.estimate.prefill_tok_s,
+                g.rates.h2d_gbps,
+                g.rates.resident_gbps,
+                g.rates.tiered_gbps,
+                p.estimate.rates.drive_gbps
+            );
+        }
+        None => {
+            if let (Some(c), Some(n), Some(h)) = (p.expert_cache_bytes, p.expert_cache_experts, p.expected_hit_rate) {
+                println!("expert cache {} = {n} experts; expected hit rate ≥ {:.0}% (uniform routing; real routing is usually more local)", gb(c), h * 100.0);
+            }
+        }
     }
     let e = &p.estimate;
+    if p.gpu.is_some() {
+        print_tail(p);
+        return;
+    }
     let src = match &e.rates_source {
         strata_plan::RatesSource::Defaults => "DEFAULT bandwidths (not measured: run `strata info --calibrate`)".to_string(),
         strata_plan::RatesSource::Calibrated { device, .. } => format!("bandwidths measured for drive {device}"),
@@ -100,6 +142,10 @@ fn print_plan(p: &Plan) {
         "estimate     decode {:.2} tok/s ({:.0} ms reads + {:.0} ms compute per token), prefill {:.0} tok/s — {src}: drive {:.2} GB/s, matvec {:.1} GB/s, GEMM {:.0} GFLOP/s",
         e.decode_tok_s, e.decode_read_ms, e.decode_compute_ms, e.prefill_tok_s, e.rates.drive_gbps, e.rates.matvec_gbps, e.rates.gemm_gflops
     );
+    print_tail(p);
+}
+
+fn print_tail(p: &Plan) {
     for w in &p.warnings {
         println!("warning      {w}");
     }

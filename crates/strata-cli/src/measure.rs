@@ -189,7 +189,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 /// One line of expert-streaming figures for a generation over `tokens` tokens (prompt + generated).
 pub fn expert_stats_line(x: &strata_engine::ExpertStats, tokens: usize) -> String {
     let per = tokens.max(1) as f64;
-    format!(
+    let gpu = if x.uploads > 0 { format!(" | copied to the GPU {:.2} MB/token ({} experts)", x.upload_bytes as f64 / 1e6 / per, x.uploads) } else { String::new() };
+    let line = format!(
         "experts: hit rate {:.1}% | read {:.1} MB in {} reads = {:.2} MB/token at {:.2} GB/s while reading | stall {:.1} ms/token | touched {:.2} MB/token",
         x.hit_rate() * 100.0,
         x.bytes_read as f64 / 1e6,
@@ -198,7 +199,8 @@ pub fn expert_stats_line(x: &strata_engine::ExpertStats, tokens: usize) -> Strin
         x.read_gbps(),
         x.stall_ns as f64 / 1e6 / per,
         x.touched_bytes as f64 / 1e6 / per,
-    )
+    );
+    line + &gpu
 }
 
 /// One line of prefetch figures for the decode phase: reads the prefetcher started and how many

@@ -43,11 +43,20 @@ pub struct ModelArgs {
     /// Plan as if the machine had this much available RAM (e.g. `16GiB`; also $STRATA_RAM_BYTES).
     #[arg(long, value_parser = strata_engine::expert_store::parse_bytes)]
     pub ram: Option<u64>,
+    /// With --device cuda: plan as if the GPU had this much free VRAM (e.g. `24GiB`); `strata info
+    /// --device cuda --vram 24GiB` plans for a GPU on a machine without one.
+    #[arg(long, value_parser = strata_engine::expert_store::parse_bytes)]
+    pub vram: Option<u64>,
     /// Expert cache budget with --stream-experts: bytes (`6GiB`, `512MiB`), a percentage of the
     /// model's expert bytes (`10%`), or `auto` (available memory, cgroup limit included, minus the
     /// dense weights and a 1 GiB + 10% reserve).
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(CacheBudget))]
     pub expert_cache: CacheBudget,
+    /// With --device cuda and --stream-experts: the VRAM expert cache above the host expert cache
+    /// (which is page-locked, and fed by the drive): bytes (`20GiB`), a percentage of the model's
+    /// experts (`25%`), or `auto` (free VRAM minus the dense weights and a 2 GiB reserve).
+    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(CacheBudget))]
+    pub gpu_expert_cache: CacheBudget,
     /// Read experts with O_DIRECT (bypassing the page cache; needs a filesystem that supports it).
     #[arg(long)]
     pub direct_io: bool,
@@ -112,8 +121,33 @@ impl ModelArgs {
             None => None,
         };
         let observed = strata_plan::observed::load(path);
-        let req = PlanRequest { ctx_size: self.ctx_size, prefill_chunk: self.prefill_chunk, stream: self.stream_experts, expert_cache: self.expert_cache, draft, observed };
+        let gpu = self.gpu_memory()?;
+        let req = PlanRequest {
+            ctx_size: self.ctx_size,
+            prefill_chunk: self.prefill_chunk,
+            stream: self.stream_experts,
+            expert_cache: self.expert_cache,
+            draft,
+            observed,
+            gpu,
+            gpu_expert_cache: self.gpu_expert_cache,
+        };
         Ok(strata_plan::make_plan(&facts, &strata_plan::SystemMemory::detect(self.ram), strata_plan::calibrate::load(path), &req))
+    }
+
+    /// The GPU the plan is for: `--vram` (simulated), else the device's free VRAM when `--device`
+    /// opens a CUDA device; `None` for the CPU. Errors: CUDA asked for and not available (without
+    /// `--vram`).
+    pub fn gpu_memory(&self) -> Result<Option<strata_plan::GpuMemory>> {
+        let cuda = matches!(self.device, strata_engine::device::DeviceChoice::Cuda(_));
+        if let (Some(v), true) = (self.vram, cuda) {
+            return Ok(Some(strata_plan::GpuMemory { vram_total: v, vram_free: v, simulated: true }));
+        }
+        if self.device == strata_engine::device::DeviceChoice::Cpu {
+            return Ok(None);
+        }
+        let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
+        Ok(strata_engine::device::gpu_memory(&device).map(|(free, total)| strata_plan::GpuMemory { vram_total: total, vram_free: free, simulated: false }))
     }
 
     /// Like [`Self::load`], also returning the plan. A TOO-LARGE plan is a [`PlanRefused`] error.
@@ -145,10 +179,14 @@ impl ModelArgs {
         self.spec.apply(&mut engine, &opts)?;
         if let Some(s) = &opts.stream_experts {
             eprintln!(
-                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}), policy {}, {} reads in flight, O_DIRECT {}, prefetch {}",
+                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}){}, policy {}, {} reads in flight, O_DIRECT {}, prefetch {}",
                 engine.resident_weight_bytes as f64 / 1e9,
                 engine.model.experts().memory_bytes() as f64 / 1e9,
                 s.budget,
+                match engine.model.experts().device_cache_bytes() {
+                    0 => String::new(),
+                    v => format!(" in page-locked host RAM under a VRAM expert cache of {:.2} GB ({:?})", v as f64 / 1e9, s.gpu_expert_cache),
+                },
                 s.policy.name(),
                 s.io_threads,
                 s.direct_io,
@@ -163,7 +201,7 @@ impl ModelArgs {
     pub fn load_options(&self, plan: &Plan, device: candle_core::Device) -> LoadOptions {
         let mut opts = LoadOptions::new(self.ctx_size, device);
         opts.moe_top_k = self.moe_top_k;
-        if plan.strategy == Strategy::ExpertStreaming {
+        if plan.strategy.streams_experts() {
             let budget = match (self.expert_cache, plan.expert_cache_bytes) {
                 (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),
                 // A draft model's memory shrinks the cache (the plan's memory guard).
@@ -178,6 +216,10 @@ impl ModelArgs {
                 prefetch: self.prefetch,
                 prefetch_min_precision: self.prefetch_min_precision,
                 read_chunk: self.read_chunk as usize,
+                gpu_expert_cache: match (self.gpu_expert_cache, plan.gpu.as_ref().and_then(|g| g.vram_expert_cache_bytes)) {
+                    (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),
+                    (asked, _) => asked,
+                },
             });
         }
         opts

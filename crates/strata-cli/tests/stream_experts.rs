@@ -113,6 +113,13 @@ fn streamed_rss_stays_within_weights_kv_and_cache() {
     let v: Value = serde_json::from_slice(&auto.stdout).unwrap();
     assert!(v["experts"]["bytes_read"].as_u64().unwrap() > 0, "auto did not stream: {v}");
     assert!(String::from_utf8_lossy(&auto.stderr).contains("plan: EXPERT-STREAMING"));
+    // A plan for a (simulated) GPU with too little VRAM for the experts: GPU-OFFLOAD with a VRAM
+    // expert cache, on any build (no GPU needed to plan).
+    let out = strata().env("STRATA_RAM_BYTES", "8GB").args(["info", "--json", "--ctx-size", "256", "--device", "cuda", "--vram", "2600MB", "-m"]).arg(&model).output().unwrap();
+    let plan: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(plan["strategy"], "GPU-OFFLOAD", "{plan}");
+    assert!(plan["gpu"]["vram_expert_cache_bytes"].as_u64().unwrap() > 0, "{plan}");
+    assert!(plan["recommended_command"].as_str().unwrap().contains("--gpu-expert-cache"), "{plan}");
     let refused = strata().env("STRATA_RAM_BYTES", "200MB").args(["generate", "--prompt", "hello", "--max-tokens", "4", "-m"]).arg(&model).output().unwrap();
     assert_eq!(refused.status.code(), Some(2), "{}", String::from_utf8_lossy(&refused.stderr));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&refused.stderr));

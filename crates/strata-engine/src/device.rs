@@ -83,6 +83,18 @@ fn open_cuda(n: usize) -> Result<Device, String> {
 }
 
 /// A short name for logs: `cpu` or `cuda:N`.
+/// Free and total memory of a CUDA device, bytes (`None` for other devices or on error).
+pub fn gpu_memory(d: &Device) -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(c) = d {
+        use candle_core::cuda_backend::cudarc::driver::result;
+        c.cuda_stream().context().bind_to_thread().ok()?;
+        return result::mem_get_info().ok().map(|(free, total)| (free as u64, total as u64));
+    }
+    let _ = d;
+    None
+}
+
 pub fn device_name(d: &Device) -> String {
     match d.location() {
         candle_core::DeviceLocation::Cpu => "cpu".into(),

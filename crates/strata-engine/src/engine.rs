@@ -8,7 +8,7 @@ use std::time::Instant;
 use candle_core::Device;
 use serde::Serialize;
 use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer};
-use strata_expert_store::{StreamOptions, StreamingExperts};
+use strata_expert_store::StreamOptions;
 use strata_models::{DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, PrefetchStats, Transformer};
 
 use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
@@ -86,9 +86,9 @@ impl Engine {
         let mut resident_weight_bytes = files.total_tensor_bytes();
         let experts: Option<Arc<dyn ExpertProvider>> = match &opts.stream_experts {
             Some(so) => {
-                let s = StreamingExperts::open(files, &cfg, &opts.device, so)?;
-                resident_weight_bytes -= s.expert_bytes_total();
-                Some(Arc::new(s))
+                let (p, expert_bytes) = strata_expert_store::open_streaming(files, &cfg, &opts.device, so)?;
+                resident_weight_bytes -= expert_bytes;
+                Some(p)
             }
             None => None,
         };

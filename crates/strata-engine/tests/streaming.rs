@@ -25,7 +25,7 @@ fn load(path: &Path, stream: Option<StreamOptions>) -> Engine {
 fn stream(percent: f64, policy: EvictionPolicy, direct_io: bool) -> StreamOptions {
     // Prefetch gate open: predictions are always read, so the prefetch path is exercised; reads
     // split into 4 KiB pieces (the fixtures' experts are 8–25 KB), so piece splitting is too.
-    StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy, prefetch: PrefetchMode::default(), prefetch_min_precision: 0.0, read_chunk: 4096 }
+    StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy, prefetch: PrefetchMode::default(), prefetch_min_precision: 0.0, read_chunk: 4096, gpu_expert_cache: CacheBudget::Auto }
 }
 
 const PROMPT: [u32; 12] = [3, 17, 92, 5, 41, 7, 64, 11, 250, 33, 8, 19];
@@ -232,5 +232,38 @@ fn moe_top_k_quality_cost_is_measured() {
             }
         }
         eprintln!("{line}");
+    }
+}
+
+/// The host tier's raw access (what the GPU expert tier copies to VRAM): an expert's gate, up and
+/// down bytes as stored in the file, in that order, whatever the file's order (safetensors stores
+/// down first); `ready_bytes` never reads and answers only once the read is done.
+#[test]
+fn expert_bytes_are_the_stored_bytes_in_gate_up_down_order() {
+    use std::os::unix::fs::FileExt;
+    for name in ["qwen3_moe.gguf", "qwen3_moe", "mixtral"] {
+        let files = strata_formats::ModelFiles::open(&fixture(name)).unwrap();
+        let cfg = files.config().unwrap();
+        let moe = cfg.moe.clone().unwrap();
+        let host = strata_engine::expert_store::StreamingExperts::open(&files, &cfg, &candle_core::Device::Cpu, &stream(50.0, EvictionPolicy::Lru, false)).unwrap();
+        let paths = files.weight_files();
+        let dims = strata_formats::ExpertDims { num_experts: moe.num_experts, hidden: cfg.hidden_size, intermediate: moe.expert_intermediate_size };
+        let layer = (0..cfg.num_layers).find(|&l| cfg.is_moe_layer(l)).unwrap();
+        let layout = files.expert_layout(layer, dims).unwrap();
+        for e in [0, moe.num_experts - 1] {
+            assert!(host.ready_bytes(layer, e).is_none(), "{name}: nothing read yet");
+            let b = host.expert_bytes(layer, e).unwrap();
+            let extent = files.expert_extent(&layout, e).unwrap();
+            let slot: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
+            for (k, part) in extent.parts.iter().enumerate() {
+                let mut want = vec![0u8; part.len as usize];
+                std::fs::File::open(&paths[part.file]).unwrap().read_exact_at(&mut want, part.offset).unwrap();
+                assert_eq!(&slot[b.ranges[k].clone()], want.as_slice(), "{name}: expert {e} part {k}");
+            }
+            assert_eq!(b.bytes as u64, extent.bytes());
+            assert_eq!(b.shapes, [[dims.intermediate, dims.hidden], [dims.intermediate, dims.hidden], [dims.hidden, dims.intermediate]]);
+            let again = host.ready_bytes(layer, e).expect("cached after expert_bytes");
+            assert!(std::sync::Arc::ptr_eq(&again.slot, &b.slot), "{name}: same slot");
+        }
     }
 }

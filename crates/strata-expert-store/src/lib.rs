@@ -8,9 +8,13 @@
 //! - [`disk_bench`]: `strata bench --disk`, the drive's random-read bandwidth.
 //! - [`prefetch_gate`]: whether predictions of the next layer's experts are precise enough to read.
 //! - [`provider`]: [`StreamingExperts`], the [`strata_models::ExpertProvider`] tying them together.
+//! - `gpu_tier` (cargo feature `cuda`): `GpuExperts`, a VRAM expert cache above the host cache
+//!   (page-locked), copies on their own CUDA stream.
 
 pub mod budget;
 pub mod disk_bench;
+#[cfg(feature = "cuda")]
+pub mod gpu_tier;
 pub mod io;
 pub mod policy;
 pub mod prefetch_gate;
@@ -19,4 +23,4 @@ pub mod slab;
 
 pub use budget::{available_memory, parse_bytes, process_rss, CacheBudget};
 pub use policy::EvictionPolicy;
-pub use provider::{StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION, DEFAULT_READ_CHUNK};
+pub use provider::{open_streaming, ExpertBytes, StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION, DEFAULT_READ_CHUNK};

@@ -50,12 +50,41 @@ pub struct StreamOptions {
     /// `--read-chunk`: reads longer than this are split into concurrent pieces (bytes; 0: never),
     /// so that even one missed expert keeps several reads in flight.
     pub read_chunk: usize,
+    /// `--gpu-expert-cache`: the VRAM expert cache above the host cache on a CUDA device
+    /// ([`crate::gpu_tier`]; `auto`: free VRAM minus the dense weights and a reserve).
+    pub gpu_expert_cache: CacheBudget,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        Self { budget: CacheBudget::Auto, direct_io: false, io_threads: 16, policy: EvictionPolicy::Lru, prefetch: PrefetchMode::default(), prefetch_min_precision: DEFAULT_PREFETCH_MIN_PRECISION, read_chunk: DEFAULT_READ_CHUNK }
+        Self {
+            budget: CacheBudget::Auto,
+            direct_io: false,
+            io_threads: 16,
+            policy: EvictionPolicy::Lru,
+            prefetch: PrefetchMode::default(),
+            prefetch_min_precision: DEFAULT_PREFETCH_MIN_PRECISION,
+            read_chunk: DEFAULT_READ_CHUNK,
+            gpu_expert_cache: CacheBudget::Auto,
+        }
     }
+}
+
+/// Opens the routed-expert provider of `--stream-experts` on `device`: on a CUDA device (a build
+/// with the `cuda` feature) the GPU tier ([`crate::gpu_tier::GpuExperts`]) over the host cache,
+/// elsewhere the host cache alone. Returns it with the model's routed-expert bytes (stored).
+///
+/// Errors: those of [`StreamingExperts::open`] (and CUDA driver errors).
+pub fn open_streaming(files: &ModelFiles, cfg: &ModelConfig, device: &Device, opts: &StreamOptions) -> Result<(Arc<dyn ExpertProvider>, u64), ModelError> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let tier = crate::gpu_tier::GpuExperts::open(files, cfg, device, opts)?;
+        let total = tier.host().expert_bytes_total();
+        return Ok((Arc::new(tier), total));
+    }
+    let host = StreamingExperts::open(files, cfg, device, opts)?;
+    let total = host.expert_bytes_total();
+    Ok((Arc::new(host), total))
 }
 
 /// Default `--read-chunk` (bytes): 0, reads are not split. Splitting a 2.65 MB expert into
@@ -167,7 +196,21 @@ impl ReadPlan {
 enum State {
     /// Reads in flight into `slot`.
     Pending { slot: Slot, ticket: Arc<Ticket> },
-    Ready(Arc<Expert>),
+    /// The expert's bytes in place in `slot`; `expert` is built on first use through
+    /// [`ExpertProvider::expert`] (a GPU tier reading the bytes never builds it on the host).
+    Ready { slot: Arc<Slot>, expert: Option<Arc<Expert>> },
+}
+
+/// One cached expert's stored bytes, for a tier above the host cache (the GPU tier copies them to
+/// device memory): gate, up and down lie at `ranges` of `slot`, in `encodings` with `shapes`
+/// (`[rows, cols]`: gate and up `[I, H]`, down `[H, I]`). Holding it keeps the slot from reuse.
+pub struct ExpertBytes {
+    pub slot: Arc<Slot>,
+    pub ranges: [std::ops::Range<usize>; 3],
+    pub encodings: [ExpertEncoding; 3],
+    pub shapes: [[usize; 2]; 3],
+    /// Stored bytes of the three parts.
+    pub bytes: usize,
 }
 
 struct Entry {
@@ -181,7 +224,7 @@ impl Entry {
     /// Ready, or pending with every read finished (its slot can be dropped).
     fn evictable(&self) -> bool {
         match &self.state {
-            State::Ready(_) => true,
+            State::Ready { .. } => true,
             State::Pending { ticket, .. } => ticket.is_done(),
         }
     }
@@ -426,15 +469,34 @@ impl StreamingExperts {
         Ok(())
     }
 
-    /// Builds a ready expert from a slot whose reads completed.
-    fn build(&self, layer: usize, expert: usize, mut slot: Slot) -> Result<Expert, ModelError> {
+    /// Puts the bytes of a slot whose reads completed in place (gate, up, down back to back).
+    fn place(&self, layer: usize, expert: usize, mut slot: Slot) -> Result<Arc<Slot>, ModelError> {
+        ReadPlan::new(self.extent(layer, expert)?, self.io.direct()).place(&mut slot);
+        Ok(Arc::new(slot))
+    }
+
+    /// Where gate, up and down lie in a placed slot, with their encodings and shapes.
+    fn layout_of(&self, layer: usize, expert: usize, slot: &Arc<Slot>) -> Result<ExpertBytes, ModelError> {
         let extent = self.extent(layer, expert)?;
-        ReadPlan::new(extent, self.io.direct()).place(&mut slot);
+        let (h, i) = (self.dims.hidden, self.dims.intermediate);
+        let lens = extent.parts.map(|p| p.len as usize);
+        let offs = [0, lens[0], lens[0] + lens[1]];
+        Ok(ExpertBytes {
+            slot: slot.clone(),
+            ranges: [0, 1, 2].map(|k| offs[k]..offs[k] + lens[k]),
+            encodings: extent.encodings,
+            shapes: [[i, h], [i, h], [h, i]],
+            bytes: extent.bytes() as usize,
+        })
+    }
+
+    /// Builds a ready expert over a placed slot.
+    fn build(&self, layer: usize, expert: usize, slot: &Arc<Slot>) -> Result<Expert, ModelError> {
+        let extent = self.extent(layer, expert)?;
         let (h, i) = (self.dims.hidden, self.dims.intermediate);
         let lens = extent.parts.map(|p| p.len as usize);
         let offs = [0, lens[0], lens[0] + lens[1]];
         let shapes = [[i, h], [i, h], [h, i]];
-        let slot = Arc::new(slot);
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = slot.clone();
         let name = format!("blk.{layer}.ffn_exps[{expert}]");
         let kernel = |enc: ExpertEncoding| match enc {
@@ -450,7 +512,7 @@ impl StreamingExperts {
             match kernel(extent.encodings[k]) {
                 Some(f) => on_kernel(f, offs[k], lens[k], shapes[k][0], shapes[k][1]),
                 None => {
-                    let bytes = &(*slot).as_ref()[offs[k]..offs[k] + lens[k]];
+                    let bytes = &AsRef::<[u8]>::as_ref(slot.as_ref())[offs[k]..offs[k] + lens[k]];
                     let w = strata_formats::weight_from_bytes(extent.encodings[k], shapes[k], bytes, &name, &self.device)?;
                     Linear::for_expert(w).map_err(|e| ModelError::Tensor { name: name.clone(), source: e })
                 }
@@ -485,8 +547,10 @@ fn decoded_bytes(x: &ExpertExtent, dims: ExpertDims) -> u64 {
         .sum()
 }
 
-impl ExpertProvider for StreamingExperts {
-    fn expert(&self, layer: usize, expert: usize) -> strata_models::Result<Arc<Expert>> {
+impl StreamingExperts {
+    /// Expert `expert` of `layer` from the cache, waiting for its read (and starting it when no
+    /// `will_need` did): its placed slot, and the expert built on it when `build`.
+    fn fetch(&self, layer: usize, expert: usize, build: bool) -> Result<(Arc<Slot>, Option<Arc<Expert>>), ModelError> {
         let key = (layer, expert);
         let bytes = self.extent(layer, expert)?.bytes();
         self.counters.touched_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -496,7 +560,7 @@ impl ExpertProvider for StreamingExperts {
             st.tick += 1;
             let tick = st.tick;
             let ticket = match st.map.get_mut(&key) {
-                Some(Entry { state: State::Ready(x), usage, prefetched }) => {
+                Some(Entry { state: State::Ready { slot, expert: x }, usage, prefetched }) => {
                     usage.touch(tick);
                     if std::mem::take(prefetched) {
                         self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
@@ -504,7 +568,10 @@ impl ExpertProvider for StreamingExperts {
                     if !counted {
                         self.counters.hits.fetch_add(1, Ordering::Relaxed);
                     }
-                    return Ok(x.clone());
+                    if build && x.is_none() {
+                        *x = Some(Arc::new(self.build(layer, expert, slot)?));
+                    }
+                    return Ok((slot.clone(), x.clone()));
                 }
                 Some(Entry { state: State::Pending { ticket, .. }, prefetched, .. }) => {
                     // A prediction read in time counts as a hit: the expert was in memory when asked.
@@ -541,14 +608,58 @@ impl ExpertProvider for StreamingExperts {
             }
             let Some(Entry { state: State::Pending { slot, .. }, mut usage, prefetched }) = st.map.remove(&key) else { unreachable!("checked above") };
             result.map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
-            let x = Arc::new(self.build(layer, expert, slot)?);
+            let slot = self.place(layer, expert, slot)?;
+            let x = if build { Some(Arc::new(self.build(layer, expert, &slot)?)) } else { None };
             usage.touch(tick);
             if prefetched {
                 self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
             }
-            st.map.insert(key, Entry { state: State::Ready(x.clone()), usage, prefetched: false });
-            return Ok(x);
+            st.map.insert(key, Entry { state: State::Ready { slot: slot.clone(), expert: x.clone() }, usage, prefetched: false });
+            return Ok((slot, x));
         }
+    }
+
+    /// The stored bytes of expert `expert` of `layer`, waiting for its read like
+    /// [`ExpertProvider::expert`] (counted the same way) but without building it: what a GPU tier
+    /// copies to device memory.
+    ///
+    /// Errors: the read failed (I/O, truncated file), no such expert.
+    pub fn expert_bytes(&self, layer: usize, expert: usize) -> Result<ExpertBytes, ModelError> {
+        let (slot, _) = self.fetch(layer, expert, false)?;
+        self.layout_of(layer, expert, &slot)
+    }
+
+    /// [`Self::expert_bytes`] only when the expert's reads have finished: never waits, counts
+    /// nothing, starts no read (a prefetch into a GPU tier takes what the host already holds).
+    pub fn ready_bytes(&self, layer: usize, expert: usize) -> Option<ExpertBytes> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let placed = match st.map.remove(&(layer, expert))? {
+            Entry { state: State::Pending { slot, ticket }, usage, prefetched } if ticket.is_done() && ticket.wait().is_ok() => {
+                let slot = self.place(layer, expert, slot).ok()?;
+                Entry { state: State::Ready { slot, expert: None }, usage, prefetched }
+            }
+            other => other,
+        };
+        let slot = match &placed.state {
+            State::Ready { slot, .. } => Some(slot.clone()),
+            State::Pending { .. } => None,
+        };
+        st.map.insert((layer, expert), placed);
+        drop(st);
+        self.layout_of(layer, expert, &slot?).ok()
+    }
+
+    /// The slab holding the cache's slots: `(base address, bytes)` (a GPU tier page-locks it so
+    /// that copies to the device run at the bus's speed).
+    pub fn slab_memory(&self) -> (*mut u8, usize) {
+        self.slab.memory()
+    }
+}
+
+impl ExpertProvider for StreamingExperts {
+    fn expert(&self, layer: usize, expert: usize) -> strata_models::Result<Arc<Expert>> {
+        let (_, x) = self.fetch(layer, expert, true)?;
+        Ok(x.expect("fetch(build = true) builds the expert"))
     }
 
     fn will_need(&self, layer: usize, experts: &[u32]) {
@@ -616,6 +727,8 @@ impl ExpertProvider for StreamingExperts {
             prefetch_used: self.counters.prefetch_used.load(Ordering::Relaxed),
             prefetch_candidates: self.counters.prefetch_candidates.load(Ordering::Relaxed),
             prefetch_candidates_used: self.counters.prefetch_candidates_used.load(Ordering::Relaxed),
+            uploads: 0,
+            upload_bytes: 0,
         })
     }
 }

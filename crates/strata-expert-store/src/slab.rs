@@ -62,6 +62,11 @@ impl Slab {
         self.0.slots
     }
 
+    /// The whole allocation: `(base address, bytes)`.
+    pub fn memory(&self) -> (*mut u8, usize) {
+        (self.0.base, self.0.layout.size())
+    }
+
     /// A free slot, if any.
     pub fn try_acquire(&self) -> Option<Slot> {
         let idx = self.0.free.lock().unwrap_or_else(|e| e.into_inner()).pop()?;

@@ -114,6 +114,11 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     /// Bytes of memory the provider holds at most (all experts when resident; the expert cache when
     /// streaming).
     fn memory_bytes(&self) -> u64;
+
+    /// Bytes of device memory a GPU expert tier may hold (0: none).
+    fn device_cache_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// Cumulative counters of a streaming provider. Subtract two snapshots ([`Self::since`]) for one
@@ -144,6 +149,10 @@ pub struct ExpertStats {
     /// Of those, experts the layer then routed to: `prefetch_candidates_used / prefetch_candidates`
     /// is the predictor's precision where it matters.
     pub prefetch_candidates_used: u64,
+    /// GPU tier: experts copied from host memory to device memory (misses and prefetches).
+    pub uploads: u64,
+    /// GPU tier: bytes of those copies.
+    pub upload_bytes: u64,
 }
 
 impl ExpertStats {
@@ -161,6 +170,8 @@ impl ExpertStats {
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
             prefetch_candidates: self.prefetch_candidates - earlier.prefetch_candidates,
             prefetch_candidates_used: self.prefetch_candidates_used - earlier.prefetch_candidates_used,
+            uploads: self.uploads - earlier.uploads,
+            upload_bytes: self.upload_bytes - earlier.upload_bytes,
         }
     }
 

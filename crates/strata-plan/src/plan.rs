@@ -15,6 +15,7 @@ use strata_expert_store::CacheBudget;
 
 use crate::calibrate::{Bandwidths, RatesSource};
 use crate::facts::ModelFacts;
+use crate::gpu::{plan_gpu, GpuDecision, GpuInputs, GpuMemory, GpuPlan};
 use crate::observed::{miss_rate_at, Observed};
 use crate::system::SystemMemory;
 
@@ -51,6 +52,10 @@ pub struct PlanRequest {
     pub draft: Option<ModelFacts>,
     /// What previous runs of this model measured ([`crate::observed`]).
     pub observed: Option<Observed>,
+    /// Plan for this GPU (`--device cuda`, or `--vram`); `None`: the CPU.
+    pub gpu: Option<GpuMemory>,
+    /// `--gpu-expert-cache` (with `gpu`).
+    pub gpu_expert_cache: CacheBudget,
 }
 
 /// The strategy.
@@ -60,6 +65,10 @@ pub enum Strategy {
     Resident,
     #[serde(rename = "EXPERT-STREAMING")]
     ExpertStreaming,
+    /// On a GPU: dense weights in VRAM, experts in a VRAM expert cache over page-locked host RAM
+    /// (and the drive).
+    #[serde(rename = "GPU-OFFLOAD")]
+    GpuOffload,
     #[serde(rename = "TOO-LARGE")]
     TooLarge,
 }
@@ -69,6 +78,7 @@ impl Strategy {
         match self {
             Self::Resident => "RESIDENT",
             Self::ExpertStreaming => "EXPERT-STREAMING",
+            Self::GpuOffload => "GPU-OFFLOAD",
             Self::TooLarge => "TOO-LARGE",
         }
     }
@@ -128,6 +138,15 @@ pub struct Plan {
     pub warnings: Vec<String>,
     /// The `strata serve` command line this plan recommends (absent when TOO-LARGE).
     pub recommended_command: Option<String>,
+    /// The GPU tiers, when planning for a GPU ([`crate::gpu`]).
+    pub gpu: Option<GpuPlan>,
+}
+
+impl Strategy {
+    /// Whether routed experts stream (from the drive, or through the GPU expert tier).
+    pub fn streams_experts(self) -> bool {
+        matches!(self, Self::ExpertStreaming | Self::GpuOffload)
+    }
 }
 
 const GB: f64 = 1e9;
@@ -172,6 +191,58 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
                 gb(system.ram_total),
             ));
         }
+    }
+    if let Some(g) = req.gpu {
+        let x = GpuInputs {
+            gpu: g,
+            kv_and_compute: kv + compute + draft,
+            force_offload: req.stream == StreamMode::On,
+            gpu_expert_cache: req.gpu_expert_cache,
+            host_expert_cache: req.expert_cache,
+            host_available: available.saturating_sub(reserve + compute),
+            drive_gbps: rates.0.drive_gbps,
+            prefill_chunk: req.prefill_chunk,
+        };
+        let (decision, reason, gpu, prefill) = plan_gpu(model, &x);
+        let strategy = match decision {
+            GpuDecision::Resident => Strategy::Resident,
+            GpuDecision::Offload => Strategy::GpuOffload,
+            GpuDecision::TooLarge(_) => Strategy::TooLarge,
+        };
+        let ms = gpu.decode_compute_ms + gpu.decode_copy_ms + gpu.decode_read_ms;
+        let estimate = Estimate {
+            decode_tok_s: 1e3 / ms.max(1e-9),
+            prefill_tok_s: prefill,
+            decode_read_ms: gpu.decode_read_ms,
+            decode_compute_ms: gpu.decode_compute_ms,
+            rates: rates.0,
+            rates_source: rates.1,
+            observed: None,
+        };
+        let recommended_command = (strategy != Strategy::TooLarge).then(|| {
+            let mut c = format!("strata serve --model {} --ctx-size {} --device cuda", shell_quote(&model.path), req.ctx_size);
+            match (gpu.host_expert_cache_bytes, gpu.vram_expert_cache_bytes) {
+                (Some(h), Some(v)) => c += &format!(" --stream-experts on --expert-cache {}MiB --gpu-expert-cache {}MiB", h >> 20, v >> 20),
+                _ => c += " --stream-experts off",
+            }
+            c
+        });
+        return Plan {
+            model: model.clone(),
+            system: *system,
+            ctx_size: req.ctx_size,
+            overcommit: gpu.vram_resident_total as f64 / g.vram_free.max(1) as f64,
+            memory,
+            strategy,
+            reason,
+            expert_cache_bytes: gpu.host_expert_cache_bytes,
+            expert_cache_experts: gpu.host_expert_cache_experts,
+            expected_hit_rate: gpu.expected_vram_hit_rate,
+            estimate,
+            warnings,
+            recommended_command,
+            gpu: Some(gpu),
+        };
     }
     // Memory one cached expert costs: its slot, plus f32 tensors decoded beside it for safetensors.
     let entry = if model.expert_memory_bytes > model.expert_bytes { model.bytes_per_expert + model.expert_memory_bytes / (model.experts * model.moe_layers).max(1) as u64 } else { model.bytes_per_expert };
@@ -260,6 +331,7 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
         estimate,
         warnings,
         recommended_command,
+        gpu: None,
     }
 }
 

@@ -20,7 +20,7 @@ fn ram(bytes: u64) -> SystemMemory {
 }
 
 fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
-    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None, observed: None };
+    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None, observed: None, gpu: None, gpu_expert_cache: CacheBudget::Auto };
     make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }
 
@@ -87,7 +87,7 @@ fn synthetic_models_pick_the_strategy_their_memory_allows() {
 #[test]
 fn a_big_context_is_what_does_not_fit() {
     let m = facts(&repo().join("tests/fixtures/moe-tiny/mixtral.gguf"));
-    let req = PlanRequest { ctx_size: 1 << 22, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: None };
+    let req = PlanRequest { ctx_size: 1 << 22, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: None, gpu: None, gpu_expert_cache: CacheBudget::Auto };
     let p = make_plan(&m, &ram(2 << 30), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert_eq!(p.strategy, Strategy::TooLarge);
     assert!(p.reason.contains("--ctx-size"), "{}", p.reason);
@@ -98,7 +98,7 @@ fn a_draft_model_over_70_percent_of_ram_warns_and_shrinks_the_cache() {
     let path = synth("draft", 32);
     let m = facts(&path);
     let ram_bytes = m.dense_memory_bytes * 3 + m.expert_bytes / 2;
-    let req = |draft: Option<ModelFacts>| PlanRequest { ctx_size: 512, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft, observed: None };
+    let req = |draft: Option<ModelFacts>| PlanRequest { ctx_size: 512, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft, observed: None, gpu: None, gpu_expert_cache: CacheBudget::Auto };
     let rates = || (Bandwidths::DEFAULTS, RatesSource::Defaults);
     let alone = make_plan(&m, &ram(ram_bytes), rates(), &req(None));
     let with = make_plan(&m, &ram(ram_bytes), rates(), &req(Some(m.clone())));
@@ -142,12 +142,58 @@ fn observed_runs_replace_the_uniform_floor() {
     let f = base.expert_cache_experts.unwrap() as f64 / (m.experts * m.moe_layers) as f64;
     assert!((floor - f).abs() < 1e-9, "without observations the hit rate is the cached share");
     let o = strata_plan::Observed { cache_fraction: f, hit_rate: 0.9, compute_ms_per_token: 40.0, tokens: 31 };
-    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: Some(o) };
+    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: Some(o), gpu: None, gpu_expert_cache: CacheBudget::Auto };
     let p = make_plan(&m, &ram(tight), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert!((p.expected_hit_rate.unwrap() - 0.9).abs() < 1e-9, "same cache share: the observed hit rate");
     assert!((p.estimate.decode_compute_ms - 40.0).abs() < 1e-9);
     // A bigger cache misses proportionally less; a full one never.
     assert!((strata_plan::observed::miss_rate_at(&o, (1.0 + f) / 2.0) - 0.05).abs() < 1e-9);
     assert_eq!(strata_plan::observed::miss_rate_at(&o, 1.0), 0.0);
+    let _ = std::fs::remove_file(&path);
+}
+
+fn gpu_plan(m: &ModelFacts, vram: u64, ram_bytes: u64, stream: StreamMode) -> Plan {
+    let gpu = strata_plan::GpuMemory { vram_total: vram, vram_free: vram, simulated: true };
+    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None, observed: None, gpu: Some(gpu), gpu_expert_cache: CacheBudget::Auto };
+    make_plan(m, &ram(ram_bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
+}
+
+#[test]
+fn gpu_plans_use_vram_then_pinned_host_memory_then_the_drive() {
+    let path = synth("gpu", 16);
+    let m = facts(&path);
+    let roomy = gpu_plan(&m, 64 << 30, 64 << 30, StreamMode::Auto);
+    assert_eq!(roomy.strategy, Strategy::Resident, "{}", roomy.reason);
+    let g = roomy.gpu.as_ref().unwrap();
+    assert!(g.vram_expert_cache_bytes.is_none() && g.decode_copy_ms == 0.0);
+    assert!(roomy.recommended_command.as_deref().unwrap().contains("--device cuda --stream-experts off"));
+    // VRAM for the dense weights, KV and about a quarter of the experts: GPU-OFFLOAD, every expert
+    // in (page-locked) host RAM, none from the drive.
+    let fixed = g.vram_fixed;
+    let vram = fixed + m.expert_memory_bytes / 4;
+    let p = gpu_plan(&m, vram, 64 << 30, StreamMode::Auto);
+    assert_eq!(p.strategy, Strategy::GpuOffload, "{}", p.reason);
+    assert!(p.strategy.streams_experts());
+    let g = p.gpu.as_ref().unwrap();
+    let (vb, hit) = (g.vram_expert_cache_bytes.unwrap(), g.expected_vram_hit_rate.unwrap());
+    assert!(vb <= vram - fixed && vb * 5 > m.expert_memory_bytes, "VRAM cache {vb} of {}", m.expert_memory_bytes);
+    assert!(hit > 0.2 && hit < 0.3, "{hit}");
+    assert_eq!(g.host_expert_cache_experts.unwrap(), (m.experts * m.moe_layers) as u64);
+    assert!(g.decode_copy_ms > 0.0 && g.decode_read_ms == 0.0, "{g:?}");
+    let cmd = p.recommended_command.as_deref().unwrap();
+    assert!(cmd.contains("--stream-experts on") && cmd.contains("--gpu-expert-cache"), "{cmd}");
+    // Little RAM too: the host cache shrinks and misses read the drive.
+    let host = ((m.expert_bytes / 2 + (512 << 20) + roomy.memory.compute_buffers) as f64 / 0.95) as u64;
+    let small_ram = gpu_plan(&m, vram, host, StreamMode::Auto);
+    let g = small_ram.gpu.as_ref().unwrap();
+    assert_eq!(small_ram.strategy, Strategy::GpuOffload);
+    assert!(g.host_expert_cache_experts.unwrap() < (m.experts * m.moe_layers) as u64);
+    assert!(g.decode_read_ms > 0.0, "{g:?}");
+    // Streaming asked for although everything fits: offload anyway.
+    assert_eq!(gpu_plan(&m, 64 << 30, 64 << 30, StreamMode::On).strategy, Strategy::GpuOffload);
+    // Not even the dense weights and KV: too large, and the reason says why.
+    let tiny = gpu_plan(&m, fixed / 2, 64 << 30, StreamMode::Auto);
+    assert_eq!(tiny.strategy, Strategy::TooLarge);
+    assert!(tiny.reason.contains("VRAM") && tiny.recommended_command.is_none(), "{}", tiny.reason);
     let _ = std::fs::remove_file(&path);
 }

@@ -19,6 +19,7 @@ pub struct ExpertMetrics {
     prefetch_used: Counter,
     prefetch_candidates: Counter,
     prefetch_candidates_used: Counter,
+    upload_bytes: Counter,
     stall_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     read_bytes_per_second: Gauge<f64, std::sync::atomic::AtomicU64>,
     hit_rate: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -36,6 +37,7 @@ impl ExpertMetrics {
         r.register("expert_prefetch_used", "Experts read ahead that the layer then used", self.prefetch_used.clone());
         r.register("expert_prefetch_candidates", "Predicted experts the cache lacked (read ahead or, with the prefetch gate closed, not)", self.prefetch_candidates.clone());
         r.register("expert_prefetch_candidates_used", "Predicted uncached experts the layer then used", self.prefetch_candidates_used.clone());
+        r.register("expert_upload_bytes", "Bytes of experts copied from host memory to the GPU's expert cache", self.upload_bytes.clone());
         r.register("expert_stall_seconds", "Time decode waited for expert reads", self.stall_seconds.clone());
         r.register("ssd_read_bytes_per_second", "Achieved expert read rate while reads were in flight", self.read_bytes_per_second.clone());
         r.register("expert_cache_hit_rate", "Fraction of expert lookups served from the cache", self.hit_rate.clone());
@@ -54,6 +56,7 @@ impl ExpertMetrics {
         self.prefetch_used.inc_by(d.prefetch_used);
         self.prefetch_candidates.inc_by(d.prefetch_candidates);
         self.prefetch_candidates_used.inc_by(d.prefetch_candidates_used);
+        self.upload_bytes.inc_by(d.upload_bytes);
         self.stall_seconds.inc_by(d.stall_ns as f64 / 1e9);
         self.read_bytes_per_second.set(now.read_gbps() * 1e9);
         self.hit_rate.set(now.hit_rate());
