@@ -13,7 +13,9 @@ cargo fetch --quiet
 # shellcheck disable=SC1090
 source "$TK"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
-cargo build --release --features cuda -p strata-cli
+# (the toolkit script may relax the shell's options: check the build explicitly, so that a failed
+# build never ships the previous binary)
+cargo build --release --features cuda -p strata-cli || { echo "build_cuda.sh: cargo build failed" >&2; exit 1; }
 mkdir -p dist
 strip -o dist/strata-cuda "$CARGO_TARGET_DIR/release/strata"
 # 63 MB stripped (candle's PTX): too large for a device call with the working tree; 8 MB as xz.

@@ -111,7 +111,7 @@ fn print_plan(p: &Plan) {
                 println!("host experts {} = {hn} experts, page-locked; expected hit rate ≥ {:.0}%; misses read from the drive", gb(hb), hh * 100.0);
             }
             println!(
-                "estimate     decode {:.1} tok/s ({:.1} ms compute + {:.1} ms VRAM-miss copies + {:.1} ms drive reads per token), prefill {:.0} tok/s — GPU rates measured on an H100 (not this GPU): pinned copy {:.1} GB/s, {:.0} GB/s touched resident, {:.0} GB/s through the VRAM expert tier; drive {:.2} GB/s",
+                "estimate     decode {:.1} tok/s ({:.1} ms compute + {:.1} ms VRAM-miss copies + {:.1} ms drive reads per token), prefill {:.0} tok/s — GPU rates measured on an H100 (not this GPU): pinned copy {:.1} GB/s, {:.0} GB/s touched resident, {:.0} GB/s through the VRAM expert pool ({:.0} per expert); drive {:.2} GB/s",
                 p.estimate.decode_tok_s,
                 g.decode_compute_ms,
                 g.decode_copy_ms,
@@ -120,6 +120,7 @@ fn print_plan(p: &Plan) {
                 g.rates.h2d_gbps,
                 g.rates.resident_gbps,
                 g.rates.tiered_gbps,
+                g.rates.tiered_per_expert_gbps,
                 p.estimate.rates.drive_gbps
             );
         }

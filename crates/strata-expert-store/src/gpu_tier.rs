@@ -19,8 +19,14 @@
 //!   measured precision on experts VRAM lacked is above the gate
 //!   ([`crate::prefetch_gate`], the same `--prefetch-min-precision`).
 //!
-//! Experts run as candle quantized matmuls (one launch per projection) on device memory; float
-//! (HF) experts are copied synchronously through candle.
+//! VRAM storage: when every expert is in a format candle's fused MoE kernels take (Q4_K; see
+//! [`FusedExperts::supports`]), the VRAM cache is a pool: one 3-D tensor per projection whose rows
+//! are cache slots, and a layer's routed experts run in one launch per projection with their
+//! expert ids mapped to slot rows ([`ExpertProvider::fused`]). A reused slot is written only after
+//! the compute stream's work queued so far (an event), so kernels still reading its previous
+//! expert finish first. Other formats (and `STRATA_FUSED_MOE=0`) get device tensors per expert
+//! (one launch per expert and projection); float (HF) experts are copied synchronously through
+//! candle.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,12 +35,12 @@ use std::time::Instant;
 
 use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaEvent, CudaStream};
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::quantized::{cuda::QCudaStorage, QStorage, QTensor};
+use candle_core::quantized::{cuda::QCudaStorage, GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 use strata_formats::{ExpertEncoding, ModelConfig, ModelFiles, Weight};
 use strata_models::layers::Linear;
 use strata_models::mlp::Mlp;
-use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError};
+use strata_models::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ModelError};
 
 use crate::budget::CacheBudget;
 use crate::prefetch_gate::PrefetchGate;
@@ -43,15 +49,32 @@ use crate::slab::Slot;
 
 type Key = (usize, usize);
 
-/// Device memory one expert may take beyond its stored bytes: candle pads each quantized tensor's
-/// rows (`MATRIX_ROW_PADDING`), and the pool rounds allocations.
+/// Device memory one expert may take beyond its stored bytes in per-expert storage: candle pads
+/// each quantized tensor's rows (`MATRIX_ROW_PADDING`), and the pool rounds allocations.
 const PER_EXPERT_SLACK: u64 = 3 * 64 * 1024;
 
-/// VRAM kept free when the budget is `auto`: activations, the KV cache, cuBLAS workspaces.
+/// VRAM kept free when the budget is `auto`: activations, the KV cache, cuBLAS workspaces
+/// (the plan keeps the same, `strata_plan::gpu::VRAM_RESERVE`).
 const VRAM_RESERVE: u64 = 2 << 30;
 
+/// How VRAM holds the cached experts.
+enum Vram {
+    /// Device tensors per expert, allocated at each copy and freed at eviction.
+    PerExpert,
+    /// One 3-D tensor per projection with a row per cache slot.
+    Pool {
+        fused: FusedExperts,
+        /// Device address of each projection's row 0, and bytes per row.
+        base: [sys::CUdeviceptr; 3],
+        row_bytes: [usize; 3],
+    },
+}
+
 struct TierEntry {
-    expert: Arc<Expert>,
+    /// Per-expert storage: the expert's device tensors.
+    expert: Option<Arc<Expert>>,
+    /// Pool storage: the row holding it.
+    slot: usize,
     /// Recorded on the copy stream after the expert's copies (`None`: copied synchronously).
     copied: Option<Arc<CudaEvent>>,
     last: u64,
@@ -59,14 +82,15 @@ struct TierEntry {
     prefetched: bool,
     /// Copied by `will_need` ahead of its first use, which counts as the miss.
     fresh: bool,
+    bytes: usize,
 }
 
 /// Why an expert was copied to VRAM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Origin {
-    /// `expert()` missed (counted there).
+    /// A lookup missed (counted there).
     Demand,
-    /// `will_need`: routed, copied ahead of its first `expert()`.
+    /// `will_need`: routed, copied ahead of its first use.
     Routed,
     /// A prediction.
     Prefetch,
@@ -75,6 +99,8 @@ enum Origin {
 struct TierState {
     map: HashMap<Key, TierEntry>,
     tick: u64,
+    /// Pool rows not holding an expert.
+    free: Vec<usize>,
     /// Experts of the most recent `will_need`: evicted only when nothing else can be.
     protected: HashSet<Key>,
     /// Per layer: predicted experts VRAM lacked at the last prediction (copied or not).
@@ -104,6 +130,7 @@ pub struct GpuExperts {
     dev: CudaDevice,
     device: Device,
     copy: Arc<CudaStream>,
+    vram: Vram,
     /// The host slab, when page-locked: `(address, bytes)`, unregistered on drop.
     pinned: Option<(usize, usize)>,
     /// Experts VRAM holds at most.
@@ -117,16 +144,21 @@ pub struct GpuExperts {
 
 impl std::fmt::Debug for GpuExperts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GpuExperts({} experts in VRAM at most, pinned host: {}, host: {:?})", self.capacity, self.pinned.is_some(), self.host)
+        write!(f, "GpuExperts({} experts in VRAM at most, pooled: {}, pinned host: {}, host: {:?})", self.capacity, self.pooled(), self.pinned.is_some(), self.host)
     }
+}
+
+fn cuda_err(layer: usize, expert: usize) -> impl Fn(String) -> ModelError {
+    move |e| ModelError::ExpertRead { layer, expert, message: format!("cuda: {e}") }
 }
 
 impl GpuExperts {
     /// Opens the host tier ([`StreamingExperts::open`] with `opts`, on the CPU), page-locks its slab
     /// and sizes the VRAM tier from `opts.gpu_expert_cache` (`auto`: free VRAM minus the dense
-    /// weights and a 2 GiB reserve).
+    /// weights and a 2 GiB reserve); a pool is allocated at once.
     ///
-    /// Errors: `device` is not a CUDA device, the host tier's errors, a CUDA driver error.
+    /// Errors: `device` is not a CUDA device, the host tier's errors, a CUDA driver error (the
+    /// pool does not fit in VRAM).
     pub fn open(files: &ModelFiles, cfg: &ModelConfig, device: &Device, opts: &StreamOptions) -> Result<Self, ModelError> {
         let err = |message: String| ModelError::ExpertRead { layer: 0, expert: 0, message };
         let Device::Cuda(dev) = device else { return Err(err("the GPU expert tier needs a CUDA device".into())) };
@@ -141,7 +173,18 @@ impl GpuExperts {
 
         let experts = (0..cfg.num_layers).filter(|&l| cfg.is_moe_layer(l)).count() * moe.num_experts;
         let total = host.expert_bytes_total();
-        let entry_bytes = total.div_ceil(experts.max(1) as u64) + PER_EXPERT_SLACK;
+        let pool_dtypes = match host.uniform_encodings() {
+            Some(enc) if !std::env::var("STRATA_FUSED_MOE").is_ok_and(|v| v == "0") => {
+                let d: Vec<GgmlDType> = enc.iter().filter_map(|e| match e {
+                    ExpertEncoding::Ggml(dt) if FusedExperts::supports(*dt) => Some(*dt),
+                    _ => None,
+                }).collect();
+                (d.len() == 3).then(|| [d[0], d[1], d[2]])
+            }
+            _ => None,
+        };
+        let per_expert = total.div_ceil(experts.max(1) as u64);
+        let entry_bytes = if pool_dtypes.is_some() { per_expert } else { per_expert + PER_EXPERT_SLACK };
         let dense = files.total_tensor_bytes().saturating_sub(total);
         let free = result::mem_get_info().map(|(free, _)| free as u64).unwrap_or(0);
         let wanted = match opts.gpu_expert_cache {
@@ -150,6 +193,27 @@ impl GpuExperts {
             CacheBudget::Auto => (free.saturating_sub(dense).saturating_sub(VRAM_RESERVE) / entry_bytes) as usize,
         };
         let capacity = wanted.clamp((moe.experts_per_token + 1).min(experts), experts.max(1));
+        let vram = match pool_dtypes {
+            Some(dtypes) => {
+                let d = host.dims();
+                let shapes = [[d.intermediate, d.hidden], [d.intermediate, d.hidden], [d.hidden, d.intermediate]];
+                let tensor = |e: candle_core::Error| err(format!("VRAM expert pool of {capacity} experts: {e}"));
+                let mut t = Vec::with_capacity(3);
+                let (mut base, mut row_bytes) = ([0; 3], [0; 3]);
+                for k in 0..3 {
+                    let [rows, cols] = shapes[k];
+                    let storage = QCudaStorage::zeros(dev, capacity * rows * cols, dtypes[k]).map_err(tensor)?;
+                    let q = QTensor::new(QStorage::Cuda(storage), (capacity, rows, cols)).map_err(tensor)?;
+                    base[k] = q.device_ptr().map_err(tensor)? as sys::CUdeviceptr;
+                    row_bytes[k] = rows * cols / dtypes[k].block_size() * dtypes[k].type_size();
+                    t.push(q);
+                }
+                let mut t = t.into_iter();
+                let fused = FusedExperts::new(t.next().unwrap(), t.next().unwrap(), t.next().unwrap());
+                Vram::Pool { fused, base, row_bytes }
+            }
+            None => Vram::PerExpert,
+        };
 
         let (base, len) = host.slab_memory();
         // SAFETY: the slab's allocation is page-aligned, lives as long as `host` (unregistered in
@@ -167,6 +231,7 @@ impl GpuExperts {
             dev: dev.clone(),
             device: device.clone(),
             copy,
+            vram,
             pinned,
             capacity,
             entry_bytes,
@@ -174,6 +239,7 @@ impl GpuExperts {
             state: Mutex::new(TierState {
                 map: HashMap::new(),
                 tick: 0,
+                free: (0..capacity).rev().collect(),
                 protected: HashSet::new(),
                 candidates: HashMap::new(),
                 gate: PrefetchGate::new(opts.prefetch_min_precision),
@@ -198,6 +264,11 @@ impl GpuExperts {
         self.pinned.is_some()
     }
 
+    /// Whether VRAM holds the experts as a pool run in one launch per projection.
+    pub fn pooled(&self) -> bool {
+        matches!(self.vram, Vram::Pool { .. })
+    }
+
     /// The host tier (its own hit rate and drive reads).
     pub fn host(&self) -> &StreamingExperts {
         &self.host
@@ -210,53 +281,70 @@ impl GpuExperts {
     /// Makes the compute stream (the calling thread's candle stream) wait for a copy.
     fn wait_copied(&self, ev: &Option<Arc<CudaEvent>>) -> Result<(), ModelError> {
         match ev {
-            Some(e) if !e.is_complete() => self.dev.cuda_stream().wait(e).map_err(|e| ModelError::ExpertRead { layer: 0, expert: 0, message: format!("cuda: {e}") }),
+            Some(e) if !e.is_complete() => self.dev.cuda_stream().wait(e).map_err(|e| cuda_err(0, 0)(e.to_string())),
             _ => Ok(()),
         }
     }
 
-    /// Copies an expert's bytes into freshly allocated device tensors and builds it there.
-    fn upload(&self, layer: usize, expert: usize, b: ExpertBytes) -> Result<(Arc<Expert>, Option<Arc<CudaEvent>>), ModelError> {
-        let name = format!("blk.{layer}.ffn_exps[{expert}]");
-        let cuda = |e: String| ModelError::ExpertRead { layer, expert, message: format!("cuda: {e}") };
-        let tensor = |e: candle_core::Error| ModelError::Tensor { name: name.clone(), source: e };
+    /// Orders the copy stream after the compute stream's work queued so far: allocations (and
+    /// their zeroing) and kernels still reading a pool row about to be overwritten.
+    fn copy_after_compute(&self, layer: usize, expert: usize) -> Result<(), ModelError> {
+        let e = cuda_err(layer, expert);
+        let queued = self.dev.cuda_stream().record_event(None).map_err(|x| e(x.to_string()))?;
+        self.copy.wait(&queued).map_err(|x| e(x.to_string()))
+    }
+
+    /// Queues the copies of `b`'s parts to `dst[k]` on the copy stream; returns the event that
+    /// completes with them. The host slot is held until then.
+    fn copy_parts(&self, st: &mut TierState, layer: usize, expert: usize, b: &ExpertBytes, dst: [sys::CUdeviceptr; 3]) -> Result<Arc<CudaEvent>, ModelError> {
+        let e = cuda_err(layer, expert);
+        self.copy_after_compute(layer, expert)?;
         let bytes: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
+        for k in 0..3 {
+            // SAFETY: `dst[k]` holds at least `ranges[k].len()` bytes (checked by the callers); the
+            // source slot stays alive until the copy's event completes (`inflight`).
+            unsafe { result::memcpy_htod_async(dst[k], &bytes[b.ranges[k].clone()], self.copy.cu_stream()) }.map_err(|x| e(x.to_string()))?;
+        }
+        let copied = Arc::new(self.copy.record_event(None).map_err(|x| e(x.to_string()))?);
+        st.inflight.retain(|(ev, _)| !ev.is_complete());
+        st.inflight.push((copied.clone(), b.slot.clone()));
         self.counters.uploads.fetch_add(1, Ordering::Relaxed);
         self.counters.upload_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);
-        let quantized: Option<Vec<_>> = b.encodings.iter().map(|e| match e {
+        Ok(copied)
+    }
+
+    /// Copies an expert's bytes into freshly allocated device tensors and builds it there.
+    fn upload_tensors(&self, st: &mut TierState, layer: usize, expert: usize, b: &ExpertBytes) -> Result<(Arc<Expert>, Option<Arc<CudaEvent>>), ModelError> {
+        let name = format!("blk.{layer}.ffn_exps[{expert}]");
+        let tensor = |e: candle_core::Error| ModelError::Tensor { name: name.clone(), source: e };
+        let quantized: Option<Vec<GgmlDType>> = b.encodings.iter().map(|e| match e {
             ExpertEncoding::Ggml(dt) => Some(*dt),
             ExpertEncoding::Float(_) => None,
         }).collect();
         let Some(dtypes) = quantized else {
             // Float experts: candle copies them (synchronously) and converts to f32 on the way.
+            let bytes: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
             let lin = |k: usize| -> Result<Linear, ModelError> {
                 let w = strata_formats::weight_from_bytes(b.encodings[k], b.shapes[k], &bytes[b.ranges[k].clone()], &name, &self.device)?;
                 Linear::for_expert(w).map_err(tensor)
             };
             let mlp = Mlp::new(lin(0)?, lin(1)?, lin(2)?)?;
+            self.counters.uploads.fetch_add(1, Ordering::Relaxed);
+            self.counters.upload_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);
             return Ok((Arc::new(Expert::new(mlp, b.bytes)), None));
         };
         // Device tensors, allocated (and zeroed) on the compute stream.
         let mut parts = Vec::with_capacity(3);
+        let mut dst = [0; 3];
         for k in 0..3 {
             let [rows, cols] = b.shapes[k];
             let storage = QCudaStorage::zeros(&self.dev, rows * cols, dtypes[k]).map_err(tensor)?;
-            parts.push(QTensor::new(QStorage::Cuda(storage), (rows, cols)).map_err(tensor)?);
+            let q = QTensor::new(QStorage::Cuda(storage), (rows, cols)).map_err(tensor)?;
+            assert!(q.storage_size_in_bytes() >= b.ranges[k].len(), "{name}: device tensor smaller than the stored part");
+            dst[k] = q.device_ptr().map_err(tensor)? as sys::CUdeviceptr;
+            parts.push(q);
         }
-        let allocated = self.dev.cuda_stream().record_event(None).map_err(|e| cuda(e.to_string()))?;
-        self.copy.wait(&allocated).map_err(|e| cuda(e.to_string()))?;
-        for (k, q) in parts.iter().enumerate() {
-            let dst = q.device_ptr().map_err(tensor)? as sys::CUdeviceptr;
-            // SAFETY: `dst` holds at least `ranges[k].len()` bytes (a tensor of that dtype and
-            // shape); the source slot stays alive until `copied` completes (`inflight`).
-            unsafe { result::memcpy_htod_async(dst, &bytes[b.ranges[k].clone()], self.copy.cu_stream()) }.map_err(|e| cuda(e.to_string()))?;
-        }
-        let copied = Arc::new(self.copy.record_event(None).map_err(|e| cuda(e.to_string()))?);
-        {
-            let mut st = self.lock();
-            st.inflight.retain(|(e, _)| !e.is_complete());
-            st.inflight.push((copied.clone(), b.slot.clone()));
-        }
+        let copied = self.copy_parts(st, layer, expert, b, dst)?;
         let mut lin = parts.into_iter().map(|q| Linear::for_expert(Weight::Quantized(q)).map_err(tensor));
         let (g, u, d) = (lin.next().unwrap()?, lin.next().unwrap()?, lin.next().unwrap()?);
         let mlp = Mlp::new(g, u, d)?;
@@ -278,25 +366,93 @@ impl GpuExperts {
             let found = if prefetch_layer.is_some() { victim(false) } else { victim(false).or_else(|| victim(true)) };
             let Some(k) = found else { return false };
             let gone = st.map.remove(&k).expect("victim is in the map");
-            // Its memory is freed on the compute stream: order that after its copy.
-            if let Err(e) = self.wait_copied(&gone.copied) {
-                tracing::warn!("evicting {k:?}: {e}");
+            match self.vram {
+                // The row is rewritten only after the compute stream's queued work (`copy_parts`).
+                Vram::Pool { .. } => st.free.push(gone.slot),
+                // Its memory is freed on the compute stream: order that after its copy.
+                Vram::PerExpert => {
+                    if let Err(e) = self.wait_copied(&gone.copied) {
+                        tracing::warn!("evicting {k:?}: {e}");
+                    }
+                }
             }
         }
         true
     }
 
-    /// Inserts an uploaded expert, evicting for it (a demand insert always fits: protected experts
-    /// go last).
-    fn insert(&self, key: Key, expert: Arc<Expert>, copied: Option<Arc<CudaEvent>>, origin: Origin) {
-        let mut st = self.lock();
+    /// Makes `key` resident in VRAM from its host bytes `b` (state locked), evicting for it (not
+    /// `keep`). Returns false when a prefetch finds no room it may take.
+    fn fill(&self, st: &mut TierState, key: Key, b: &ExpertBytes, origin: Origin, keep: &[Key]) -> Result<bool, ModelError> {
         if st.map.contains_key(&key) {
-            return; // another caller uploaded it meanwhile
+            return Ok(true); // another caller copied it meanwhile
         }
-        self.make_room(&mut st, &[key], None);
+        let prefetch_layer = (origin == Origin::Prefetch).then_some(key.0);
+        if !self.make_room(st, keep, prefetch_layer) {
+            return Ok(false);
+        }
+        let (expert, slot, copied) = match &self.vram {
+            Vram::PerExpert => {
+                let (x, ev) = self.upload_tensors(st, key.0, key.1, b)?;
+                (Some(x), 0, ev)
+            }
+            Vram::Pool { base, row_bytes, .. } => {
+                for k in 0..3 {
+                    assert_eq!(b.ranges[k].len(), row_bytes[k], "expert {key:?} part {k}: stored size differs from the pool's rows");
+                }
+                let slot = st.free.pop().expect("make_room leaves a free row");
+                let dst = [0, 1, 2].map(|k| base[k] + (slot * row_bytes[k]) as sys::CUdeviceptr);
+                match self.copy_parts(st, key.0, key.1, b, dst) {
+                    Ok(ev) => (None, slot, Some(ev)),
+                    Err(e) => {
+                        st.free.push(slot);
+                        return Err(e);
+                    }
+                }
+            }
+        };
         st.tick += 1;
         let last = st.tick;
-        st.map.insert(key, TierEntry { expert, copied, last, prefetched: origin == Origin::Prefetch, fresh: origin == Origin::Routed });
+        let entry = TierEntry { expert, slot, copied, last, prefetched: origin == Origin::Prefetch, fresh: origin == Origin::Routed, bytes: b.bytes };
+        st.map.insert(key, entry);
+        if origin == Origin::Prefetch {
+            self.counters.prefetch_uploads.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(true)
+    }
+
+    /// A lookup of `key`: counts it and returns its entry's expert, row and copy event, making it
+    /// resident first on a miss (reading the host tier, which may wait for the drive).
+    fn lookup(&self, key: Key, keep: &[Key]) -> Result<(Option<Arc<Expert>>, usize, Option<Arc<CudaEvent>>), ModelError> {
+        fn found(st: &mut TierState, key: Key) -> Option<&mut TierEntry> {
+            st.tick += 1;
+            let tick = st.tick;
+            let e = st.map.get_mut(&key)?;
+            e.last = tick;
+            Some(e)
+        }
+        {
+            let mut st = self.lock();
+            if let Some(e) = found(&mut st, key) {
+                self.counters.touched_bytes.fetch_add(e.bytes as u64, Ordering::Relaxed);
+                let counter = if std::mem::take(&mut e.fresh) { &self.counters.misses } else { &self.counters.hits };
+                counter.fetch_add(1, Ordering::Relaxed);
+                if std::mem::take(&mut e.prefetched) {
+                    self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
+                }
+                return Ok((e.expert.clone(), e.slot, e.copied.clone()));
+            }
+        }
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let b = self.host.expert_bytes(key.0, key.1)?;
+        let mut st = self.lock();
+        if !self.fill(&mut st, key, &b, Origin::Demand, keep)? {
+            unreachable!("a demand copy always finds room");
+        }
+        self.counters.stall_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.counters.touched_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);
+        let e = found(&mut st, key).expect("filled above");
+        Ok((e.expert.clone(), e.slot, e.copied.clone()))
     }
 }
 
@@ -313,33 +469,39 @@ impl Drop for GpuExperts {
 impl ExpertProvider for GpuExperts {
     fn expert(&self, layer: usize, expert: usize) -> strata_models::Result<Arc<Expert>> {
         let key = (layer, expert);
-        {
-            let mut st = self.lock();
-            st.tick += 1;
-            let tick = st.tick;
-            if let Some(e) = st.map.get_mut(&key) {
-                e.last = tick;
-                self.counters.touched_bytes.fetch_add(e.expert.bytes as u64, Ordering::Relaxed);
-                let counter = if std::mem::take(&mut e.fresh) { &self.counters.misses } else { &self.counters.hits };
-                counter.fetch_add(1, Ordering::Relaxed);
-                if std::mem::take(&mut e.prefetched) {
-                    self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
-                }
-                let (x, ev) = (e.expert.clone(), e.copied.clone());
-                drop(st);
-                self.wait_copied(&ev)?;
-                return Ok(x);
-            }
+        if self.pooled() {
+            // MoE blocks take pooled experts through `fused`; anything else gets its own copy.
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            let b = self.host.expert_bytes(layer, expert)?;
+            let (x, ev) = self.upload_tensors(&mut self.lock(), layer, expert, &b)?;
+            self.wait_copied(&ev)?;
+            return Ok(x);
         }
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
-        let t0 = Instant::now();
-        let b = self.host.expert_bytes(layer, expert)?;
-        let (x, ev) = self.upload(layer, expert, b)?;
-        self.counters.stall_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        self.counters.touched_bytes.fetch_add(x.bytes as u64, Ordering::Relaxed);
-        self.insert(key, x.clone(), ev.clone(), Origin::Demand);
+        let (x, _, ev) = self.lookup(key, &[key])?;
         self.wait_copied(&ev)?;
-        Ok(x)
+        Ok(x.expect("per-expert storage holds experts"))
+    }
+
+    fn fused(&self, layer: usize, ids: &[u32]) -> Option<strata_models::Result<FusedCall<'_>>> {
+        let Vram::Pool { fused, .. } = &self.vram else { return None };
+        let mut keys: Vec<Key> = ids.iter().map(|&e| (layer, e as usize)).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        if keys.len() > self.capacity {
+            // A prefill chunk routing more experts than VRAM holds: one expert at a time through
+            // `expert` (copies not cached), never evicting an expert this launch reads.
+            return None;
+        }
+        let run = || -> strata_models::Result<FusedCall<'_>> {
+            let mut row = HashMap::with_capacity(keys.len());
+            for &key in &keys {
+                let (_, slot, ev) = self.lookup(key, &keys)?;
+                self.wait_copied(&ev)?;
+                row.insert(key.1 as u32, slot as u32);
+            }
+            Ok(FusedCall { experts: fused, rows: Some(ids.iter().map(|e| row[e]).collect()) })
+        };
+        Some(run())
     }
 
     fn will_need(&self, layer: usize, experts: &[u32]) {
@@ -362,12 +524,11 @@ impl ExpertProvider for GpuExperts {
         }
         let ids: Vec<u32> = missing.iter().map(|k| k.1 as u32).collect();
         self.host.will_need(layer, &ids);
-        // Copies of what the host already holds start now; the rest when `expert()` asks.
-        for &(l, e) in &missing {
-            let Some(b) = self.host.ready_bytes(l, e) else { continue };
-            match self.upload(l, e, b) {
-                Ok((x, ev)) => self.insert((l, e), x, ev, Origin::Routed),
-                Err(err) => tracing::debug!("upload of expert ({l}, {e}) not started: {err}"),
+        // Copies of what the host already holds start now; the rest at the lookup.
+        for &key in &missing {
+            let Some(b) = self.host.ready_bytes(key.0, key.1) else { continue };
+            if let Err(e) = self.fill(&mut self.lock(), key, &b, Origin::Routed, &keys) {
+                tracing::debug!("copy of expert {key:?} not started: {e}");
             }
         }
     }
@@ -384,17 +545,12 @@ impl ExpertProvider for GpuExperts {
             missing
         };
         let keep: Vec<Key> = missing.iter().map(|&e| (layer, e)).collect();
-        for &e in &missing {
-            let Some(b) = self.host.ready_bytes(layer, e) else { continue };
-            if !self.make_room(&mut self.lock(), &keep, Some(layer)) {
-                return;
-            }
-            match self.upload(layer, e, b) {
-                Ok((x, ev)) => {
-                    self.counters.prefetch_uploads.fetch_add(1, Ordering::Relaxed);
-                    self.insert((layer, e), x, ev, Origin::Prefetch);
-                }
-                Err(err) => tracing::debug!("prefetch upload of expert ({layer}, {e}) not started: {err}"),
+        for &key in &keep {
+            let Some(b) = self.host.ready_bytes(key.0, key.1) else { continue };
+            match self.fill(&mut self.lock(), key, &b, Origin::Prefetch, &keep) {
+                Ok(true) => {}
+                Ok(false) => return, // no room a prediction may take
+                Err(e) => tracing::debug!("prefetch copy of expert {key:?} not started: {e}"),
             }
         }
     }

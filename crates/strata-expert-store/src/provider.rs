@@ -368,6 +368,18 @@ impl StreamingExperts {
         self.capacity as u64 * self.entry_bytes
     }
 
+    /// The encodings of gate, up and down when every routed expert of every layer shares them.
+    pub fn uniform_encodings(&self) -> Option<[ExpertEncoding; 3]> {
+        let mut all = self.extents.iter().flatten().map(|x| x.encodings);
+        let first = all.next()?;
+        all.all(|e| e == first).then_some(first)
+    }
+
+    /// The expert dimensions (hidden, expert intermediate size, experts per layer).
+    pub fn dims(&self) -> ExpertDims {
+        self.dims
+    }
+
     /// Stored bytes of all routed experts.
     pub fn expert_bytes_total(&self) -> u64 {
         self.expert_bytes_total

@@ -56,6 +56,12 @@ impl FusedExperts {
         dtype == GgmlDType::Q4K
     }
 
+    /// Over three 3-D tensors: gate and up `[E, I, H]`, down `[E, H, I]`, each in a format
+    /// [`Self::supports`] (a VRAM pool whose rows are cache slots, say).
+    pub fn new(gate: QTensor, up: QTensor, down: QTensor) -> Self {
+        Self { gate, up, down }
+    }
+
     /// `x: [seq, H]`, `ids: [seq, k]` u32 (on the device) → each selected expert's output
     /// `[seq, k, H]` (unweighted).
     pub fn forward(&self, x: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
@@ -73,6 +79,13 @@ impl FusedExperts {
     pub fn bytes(&self) -> usize {
         [&self.gate, &self.up, &self.down].iter().map(|t| t.storage_size_in_bytes()).sum()
     }
+}
+
+/// Experts for one fused launch: the 3-D tensors, and which of their rows holds each routed expert.
+pub struct FusedCall<'a> {
+    pub experts: &'a FusedExperts,
+    /// `rows[i]` is the row holding the `i`-th routed expert; `None`: the expert ids themselves.
+    pub rows: Option<Vec<u32>>,
 }
 
 /// Source of routed experts' weights for the MoE blocks.
@@ -100,9 +113,13 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
         0
     }
 
-    /// Layer `layer`'s experts as [`FusedExperts`] when the provider holds them so (resident
-    /// quantized GGUF experts on a GPU); MoE blocks then run them in one launch per projection.
-    fn fused(&self, _layer: usize) -> Option<&FusedExperts> {
+    /// Layer `layer`'s routed experts `ids` (the routing's expert ids, `[tokens × top-k]`) for one
+    /// launch per projection, when the provider holds them as [`FusedExperts`] (resident quantized
+    /// GGUF experts on a GPU, or the GPU expert tier's VRAM pool, which makes them resident first).
+    /// `None`: the MoE block runs them one by one through [`Self::expert`].
+    ///
+    /// Errors: a streaming provider's read or copy failed.
+    fn fused(&self, _layer: usize, _ids: &[u32]) -> Option<Result<FusedCall<'_>>> {
         None
     }
 
@@ -244,8 +261,8 @@ impl ExpertProvider for ResidentExperts {
         self.bytes() as u64
     }
 
-    fn fused(&self, layer: usize) -> Option<&FusedExperts> {
-        self.fused.get(layer)?.as_ref()
+    fn fused(&self, layer: usize, _ids: &[u32]) -> Option<Result<FusedCall<'_>>> {
+        self.fused.get(layer)?.as_ref().map(|experts| Ok(FusedCall { experts, rows: None }))
     }
 
     fn expert(&self, layer: usize, expert: usize) -> Result<Arc<Expert>> {

@@ -18,7 +18,7 @@ pub mod transformer;
 
 pub use dflash::DFlashDraft;
 pub use error::{ModelError, Result};
-pub use experts::{Expert, ExpertProvider, ExpertStats, FusedExperts, ResidentExperts};
+pub use experts::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ResidentExperts};
 pub use kv_cache::KvCache;
 pub use moe::{LayerRouting, Router, SparseMoe};
 pub use prefetch::{PrefetchMode, PrefetchStats, PredictorStats};

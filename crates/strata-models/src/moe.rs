@@ -13,7 +13,7 @@ use candle_core::Tensor;
 use strata_formats::{ModelConfig, MoeConfig, RouterScoring};
 
 use crate::error::Result;
-use crate::experts::{ExpertProvider, FusedExperts};
+use crate::experts::{ExpertProvider, FusedCall};
 use crate::layers::{Linear, WeightLoader};
 use crate::mlp::Mlp;
 
@@ -186,8 +186,8 @@ impl SparseMoe {
     /// will need, and may have started prefetches meanwhile).
     pub fn forward_routed(&self, x: &Tensor, routing: &LayerRouting, experts: &dyn ExpertProvider) -> Result<Tensor> {
         let (seq, h) = x.dims2()?;
-        if let Some(f) = experts.fused(self.layer) {
-            return self.forward_fused(x, routing, f);
+        if let Some(call) = experts.fused(self.layer, &routing.expert_ids) {
+            return self.forward_fused(x, routing, call?);
         }
         let mut by_expert: BTreeMap<u32, Vec<(u32, f32)>> = BTreeMap::new();
         for t in 0..seq {
@@ -231,12 +231,13 @@ impl SparseMoe {
 
     /// [`Self::forward`] over [`FusedExperts`]: one launch per projection for every selected
     /// expert, weighted sum over the top-k on the device.
-    fn forward_fused(&self, x: &Tensor, routing: &LayerRouting, f: &FusedExperts) -> Result<Tensor> {
+    fn forward_fused(&self, x: &Tensor, routing: &LayerRouting, call: FusedCall<'_>) -> Result<Tensor> {
         let (seq, _) = x.dims2()?;
         let (dev, k) = (x.device(), routing.top_k);
-        let ids = Tensor::from_vec(routing.expert_ids.clone(), (seq, k), dev)?;
+        let rows = call.rows.unwrap_or_else(|| routing.expert_ids.clone());
+        let ids = Tensor::from_vec(rows, (seq, k), dev)?;
         let w = Tensor::from_vec(routing.weights.clone(), (seq, k, 1), dev)?.to_dtype(x.dtype())?;
-        let mut out = f.forward(x, &ids)?.broadcast_mul(&w)?.sum(1)?;
+        let mut out = call.experts.forward(x, &ids)?.broadcast_mul(&w)?.sum(1)?;
         if let Some(s) = &self.shared {
             let g = candle_nn::ops::sigmoid(&s.gate.forward(x)?)?;
             out = (out + s.mlp.forward(x)?.broadcast_mul(&g)?)?;

@@ -38,16 +38,20 @@ pub struct GpuRates {
     pub h2d_gbps: f64,
     /// Bytes touched per token ÷ decode time, fully resident (fused expert kernels), GB/s.
     pub resident_gbps: f64,
-    /// The same with experts behind the VRAM expert tier (one launch per expert), GB/s.
+    /// The same with experts behind the VRAM expert tier's pool (Q4_K experts, fused kernels), GB/s.
     pub tiered_gbps: f64,
+    /// The same with other formats (one launch per expert and projection), GB/s.
+    pub tiered_per_expert_gbps: f64,
     /// Prefill: 2 · active params · tokens ÷ time, GFLOP/s.
     pub prefill_gflops: f64,
 }
 
 impl GpuRates {
-    /// H100 80GB HBM3: pinned H2D 52.5–53.1 GB/s; resident decode 54.4 tok/s and tiered (all in
-    /// VRAM) 26.5 tok/s on 1.76 GB touched per token; pp512 939 tok/s on 3.3 B active params.
-    pub const H100: GpuRates = GpuRates { h2d_gbps: 52.5, resident_gbps: 95.0, tiered_gbps: 46.0, prefill_gflops: 6000.0 };
+    /// H100 80GB HBM3, synthetic qwen3-30b-a3b Q4_K (1.76 GB touched per token), over four
+    /// device sessions: pinned H2D 52.5–55.1 GB/s; resident decode 57–84 tok/s (100–147 GB/s);
+    /// through the VRAM pool 53–63 tok/s (93–111 GB/s), per expert 26–27 tok/s (46 GB/s); pp512
+    /// 939 tok/s on 3.3 B active params. The lower ends: the plan is a floor.
+    pub const H100: GpuRates = GpuRates { h2d_gbps: 52.5, resident_gbps: 100.0, tiered_gbps: 93.0, tiered_per_expert_gbps: 46.0, prefill_gflops: 6000.0 };
 }
 
 /// VRAM kept free: activations, cuBLAS workspaces, the CUDA context (the GPU expert tier's `auto`
@@ -171,7 +175,9 @@ pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuP
             plan.host_expert_cache_experts = Some(host_experts);
             plan.expected_vram_hit_rate = Some(hv);
             plan.expected_host_hit_rate = Some(hh);
-            plan.decode_compute_ms = per_token as f64 / (rates.tiered_gbps * 1e9) * 1e3;
+            // The pool takes Q4_K experts (strata_models::FusedExperts::supports).
+            let rate = if model.quantization == "Q4K" { rates.tiered_gbps } else { rates.tiered_per_expert_gbps };
+            plan.decode_compute_ms = per_token as f64 / (rate * 1e9) * 1e3;
             plan.decode_copy_ms = model.expert_bytes_per_token as f64 * (1.0 - hv) / (rates.h2d_gbps * 1e9) * 1e3;
             // Both caches keep the most recently used experts: a VRAM miss reads the drive unless
             // the host cache is the larger one and holds it.
