@@ -208,6 +208,8 @@ impl GpuExperts {
                     row_bytes[k] = rows * cols / dtypes[k].block_size() * dtypes[k].type_size();
                     t.push(q);
                 }
+                // The pool was zeroed on this thread's stream; forward passes may run on another.
+                ctx.synchronize().map_err(|e| err(format!("cuda: {e}")))?;
                 let mut t = t.into_iter();
                 let fused = FusedExperts::new(t.next().unwrap(), t.next().unwrap(), t.next().unwrap());
                 Vram::Pool { fused, base, row_bytes }
@@ -447,7 +449,8 @@ impl GpuExperts {
         let b = self.host.expert_bytes(key.0, key.1)?;
         let mut st = self.lock();
         if !self.fill(&mut st, key, &b, Origin::Demand, keep)? {
-            unreachable!("a demand copy always finds room");
+            // Only when everything cached is in `keep`, which callers keep below the capacity.
+            return Err(ModelError::ExpertRead { layer: key.0, expert: key.1, message: format!("VRAM expert cache full ({} experts) with experts this launch needs", self.capacity) });
         }
         self.counters.stall_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.counters.touched_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);
