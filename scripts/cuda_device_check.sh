@@ -12,7 +12,8 @@
 #     evicted and copied again; quantized models with STRATA_CPU_DEQUANTIZE=1, the f32 reference of
 #     the DMMV kernels). Speed on the synthetic 30B: resident (fused and per-expert), VRAM tier 25%
 #     / 50% over a host tier holding every expert (page-locked), and over a 50% host tier that
-#     reads the drive with O_DIRECT; tier/*.json are `generate --json` outputs.
+#     reads the drive with O_DIRECT; tier/runs.tgz holds the `generate --json` outputs.
+#     BENCH_ONLY=1: alternating speed rounds only; CHECK_ONLY=1: correctness only.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -74,6 +75,7 @@ same=lambda m: sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==
 print('$samp: tokens equal to resident fused, of', len(t['resident']), '| pool 25%:', same('pool25'), '| pool 100%:', same('pool100'), '| pool 10% (prefill per expert):', same('pool10'))"
     done
   } 2>&1 | tee "$OUT/tier/compare.md"
+  [ -z "${CHECK_ONLY:-}" ] || exit 0
   M=/tmp/q3-30b-q4k.gguf
   if [ ! -f $M ]; then
     t0=$(date +%s)
