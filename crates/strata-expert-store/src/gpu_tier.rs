@@ -512,14 +512,12 @@ impl ExpertProvider for GpuExperts {
         keys.sort_unstable();
         keys.dedup();
         let missing: Vec<Key> = {
-            let mut st = self.lock();
+            let mut guard = self.lock();
+            let st = &mut *guard;
             st.protected = keys.iter().copied().collect();
-            if let Some(c) = st.candidates.remove(&layer) {
-                let used = c.iter().filter(|&&e| keys.binary_search(&(layer, e)).is_ok()).count();
-                st.gate.observe(c.len(), used);
-                self.counters.prefetch_candidates.fetch_add(c.len() as u64, Ordering::Relaxed);
-                self.counters.prefetch_candidates_used.fetch_add(used as u64, Ordering::Relaxed);
-            }
+            let (candidates, used) = st.gate.resolve(&mut st.candidates, layer, &keys);
+            self.counters.prefetch_candidates.fetch_add(candidates, Ordering::Relaxed);
+            self.counters.prefetch_candidates_used.fetch_add(used, Ordering::Relaxed);
             keys.iter().copied().filter(|k| !st.map.contains_key(k)).collect()
         };
         if missing.is_empty() {

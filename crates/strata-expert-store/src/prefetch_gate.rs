@@ -42,6 +42,16 @@ impl PrefetchGate {
         self.total = self.total * d + candidates as f64;
     }
 
+    /// Resolves the prediction made for `layer` (its candidates, taken out of `pending`) against
+    /// the experts the layer then routed to (`routed`: `(layer, expert)`, sorted) and observes it.
+    /// Returns `(candidates, used)` for the caller's counters (zeros when there was none).
+    pub fn resolve(&mut self, pending: &mut std::collections::HashMap<usize, Vec<usize>>, layer: usize, routed: &[(usize, usize)]) -> (u64, u64) {
+        let Some(c) = pending.remove(&layer) else { return (0, 0) };
+        let used = c.iter().filter(|&&e| routed.binary_search(&(layer, e)).is_ok()).count();
+        self.observe(c.len(), used);
+        (c.len() as u64, used as u64)
+    }
+
     /// The measured precision, once there is enough evidence.
     pub fn precision(&self) -> Option<f64> {
         (self.total >= WARMUP).then(|| self.used / self.total)
@@ -81,5 +91,17 @@ mod tests {
         g.observe(0, 0);
         assert_eq!(g.precision(), before);
         assert!(PrefetchGate::new(0.0).open());
+    }
+
+    #[test]
+    fn a_prediction_is_resolved_once_against_the_layer_routing() {
+        let mut g = PrefetchGate::new(0.5);
+        let mut pending = std::collections::HashMap::from([(3, vec![1, 5, 9]), (4, vec![2])]);
+        // Layer 3 routed to experts 5 and 7 (sorted keys): one of the three candidates was used.
+        assert_eq!(g.resolve(&mut pending, 3, &[(3, 5), (3, 7)]), (3, 1));
+        assert!(!pending.contains_key(&3) && pending.contains_key(&4));
+        assert_eq!(g.resolve(&mut pending, 3, &[(3, 5)]), (0, 0), "already resolved");
+        // Another layer's key with the same expert id does not count.
+        assert_eq!(g.resolve(&mut pending, 4, &[(3, 2)]), (1, 0));
     }
 }

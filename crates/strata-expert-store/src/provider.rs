@@ -679,15 +679,13 @@ impl ExpertProvider for StreamingExperts {
         keys.sort_unstable();
         keys.dedup();
         {
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let st = &mut *guard;
             st.protected = keys.iter().copied().collect();
             // Score the last prediction for this layer on what the cache lacked.
-            if let Some(c) = st.candidates.remove(&layer) {
-                let used = c.iter().filter(|&&e| keys.binary_search(&(layer, e)).is_ok()).count();
-                st.gate.observe(c.len(), used);
-                self.counters.prefetch_candidates.fetch_add(c.len() as u64, Ordering::Relaxed);
-                self.counters.prefetch_candidates_used.fetch_add(used as u64, Ordering::Relaxed);
-            }
+            let (candidates, used) = st.gate.resolve(&mut st.candidates, layer, &keys);
+            self.counters.prefetch_candidates.fetch_add(candidates, Ordering::Relaxed);
+            self.counters.prefetch_candidates_used.fetch_add(used, Ordering::Relaxed);
             // Predictions this layer needs: their queued reads go first now.
             for k in &keys {
                 if let Some(Entry { state: State::Pending { ticket, .. }, prefetched: true, .. }) = st.map.get(k) {
