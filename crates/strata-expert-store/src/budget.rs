@@ -3,6 +3,10 @@
 
 use std::str::FromStr;
 
+/// VRAM left free by the GPU expert tier's `auto` budget and by the plan on a GPU: activations,
+/// the KV cache's growth, cuBLAS workspaces, the CUDA context.
+pub const VRAM_RESERVE: u64 = 2 << 30;
+
 /// What the user asked for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum CacheBudget {

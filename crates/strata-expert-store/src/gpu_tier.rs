@@ -42,7 +42,7 @@ use strata_models::layers::Linear;
 use strata_models::mlp::Mlp;
 use strata_models::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ModelError};
 
-use crate::budget::CacheBudget;
+use crate::budget::{CacheBudget, VRAM_RESERVE};
 use crate::prefetch_gate::PrefetchGate;
 use crate::provider::{ExpertBytes, StreamOptions, StreamingExperts};
 use crate::slab::Slot;
@@ -53,9 +53,6 @@ type Key = (usize, usize);
 /// each quantized tensor's rows (`MATRIX_ROW_PADDING`), and the pool rounds allocations.
 const PER_EXPERT_SLACK: u64 = 3 * 64 * 1024;
 
-/// VRAM kept free when the budget is `auto`: activations, the KV cache, cuBLAS workspaces
-/// (the plan keeps the same, `strata_plan::gpu::VRAM_RESERVE`).
-const VRAM_RESERVE: u64 = 2 << 30;
 
 /// How VRAM holds the cached experts.
 enum Vram {
@@ -227,7 +224,7 @@ impl GpuExperts {
             tracing::warn!("cannot page-lock the host expert cache ({len} bytes): {rc:?}; copies to the GPU run at pageable speed");
             None
         };
-        let prefetch_limit = (2 * moe.experts_per_token).min(capacity / 4).max(1);
+        let prefetch_limit = crate::provider::prefetch_limit(capacity, moe.experts_per_token);
         Ok(Self {
             host,
             dev: dev.clone(),
@@ -325,11 +322,7 @@ impl GpuExperts {
         }).collect();
         let Some(dtypes) = quantized else {
             // Float experts: candle copies them (synchronously) and converts to f32 on the way.
-            let bytes: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
-            let lin = |k: usize| -> Result<Linear, ModelError> {
-                let w = strata_formats::weight_from_bytes(b.encodings[k], b.shapes[k], &bytes[b.ranges[k].clone()], &name, &self.device)?;
-                Linear::for_expert(w).map_err(tensor)
-            };
+            let lin = |k: usize| b.decoded(k, &name, &self.device);
             let mlp = Mlp::new(lin(0)?, lin(1)?, lin(2)?)?;
             self.counters.uploads.fetch_add(1, Ordering::Relaxed);
             self.counters.upload_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);

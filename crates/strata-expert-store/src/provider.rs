@@ -213,6 +213,16 @@ pub struct ExpertBytes {
     pub bytes: usize,
 }
 
+impl ExpertBytes {
+    /// Part `k` (0 gate, 1 up, 2 down) decoded into a candle tensor on `device` (formats our CPU
+    /// kernels do not run from the slot, float weights widened to f32); `name` names it in errors.
+    pub fn decoded(&self, k: usize, name: &str, device: &Device) -> Result<Linear, ModelError> {
+        let bytes = &AsRef::<[u8]>::as_ref(self.slot.as_ref())[self.ranges[k].clone()];
+        let w = strata_formats::weight_from_bytes(self.encodings[k], self.shapes[k], bytes, name, device)?;
+        Linear::for_expert(w).map_err(|e| ModelError::Tensor { name: name.to_string(), source: e })
+    }
+}
+
 struct Entry {
     state: State,
     usage: Usage,
@@ -504,11 +514,7 @@ impl StreamingExperts {
 
     /// Builds a ready expert over a placed slot.
     fn build(&self, layer: usize, expert: usize, slot: &Arc<Slot>) -> Result<Expert, ModelError> {
-        let extent = self.extent(layer, expert)?;
-        let (h, i) = (self.dims.hidden, self.dims.intermediate);
-        let lens = extent.parts.map(|p| p.len as usize);
-        let offs = [0, lens[0], lens[0] + lens[1]];
-        let shapes = [[i, h], [i, h], [h, i]];
+        let b = self.layout_of(layer, expert, slot)?;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = slot.clone();
         let name = format!("blk.{layer}.ffn_exps[{expert}]");
         let kernel = |enc: ExpertEncoding| match enc {
@@ -516,32 +522,28 @@ impl StreamingExperts {
             _ => None,
         };
         let bad = |e: String| ModelError::ExpertRead { layer, expert, message: e };
-        let on_kernel = |format, off: usize, len: usize, rows, cols| -> Result<Linear, ModelError> {
-            let bytes = WeightBytes::new(owner.clone(), off..off + len).map_err(bad)?;
+        let on_kernel = |format, range: std::ops::Range<usize>, rows, cols| -> Result<Linear, ModelError> {
+            let bytes = WeightBytes::new(owner.clone(), range).map_err(bad)?;
             Ok(Linear::from_kernel(QuantMatrix::new(format, bytes, rows, cols).map_err(bad)?))
         };
         let part = |k: usize| -> Result<Linear, ModelError> {
-            match kernel(extent.encodings[k]) {
-                Some(f) => on_kernel(f, offs[k], lens[k], shapes[k][0], shapes[k][1]),
-                None => {
-                    let bytes = &AsRef::<[u8]>::as_ref(slot.as_ref())[offs[k]..offs[k] + lens[k]];
-                    let w = strata_formats::weight_from_bytes(extent.encodings[k], shapes[k], bytes, &name, &self.device)?;
-                    Linear::for_expert(w).map_err(|e| ModelError::Tensor { name: name.clone(), source: e })
-                }
+            match kernel(b.encodings[k]) {
+                Some(f) => on_kernel(f, b.ranges[k].clone(), b.shapes[k][0], b.shapes[k][1]),
+                None => b.decoded(k, &name, &self.device),
             }
         };
-        let mlp = match kernel(extent.encodings[0]) {
+        let mlp = match kernel(b.encodings[0]) {
             // gate and up are adjacent in the slot: one [2I, H] matrix, as the resident path fuses them.
-            Some(f) if extent.encodings[1] == extent.encodings[0] => Mlp::from_fused(on_kernel(f, 0, lens[0] + lens[1], 2 * i, h)?, part(2)?),
+            Some(f) if b.encodings[1] == b.encodings[0] => Mlp::from_fused(on_kernel(f, b.ranges[0].start..b.ranges[1].end, 2 * b.shapes[0][0], b.shapes[0][1])?, part(2)?),
             _ => Mlp::new(part(0)?, part(1)?, part(2)?)?,
         };
-        Ok(Expert::new(mlp, extent.bytes() as usize))
+        Ok(Expert::new(mlp, b.bytes))
     }
 }
 
 /// Experts one prefetch may start: two layers' worth of top-k (the union of two predictors), at
 /// most a quarter of the cache so that predictions never crowd out the working set (at least one).
-fn prefetch_limit(capacity: usize, top_k: usize) -> usize {
+pub(crate) fn prefetch_limit(capacity: usize, top_k: usize) -> usize {
     (2 * top_k).min(capacity / 4).max(1)
 }
 

@@ -16,6 +16,7 @@
 //! (docs/performance.md, "CUDA"), not on this machine: the plan says so.
 
 use serde::Serialize;
+use strata_expert_store::budget::VRAM_RESERVE;
 use strata_expert_store::CacheBudget;
 
 use crate::facts::ModelFacts;
@@ -54,9 +55,6 @@ impl GpuRates {
     pub const H100: GpuRates = GpuRates { h2d_gbps: 52.5, resident_gbps: 100.0, tiered_gbps: 93.0, tiered_per_expert_gbps: 46.0, prefill_gflops: 6000.0 };
 }
 
-/// VRAM kept free: activations, cuBLAS workspaces, the CUDA context (the GPU expert tier's `auto`
-/// keeps the same).
-pub const VRAM_RESERVE: u64 = 2 << 30;
 
 /// The GPU part of a plan.
 #[derive(Debug, Clone, Serialize, PartialEq)]
