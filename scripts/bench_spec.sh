@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Speculative decoding benchmarks (docs/performance.md, "Speculative decoding").
-#  1. SmolLM2-135M Q4_1, resident, an input-grounded task (scripts/spec_rewrite_prompt.txt: rename
-#     one function in a code listing): plain decoding vs n-gram, self-draft, fixed and adaptive.
+#  1. SmolLM2-135M Q4_1, resident, input-grounded tasks (scripts/spec_rewrite_prompt.txt: rename
+#     one function in a code listing, chat; scripts/spec_config_prompt.txt and
+#     scripts/spec_rename_fewshot_prompt.txt: raw completions): plain decoding vs n-gram,
+#     self-draft, fixed and adaptive.
 #  2. The synthetic qwen3-30b-a3b Q4_K ($MOE, `strata synth --preset qwen3-30b-a3b`) with streamed
 #     experts, expert cache 25% of expert bytes, page cache dropped before every run (cold), in a
 #     6 GiB memory cgroup (v1, needs root): plain vs adaptive vs fixed N=4.
@@ -64,6 +66,17 @@ if [ "${PART:-all}" != moe ]; then
     run "self L=$L adaptive" "${P[@]}" --spec self --draft-layers $L
   done
   run "self L=22 fixed 4" "${P[@]}" --spec self --draft-layers 22 --draft-policy fixed
+  # Raw-completion prompts the 135M model copies from: a config file "with one change", and a
+  # one-example few-shot rename of the listing above. Two alternating rounds each.
+  for F in spec_config_prompt spec_rename_fewshot_prompt; do
+    echo "## SmolLM2-135M Q4_1, resident, $N tokens, $T threads, raw prompt scripts/$F.txt"
+    R=(-m models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file "scripts/$F.txt" -n "$N")
+    for rep in 1 2; do
+      run "plain ($rep)" "${R[@]}"
+      run "ngram fixed 4 ($rep)" "${R[@]}" --spec ngram --draft-policy fixed
+      run "ngram adaptive, max 4 ($rep)" "${R[@]}" --spec ngram
+    done
+  done
 fi
 if [ "${PART:-all}" != smollm2 ]; then
   MOE=${MOE:-/work/bench/q3-30b-q4k.gguf}

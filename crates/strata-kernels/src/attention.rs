@@ -1,5 +1,5 @@
-//! Single-query attention for decode (one new token) straight over the KV cache storage, instead of
-//! a dozen small tensor ops. Same math as the batched path: `softmax(q·Kᵀ·scale)·V` per head with
+//! Attention for decode and short passes (one new token, or a speculative verify pass of a few)
+//! straight over the KV cache storage, instead of a dozen small tensor ops. Same math as the batched path: `softmax(q·Kᵀ·scale)·V` per head with
 //! grouped-query sharing (query head `h` reads kv head `h / (n_heads / n_kv_heads)`).
 
 /// Shapes of one layer's KV cache storage: `[n_kv_heads, capacity, head_dim]` f32, row-major.
@@ -15,32 +15,74 @@ pub struct KvLayout {
 #[allow(clippy::too_many_arguments)]
 pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize, len: usize, scale: f32, out: &mut [f32], scores: &mut Vec<f32>) {
     let hd = kv.head_dim;
-    let n_rep = n_heads / kv.n_kv_heads;
-    scores.resize(len, 0.0);
     for h in 0..n_heads {
-        let g = h / n_rep;
-        let qh = &q[h * hd..(h + 1) * hd];
-        let base = g * kv.capacity * hd;
-        let mut max = f32::NEG_INFINITY;
-        for (j, s) in scores.iter_mut().enumerate() {
-            let kr = &k[base + j * hd..base + (j + 1) * hd];
-            *s = dot(qh, kr) * scale;
-            max = max.max(*s);
-        }
-        let mut sum = 0f64;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s as f64;
-        }
-        let inv = (1.0 / sum) as f32;
-        let oh = &mut out[h * hd..(h + 1) * hd];
-        oh.fill(0.0);
-        for (j, &p) in scores.iter().enumerate() {
-            let vr = &v[base + j * hd..base + (j + 1) * hd];
-            let w = p * inv;
-            for (o, &x) in oh.iter_mut().zip(vr) {
-                *o += w * x;
-            }
+        attend_head(&q[h * hd..(h + 1) * hd], k, v, kv, kv_head(kv, n_heads, h), len, scale, &mut out[h * hd..(h + 1) * hd], scores);
+    }
+}
+
+/// [`attend_one`] for `seq` consecutive query rows `q: [seq, n_heads, head_dim]`: row `i` attends
+/// positions `0..first_len + i` (causal). Output `out: [seq, n_heads, head_dim]`. The
+/// (row, head) pairs run in parallel on candle's barrier pool; each one's arithmetic is
+/// [`attend_one`]'s, so results do not depend on `seq` or on the thread count.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize, seq: usize, first_len: usize, scale: f32, out: &mut [f32]) {
+    let hd = kv.head_dim;
+    assert_eq!(q.len(), seq * n_heads * hd);
+    assert_eq!(out.len(), seq * n_heads * hd);
+    let ptr = crate::SendPtr(out.as_mut_ptr());
+    let unit = |i: usize, scores: &mut Vec<f32>| {
+        let p = ptr; // the whole SendPtr, not its field
+        let (row, h) = (i / n_heads, i % n_heads);
+        let o = row * n_heads * hd + h * hd;
+        // SAFETY: unit i writes out[o..o + hd] only, and out has seq · n_heads · hd elements.
+        let oh = unsafe { std::slice::from_raw_parts_mut(p.0.add(o), hd) };
+        attend_head(&q[o..o + hd], k, v, kv, kv_head(kv, n_heads, h), first_len + row, scale, oh, scores);
+    };
+    let units = seq * n_heads;
+    // Short contexts: less work than a barrier's wake-up costs.
+    if units == 1 || first_len < PARALLEL_MIN_LEN {
+        SCORES.with(|s| (0..units).for_each(|i| unit(i, &mut s.borrow_mut())));
+        return;
+    }
+    candle_core::utils::barrier_pool().execute_chunked(units, |range| SCORES.with(|s| range.for_each(|i| unit(i, &mut s.borrow_mut()))));
+}
+
+/// Contexts shorter than this attend on one thread.
+const PARALLEL_MIN_LEN: usize = 64;
+
+thread_local! {
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Grouped-query sharing: query head `h` reads kv head `h / (n_heads / n_kv_heads)`.
+fn kv_head(kv: KvLayout, n_heads: usize, h: usize) -> usize {
+    h / (n_heads / kv.n_kv_heads)
+}
+
+/// One head: `softmax(q·Kᵀ·scale)·V` over positions `0..len` of kv head `g`.
+#[allow(clippy::too_many_arguments)]
+fn attend_head(qh: &[f32], k: &[f32], v: &[f32], kv: KvLayout, g: usize, len: usize, scale: f32, oh: &mut [f32], scores: &mut Vec<f32>) {
+    let hd = kv.head_dim;
+    scores.resize(len, 0.0);
+    let base = g * kv.capacity * hd;
+    let mut max = f32::NEG_INFINITY;
+    for (j, s) in scores.iter_mut().enumerate() {
+        let kr = &k[base + j * hd..base + (j + 1) * hd];
+        *s = dot(qh, kr) * scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0f64;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    oh.fill(0.0);
+    for (j, &p) in scores.iter().enumerate() {
+        let vr = &v[base + j * hd..base + (j + 1) * hd];
+        let w = p * inv;
+        for (o, &x) in oh.iter_mut().zip(vr) {
+            *o += w * x;
         }
     }
 }
@@ -66,6 +108,26 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rows of a multi-row pass equal single-row calls bit for bit (parallel or not).
+    #[test]
+    fn rows_equal_one_row_at_a_time() {
+        let kv = KvLayout { n_kv_heads: 3, capacity: 200, head_dim: 16 };
+        let (nh, seq) = (9, 5);
+        let f = |i: usize| ((i as f32) * 0.731).sin();
+        let k: Vec<f32> = (0..3 * 200 * 16).map(|i| f(i + 7)).collect();
+        let v: Vec<f32> = (0..3 * 200 * 16).map(|i| f(i + 9000)).collect();
+        let q: Vec<f32> = (0..seq * nh * 16).map(|i| f(i + 333)).collect();
+        for first in [3, 150] {
+            let mut rows = vec![0f32; seq * nh * 16];
+            attend_rows(&q, &k, &v, kv, nh, seq, first, 0.25, &mut rows);
+            for i in 0..seq {
+                let mut one = vec![0f32; nh * 16];
+                attend_one(&q[i * nh * 16..(i + 1) * nh * 16], &k, &v, kv, nh, first + i, 0.25, &mut one, &mut Vec::new());
+                assert!(one.iter().zip(&rows[i * nh * 16..(i + 1) * nh * 16]).all(|(a, b)| a.to_bits() == b.to_bits()), "row {i}, first {first}");
+            }
+        }
+    }
 
     #[test]
     fn matches_naive_softmax_attention() {

@@ -11,6 +11,8 @@ pub mod bytes;
 pub mod matrix;
 pub mod q4k;
 pub mod q8_1;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use bytes::WeightBytes;
 pub use matrix::{BlockFormat, QuantMatrix};

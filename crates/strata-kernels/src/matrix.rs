@@ -106,7 +106,7 @@ impl QuantMatrix {
                 crate::q4k::quantize_row_q8k(&x[t * self.cols..(t + 1) * self.cols], &mut tmp);
                 qx.extend_from_slice(&tmp);
             }
-            return self.run(&qx, m, out, select_dot_q4k(), None);
+            return self.run(&qx, m, out, select_tiles_q4k());
         }
         let nb = self.cols / QK;
         let mut qx = Vec::with_capacity(m * nb);
@@ -115,15 +115,16 @@ impl QuantMatrix {
             quantize_row(&x[t * self.cols..(t + 1) * self.cols], &mut tmp);
             qx.extend_from_slice(&tmp);
         }
-        self.run(&qx, m, out, select_dot(self.format), select_dot4(self.format));
+        self.run(&qx, m, out, select_tiles(self.format));
     }
 
-    /// Every (row, token) dot product over quantized activations `qx: [m, blocks per row]`. With
-    /// `dot4`, tokens go four at a time through it (each weight block unpacked once for four
-    /// tokens); its per-token arithmetic is the same as `dot`'s, operation for operation, so a
-    /// token's result does not depend on how many tokens share the pass (a verify pass of several
-    /// tokens gives bit-identical outputs to decoding them one by one).
-    fn run<A: Sync>(&self, qx: &[A], m: usize, out: &mut [f32], dot: fn(&[u8], &[A]) -> f32, dot4: Option<Dot4Fn<A>>) {
+    /// Every (row, token) dot product over quantized activations `qx: [m, blocks per row]`.
+    /// `tiles`: kernels by tokens per call, largest first, the last taking one token; tokens go
+    /// through the largest tile that fits (each weight block unpacked once per tile). Every tile
+    /// kernel does a token's arithmetic exactly as the one-token kernel does, so a token's result
+    /// does not depend on how many tokens share the pass (a verify pass of several tokens gives
+    /// bit-identical outputs to decoding them one by one).
+    fn run<A: Sync>(&self, qx: &[A], m: usize, out: &mut [f32], tiles: &[(usize, RowsFn<A>)]) {
         let nb = qx.len() / m.max(1);
         let rows = self.rows;
         let ptr = SendPtr(out.as_mut_ptr());
@@ -132,75 +133,81 @@ impl QuantMatrix {
         // ones candle's own ops use, so no second pool competes for the cores.
         candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
             let p = ptr;
+            let mut v = [0f32; MAX_TILE];
             for r in range {
                 let w = &data[r * rb..(r + 1) * rb];
                 let mut t = 0;
-                if let Some(dot4) = dot4 {
-                    while t + 4 <= m {
-                        let v = dot4(w, &qx[t * nb..(t + 4) * nb], nb);
-                        for (j, &x) in v.iter().enumerate() {
+                for &(size, kernel) in tiles {
+                    while t + size <= m {
+                        kernel(w, &qx[t * nb..(t + size) * nb], nb, &mut v[..size]);
+                        for (j, &x) in v[..size].iter().enumerate() {
                             // SAFETY: each (t, r) is written by exactly one task, and out has m·rows elements.
                             unsafe { *p.0.add((t + j) * rows + r) = x };
                         }
-                        t += 4;
+                        t += size;
                     }
                 }
-                for t in t..m {
-                    let v = dot(w, &qx[t * nb..(t + 1) * nb]);
-                    // SAFETY: as above.
-                    unsafe { *p.0.add(t * rows + r) = v };
-                }
+                debug_assert_eq!(t, m, "the last tile takes one token");
             }
         });
     }
 }
 
-/// Dot products of one weight row with four activation rows `a: [4, nb]`.
-type Dot4Fn<A> = fn(&[u8], &[A], usize) -> [f32; 4];
+/// Dot products of one weight row with `R` activation rows `a: [R, nb]` (`nb` blocks each) into
+/// `out[..R]`.
+type RowsFn<A> = fn(w: &[u8], a: &[A], nb: usize, out: &mut [f32]);
 
-fn select_dot4(format: BlockFormat) -> Option<Dot4Fn<BlockQ8_1>> {
+/// Most tokens one tile kernel takes.
+const MAX_TILE: usize = 8;
+
+/// Tile kernels for `format` (largest first, ending with one token). Measured on the AVX2 kernels
+/// (docs/performance.md): a pass over 2 tokens costs ~1.3× one token, over 4 ~1.7×, over 8 ~3×;
+/// every width up to 8 has its own kernel, so a verify pass of up to 8 tokens is one tile.
+fn select_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1>)] {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
+        use crate::x86::avx2;
+        if avx2::available() {
             return match format {
-                BlockFormat::Q4_1 => Some(|w, a, nb| unsafe { dot4_q4_1_avx2(w, a, nb) }),
-                BlockFormat::Q8_0 => Some(|w, a, nb| unsafe { dot4_q8_0_avx2(w, a, nb) }),
-                BlockFormat::Q4K => None,
-            };
-        }
-    }
-    let _ = format;
-    None
-}
-
-fn select_dot_q4k() -> fn(&[u8], &[crate::q4k::BlockQ8K]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
-            return |w, a| unsafe { crate::q4k::dot_q4k_avx2(w, a) };
-        }
-    }
-    crate::q4k::dot_q4k_scalar
-}
-
-type DotFn = fn(&[u8], &[BlockQ8_1]) -> f32;
-
-fn select_dot(format: BlockFormat) -> DotFn {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
-            return match format {
-                BlockFormat::Q4_1 => |w, a| unsafe { dot_q4_1_avx2(w, a) },
-                BlockFormat::Q8_0 => |w, a| unsafe { dot_q8_0_avx2(w, a) },
-                BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_dot_q4k)"),
+                BlockFormat::Q4_1 => &[
+                    (8, |w, a, nb, o| unsafe { avx2::q4_1_rows::<8>(w, a, nb, o) }),
+                    (7, |w, a, nb, o| unsafe { avx2::q4_1_rows::<7>(w, a, nb, o) }),
+                    (6, |w, a, nb, o| unsafe { avx2::q4_1_rows::<6>(w, a, nb, o) }),
+                    (5, |w, a, nb, o| unsafe { avx2::q4_1_rows::<5>(w, a, nb, o) }),
+                    (4, |w, a, nb, o| unsafe { avx2::q4_1_rows::<4>(w, a, nb, o) }),
+                    (3, |w, a, nb, o| unsafe { avx2::q4_1_rows::<3>(w, a, nb, o) }),
+                    (2, |w, a, nb, o| unsafe { avx2::q4_1_rows::<2>(w, a, nb, o) }),
+                    (1, |w, a, nb, o| unsafe { avx2::q4_1_rows::<1>(w, a, nb, o) }),
+                ],
+                BlockFormat::Q8_0 => &[
+                    (8, |w, a, nb, o| unsafe { avx2::q8_0_rows::<8>(w, a, nb, o) }),
+                    (7, |w, a, nb, o| unsafe { avx2::q8_0_rows::<7>(w, a, nb, o) }),
+                    (6, |w, a, nb, o| unsafe { avx2::q8_0_rows::<6>(w, a, nb, o) }),
+                    (5, |w, a, nb, o| unsafe { avx2::q8_0_rows::<5>(w, a, nb, o) }),
+                    (4, |w, a, nb, o| unsafe { avx2::q8_0_rows::<4>(w, a, nb, o) }),
+                    (3, |w, a, nb, o| unsafe { avx2::q8_0_rows::<3>(w, a, nb, o) }),
+                    (2, |w, a, nb, o| unsafe { avx2::q8_0_rows::<2>(w, a, nb, o) }),
+                    (1, |w, a, nb, o| unsafe { avx2::q8_0_rows::<1>(w, a, nb, o) }),
+                ],
+                BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)"),
             };
         }
     }
     match format {
-        BlockFormat::Q4_1 => dot_q4_1_scalar,
-        BlockFormat::Q8_0 => dot_q8_0_scalar,
-        BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_dot_q4k)"),
+        BlockFormat::Q4_1 => &[(1, |w, a, _, o| o[0] = dot_q4_1_scalar(w, a))],
+        BlockFormat::Q8_0 => &[(1, |w, a, _, o| o[0] = dot_q8_0_scalar(w, a))],
+        BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)"),
     }
+}
+
+fn select_tiles_q4k() -> &'static [(usize, RowsFn<crate::q4k::BlockQ8K>)] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::x86::avx2::available() {
+            return &[(1, |w, a, _, o| o[0] = unsafe { crate::q4k::dot_q4k_avx2(w, a) })];
+        }
+    }
+    &[(1, |w, a, _, o| o[0] = crate::q4k::dot_q4k_scalar(w, a))]
 }
 
 /// ggml `ggml_vec_dot_q8_0_q8_0`, generic version.
@@ -230,119 +237,11 @@ pub fn dot_q4_1_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
     sumf
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let hi = _mm256_extractf128_ps(acc, 1);
-    let s = _mm_add_ps(hi, _mm256_castps256_ps128(acc));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
-/// One f16 (little-endian bits) to f32 with the F16C instruction.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-pub(crate) unsafe fn h2f(bits: u16) -> f32 {
-    use std::arch::x86_64::*;
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
-/// ggml's AVX2 `ggml_vec_dot_q8_0_q8_0` (`mul_sum_i8_pairs_float`: |x| · sign(y, x)).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0_avx2(w: &[u8], a: &[BlockQ8_1]) -> f32 {
-    use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    let ones = _mm256_set1_epi16(1);
-    for (blk, y) in w.chunks_exact(BlockFormat::Q8_0.block_bytes()).zip(a) {
-        let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
-        let qx = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
-        let qy = _mm256_load_si256(y.qs.as_ptr() as *const __m256i);
-        let ax = _mm256_sign_epi8(qx, qx);
-        let sy = _mm256_sign_epi8(qy, qx);
-        let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(dot), acc);
-    }
-    hsum(acc)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_1_avx2(w: &[u8], a: &[BlockQ8_1]) -> f32 {
-    use std::arch::x86_64::*;
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0f32;
-    let low = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    for (blk, y) in w.chunks_exact(BlockFormat::Q4_1.block_bytes()).zip(a) {
-        let p = blk.as_ptr();
-        let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
-        let m = h2f(u16::from_le_bytes([blk[2], blk[3]]));
-        summs += m * y.s;
-        let tmp = _mm_loadu_si128(p.add(4) as *const __m128i);
-        let qx = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1), low);
-        let qy = _mm256_load_si256(y.qs.as_ptr() as *const __m256i);
-        let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(dot), acc);
-    }
-    hsum(acc) + summs
-}
-
-/// [`dot_q8_0_avx2`] for four activation rows at once: the weight block is loaded and its signs
-/// taken once; every token's accumulation is the single-row kernel's, in the same order.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_q8_0_avx2(w: &[u8], a: &[BlockQ8_1], nb: usize) -> [f32; 4] {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let ones = _mm256_set1_epi16(1);
-    for (b, blk) in w.chunks_exact(BlockFormat::Q8_0.block_bytes()).enumerate() {
-        let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
-        let qx = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
-        let ax = _mm256_sign_epi8(qx, qx);
-        for (j, acc) in acc.iter_mut().enumerate() {
-            let y = &a[j * nb + b];
-            let qy = _mm256_load_si256(y.qs.as_ptr() as *const __m256i);
-            let sy = _mm256_sign_epi8(qy, qx);
-            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
-            *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(dot), *acc);
-        }
-    }
-    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
-}
-
-/// [`dot_q4_1_avx2`] for four activation rows at once (the nibbles unpacked once).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_q4_1_avx2(w: &[u8], a: &[BlockQ8_1], nb: usize) -> [f32; 4] {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summs = [0f32; 4];
-    let low = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    for (b, blk) in w.chunks_exact(BlockFormat::Q4_1.block_bytes()).enumerate() {
-        let p = blk.as_ptr();
-        let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
-        let m = h2f(u16::from_le_bytes([blk[2], blk[3]]));
-        let tmp = _mm_loadu_si128(p.add(4) as *const __m128i);
-        let qx = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1), low);
-        for j in 0..4 {
-            let y = &a[j * nb + b];
-            summs[j] += m * y.s;
-            let qy = _mm256_load_si256(y.qs.as_ptr() as *const __m256i);
-            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones);
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(dot), acc[j]);
-        }
-    }
-    [hsum(acc[0]) + summs[0], hsum(acc[1]) + summs[1], hsum(acc[2]) + summs[2], hsum(acc[3]) + summs[3]]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    type DotFn = fn(&[u8], &[BlockQ8_1]) -> f32;
 
     fn pseudo(i: usize) -> f32 {
         ((i as f32 * 0.7131).sin() * 43758.547).fract() - 0.5
@@ -393,9 +292,41 @@ mod tests {
         check(make_q4_1(37, 256), dot_q4_1_scalar);
     }
 
+    /// Every tile kernel this CPU runs against the scalar reference (each token of a tile
+    /// bit-identical to the one-token kernel).
+    #[test]
+    fn every_tile_kernel_equals_scalar() {
+        for (format, scalar) in [(BlockFormat::Q4_1, dot_q4_1_scalar as DotFn), (BlockFormat::Q8_0, dot_q8_0_scalar)] {
+            // 288 columns = 9 blocks.
+            let w = match format {
+                BlockFormat::Q4_1 => make_q4_1(5, 288).0,
+                _ => make_q8_0(5, 288).0,
+            };
+            let nb = 9;
+            let x: Vec<f32> = (0..MAX_TILE * 288).map(|i| pseudo(i + 11)).collect();
+            let mut q = Vec::new();
+            quantize_row(&x, &mut q);
+            let tiles = select_tiles(format);
+            let one = tiles.last().unwrap().1;
+            for &(size, kernel) in tiles {
+                for r in 0..5 {
+                    let mut v = vec![0f32; size];
+                    kernel(w.row(r), &q[..size * nb], nb, &mut v);
+                    for t in 0..size {
+                        let mut single = [0f32];
+                        one(w.row(r), &q[t * nb..(t + 1) * nb], nb, &mut single);
+                        assert_eq!(single[0].to_bits(), v[t].to_bits(), "{format:?} tile {size} row {r} token {t}");
+                        let s = scalar(w.row(r), &q[t * nb..(t + 1) * nb]);
+                        assert!((s - v[t]).abs() <= 1e-4 * s.abs().max(1.0), "{format:?} simd {} scalar {s}", v[t]);
+                    }
+                }
+            }
+        }
+    }
+
     fn check((w, dense): (QuantMatrix, Vec<f32>), dot_scalar: DotFn) {
-        // 6 tokens: one four-token tile and two single rows.
-        let (rows, cols, m) = (w.rows(), w.cols(), 6);
+        // 15 tokens: tiles of 8, 4, 3.
+        let (rows, cols, m) = (w.rows(), w.cols(), 15);
         let x: Vec<f32> = (0..m * cols).map(pseudo).collect();
         let mut out = vec![0f32; m * rows];
         w.matmul(&x, m, &mut out);

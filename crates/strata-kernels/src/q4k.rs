@@ -103,8 +103,8 @@ pub unsafe fn dot_q4k_avx2(w: &[u8], a: &[BlockQ8K]) -> f32 {
     let mut summs = 0f32;
     for (blk, y) in w.chunks_exact(BLOCK_BYTES).zip(a) {
         let p = blk.as_ptr();
-        let d = crate::matrix::h2f(u16::from_le_bytes([blk[0], blk[1]])) * y.d;
-        let dmin = crate::matrix::h2f(u16::from_le_bytes([blk[2], blk[3]])) * y.d;
+        let d = crate::x86::h2f(u16::from_le_bytes([blk[0], blk[1]])) * y.d;
+        let dmin = crate::x86::h2f(u16::from_le_bytes([blk[2], blk[3]])) * y.d;
         let (sc, mn) = scales_mins(&blk[4..16]);
         let mut summ = 0i32;
         for j in 0..8 {
@@ -125,7 +125,7 @@ pub unsafe fn dot_q4k_avx2(w: &[u8], a: &[BlockQ8K]) -> f32 {
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
     }
-    crate::matrix::hsum(acc) + summs
+    crate::x86::hsum(acc) + summs
 }
 
 #[cfg(test)]

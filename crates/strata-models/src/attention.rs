@@ -133,15 +133,13 @@ impl Attention {
             // a short multi-token pass (speculative verification) are bit-identical to decoding the
             // same tokens one by one, so greedy speculation reproduces plain decoding exactly.
             let qv = q.flatten_all()?.to_vec1::<f32>()?; // [nh, seq, hd]
-            let mut out = Vec::with_capacity(seq * nh * hd);
-            let mut row = vec![0f32; nh * hd];
+            let mut rows = vec![0f32; seq * nh * hd]; // [seq, nh, hd]
             for i in 0..seq {
                 for h in 0..nh {
-                    row[h * hd..(h + 1) * hd].copy_from_slice(&qv[(h * seq + i) * hd..(h * seq + i + 1) * hd]);
+                    rows[(i * nh + h) * hd..(i * nh + h + 1) * hd].copy_from_slice(&qv[(h * seq + i) * hd..(h * seq + i + 1) * hd]);
                 }
-                let o = cache.attend_one(layer, &row, nh, self.scale as f32, pos + i + 1)?;
-                out.extend_from_slice(&o.ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?);
             }
+            let out = cache.attend_rows(layer, &rows, seq, nh, self.scale as f32, pos + 1)?.ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
             return finish(Tensor::from_vec(out, (seq, nh * hd), x.device())?);
         }
         let total = k_all.dim(2)?;

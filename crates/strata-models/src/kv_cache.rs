@@ -9,10 +9,6 @@ use strata_formats::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::recurrent::{LinearState, RecurrentCache, StepLog};
 
-thread_local! {
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 #[derive(Debug)]
 pub struct KvCache {
     k: Vec<Tensor>,
@@ -111,10 +107,12 @@ impl KvCache {
         self.slot.get(layer).copied().flatten().ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} has no KV cache")))
     }
 
-    /// Decode fast path (CPU): attention of one query `q: [n_heads · head_dim]` over positions
-    /// `0..positions` of `layer` (decode: `len + 1`, the token just appended included); returns
-    /// `[n_heads · head_dim]`. `None` when the cache is not on the CPU.
-    pub fn attend_one(&self, layer: usize, q: &[f32], n_heads: usize, scale: f32, positions: usize) -> candle_core::Result<Option<Vec<f32>>> {
+    /// Decode and verify fast path (CPU): attention of `seq` consecutive query rows
+    /// `q: [seq, n_heads · head_dim]` of `layer`, row `i` over positions `0..first + i` (decode:
+    /// `first = len + 1`, the token just appended included); returns `[seq, n_heads · head_dim]`.
+    /// Every row's result equals decoding that token alone. `None` when the cache is not on the
+    /// CPU.
+    pub fn attend_rows(&self, layer: usize, q: &[f32], seq: usize, n_heads: usize, scale: f32, first: usize) -> candle_core::Result<Option<Vec<f32>>> {
         let layer = self.kv_slot(layer)?;
         let (ks, kl) = self.k[layer].storage_and_layout();
         let (vs, vl) = self.v[layer].storage_and_layout();
@@ -123,8 +121,8 @@ impl KvCache {
         let v = &vc.as_slice::<f32>()?[vl.start_offset()..];
         let (_, n_kv_heads, capacity, head_dim) = self.k[layer].dims4()?;
         let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
-        let mut out = vec![0f32; n_heads * head_dim];
-        SCORES.with(|s| strata_kernels::attention::attend_one(q, k, v, layout, n_heads, positions, scale, &mut out, &mut s.borrow_mut()));
+        let mut out = vec![0f32; seq * n_heads * head_dim];
+        strata_kernels::attention::attend_rows(q, k, v, layout, n_heads, seq, first, scale, &mut out);
         Ok(Some(out))
     }
 
