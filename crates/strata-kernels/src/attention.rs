@@ -48,7 +48,7 @@ pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize
 }
 
 /// Contexts shorter than this attend on one thread.
-const PARALLEL_MIN_LEN: usize = 64;
+const PARALLEL_MIN_LEN: usize = 16;
 
 thread_local! {
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };

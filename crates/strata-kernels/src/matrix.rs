@@ -131,23 +131,28 @@ impl QuantMatrix {
         let (data, rb) = (self.data.as_slice(), self.row_bytes());
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
         // ones candle's own ops use, so no second pool competes for the cores.
+        // The tiles covering tokens 0..m, fixed before the parallel region: (first token, size, kernel).
+        let mut plan = Vec::with_capacity(4);
+        let mut t = 0;
+        for &(size, kernel) in tiles {
+            while t + size <= m {
+                plan.push((t, size, kernel));
+                t += size;
+            }
+        }
+        debug_assert_eq!(t, m, "the last tile takes one token");
         candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
             let p = ptr;
             let mut v = [0f32; MAX_TILE];
             for r in range {
                 let w = &data[r * rb..(r + 1) * rb];
-                let mut t = 0;
-                for &(size, kernel) in tiles {
-                    while t + size <= m {
-                        kernel(w, &qx[t * nb..(t + size) * nb], nb, &mut v[..size]);
-                        for (j, &x) in v[..size].iter().enumerate() {
-                            // SAFETY: each (t, r) is written by exactly one task, and out has m·rows elements.
-                            unsafe { *p.0.add((t + j) * rows + r) = x };
-                        }
-                        t += size;
+                for &(t, size, kernel) in &plan {
+                    kernel(w, &qx[t * nb..(t + size) * nb], nb, &mut v[..size]);
+                    for (j, &x) in v[..size].iter().enumerate() {
+                        // SAFETY: each (t, r) is written by exactly one task, and out has m·rows elements.
+                        unsafe { *p.0.add((t + j) * rows + r) = x };
                     }
                 }
-                debug_assert_eq!(t, m, "the last tile takes one token");
             }
         });
     }
