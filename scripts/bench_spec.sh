@@ -16,11 +16,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 S=./target/release/strata
 N=${TOKENS:-256}
+EOS_FLAG=--ignore-eos
 T=${THREADS:-2}
 run() { # label, args...
   local label=$1; shift
   local out
-  out=$("$S" generate --temp 0 --ignore-eos --json -t "$T" "$@" 2>/dev/null)
+  out=$("$S" generate --temp 0 $EOS_FLAG --json -t "$T" "$@" 2>/dev/null)
   python3 - "$label" "$out" <<'PY'
 import json, sys, hashlib
 label, d = sys.argv[1], json.loads(sys.argv[2])
@@ -66,17 +67,21 @@ if [ "${PART:-all}" != moe ]; then
     run "self L=$L adaptive" "${P[@]}" --spec self --draft-layers $L
   done
   run "self L=22 fixed 4" "${P[@]}" --spec self --draft-layers 22 --draft-policy fixed
-  # Raw-completion prompts the 135M model copies from: a config file "with one change", and a
-  # one-example few-shot rename of the listing above. Two alternating rounds each.
+  # Raw-completion prompts: a config file "with one change" (the 135M model copies the file, then
+  # stops: run to its own end of text, no --ignore-eos), and a one-example few-shot rename of the
+  # listing above (the model writes a short wrapper, then repeats its own pattern; --ignore-eos).
+  # Three alternating rounds each.
   for F in spec_config_prompt spec_rename_fewshot_prompt; do
-    echo "## SmolLM2-135M Q4_1, resident, $N tokens, $T threads, raw prompt scripts/$F.txt"
+    if [ $F = spec_config_prompt ]; then EOS_FLAG=; else EOS_FLAG=--ignore-eos; fi
+    echo "## SmolLM2-135M Q4_1, resident, up to $N tokens ($EOS_FLAG), $T threads, raw prompt scripts/$F.txt"
     R=(-m models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt-file "scripts/$F.txt" -n "$N")
-    for rep in 1 2; do
+    for rep in 1 2 3; do
       run "plain ($rep)" "${R[@]}"
       run "ngram fixed 4 ($rep)" "${R[@]}" --spec ngram --draft-policy fixed
       run "ngram adaptive, max 4 ($rep)" "${R[@]}" --spec ngram
     done
   done
+  EOS_FLAG=--ignore-eos
 fi
 if [ "${PART:-all}" != smollm2 ]; then
   MOE=${MOE:-/work/bench/q3-30b-q4k.gguf}

@@ -50,6 +50,8 @@ pub struct DraftPolicy {
     fixed: Option<usize>,
     fanout: Option<FanoutModel>,
     alpha: Vec<f64>,
+    /// Whether position `i` was ever decided (drafted with every earlier position accepted).
+    alpha_seen: Vec<bool>,
     /// EMA of verify ms and of measured distinct experts per layer, per draft length N.
     verify_ms: Vec<Option<f64>>,
     /// Samples behind each `verify_ms` (early samples are averaged, not EMA'd).
@@ -83,6 +85,7 @@ impl DraftPolicy {
             fixed,
             fanout,
             alpha: vec![ALPHA_PRIOR; max + 1],
+            alpha_seen: vec![false; max + 1],
             verify_ms: vec![None; max + 1],
             verify_n: vec![0; max + 1],
             union: vec![None; max + 1],
@@ -113,10 +116,19 @@ impl DraftPolicy {
         let mut e = 1.0;
         let mut run = 1.0;
         for i in 1..=n.min(self.max) {
-            run *= self.alpha[i];
+            run *= self.alpha_at(i);
             e += run;
         }
         e
+    }
+
+    /// Acceptance at draft position `i`: its own estimate once measured, else the nearest measured
+    /// position before it (the prior at position 1). A source that is mostly drafted short (its
+    /// longer widths only probed now and then) would otherwise keep the prior at the later
+    /// positions and never find out that longer drafts pay; for n-gram and model drafts the
+    /// conditional acceptance of a later position is rarely below an earlier one's.
+    fn alpha_at(&self, i: usize) -> f64 {
+        (1..=i).rev().find(|&j| self.alpha_seen[j]).map_or(self.alpha[i], |j| self.alpha[j])
     }
 
     fn union_at(&self, n: usize) -> f64 {
@@ -239,6 +251,11 @@ impl DraftPolicy {
         // Positions 1..=min(accepted + 1, n) were decided this round.
         for i in 1..=(accepted + 1).min(n) {
             let hit = if i <= accepted { 1.0 } else { 0.0 };
+            if !self.alpha_seen[i] {
+                // First measurement: start from the estimate this position had been using.
+                self.alpha[i] = self.alpha_at(i);
+                self.alpha_seen[i] = true;
+            }
             self.alpha[i] += EMA * (hit - self.alpha[i]);
         }
     }
@@ -253,6 +270,7 @@ mod tests {
     fn expected_tokens_matches_closed_form() {
         let mut p = DraftPolicy::new(6, None, None);
         p.alpha = vec![0.7; 7];
+        p.alpha_seen = vec![true; 7];
         for n in 0..=6 {
             let closed = (1.0 - 0.7f64.powi(n as i32 + 1)) / (1.0 - 0.7);
             assert!((p.expected_tokens(n) - closed).abs() < 1e-12);
@@ -281,6 +299,22 @@ mod tests {
         s.next_explore = u64::MAX;
         assert_eq!(s.choose(8), 0);
         assert_eq!(s.choose(0), 0);
+    }
+
+    /// Resident: a source drafted one token at a time, always accepted, with a verify cost that
+    /// grows slowly with width: the untried longer widths inherit position 1's acceptance, so
+    /// the policy moves to long drafts instead of staying at the prior (0.5) for positions 2+.
+    #[test]
+    fn untried_positions_inherit_the_measured_acceptance() {
+        let mut p = DraftPolicy::new(4, None, None);
+        p.observe(0, 0, 0.0, 10.0, None);
+        for _ in 0..40 {
+            p.observe(1, 1, 0.0, 12.0, None);
+        }
+        p.observe(4, 4, 0.0, 16.0, None);
+        p.next_explore = u64::MAX;
+        assert!(p.expected_tokens(4) > 4.0, "E(4) = {}", p.expected_tokens(4));
+        assert_eq!(p.choose(4), 4);
     }
 
     /// Streaming: plain decoding measured while the expert cache was cold (300 ms) must not keep a
