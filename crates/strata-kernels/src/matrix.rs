@@ -165,6 +165,23 @@ type RowsFn<A> = fn(w: &[u8], a: &[A], nb: usize, out: &mut [f32]);
 /// Most tokens one tile kernel takes.
 const MAX_TILE: usize = 8;
 
+/// The tile table of a `kernel::<R>` family: widths 8 down to 1.
+#[cfg(target_arch = "x86_64")]
+macro_rules! tiles {
+    ($($kernel:ident)::+) => {
+        &[
+            (8, |w, a, nb, o| unsafe { $($kernel)::+::<8>(w, a, nb, o) }),
+            (7, |w, a, nb, o| unsafe { $($kernel)::+::<7>(w, a, nb, o) }),
+            (6, |w, a, nb, o| unsafe { $($kernel)::+::<6>(w, a, nb, o) }),
+            (5, |w, a, nb, o| unsafe { $($kernel)::+::<5>(w, a, nb, o) }),
+            (4, |w, a, nb, o| unsafe { $($kernel)::+::<4>(w, a, nb, o) }),
+            (3, |w, a, nb, o| unsafe { $($kernel)::+::<3>(w, a, nb, o) }),
+            (2, |w, a, nb, o| unsafe { $($kernel)::+::<2>(w, a, nb, o) }),
+            (1, |w, a, nb, o| unsafe { $($kernel)::+::<1>(w, a, nb, o) }),
+        ]
+    };
+}
+
 /// Tile kernels for `format` (largest first, ending with one token). Measured on the AVX2 kernels
 /// (docs/performance.md): a pass over 2 tokens costs ~1.3× one token, over 4 ~1.7×, over 8 ~3×;
 /// every width up to 8 has its own kernel, so a verify pass of up to 8 tokens is one tile.
@@ -174,26 +191,8 @@ fn select_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1>)] {
         use crate::x86::avx2;
         if avx2::available() {
             return match format {
-                BlockFormat::Q4_1 => &[
-                    (8, |w, a, nb, o| unsafe { avx2::q4_1_rows::<8>(w, a, nb, o) }),
-                    (7, |w, a, nb, o| unsafe { avx2::q4_1_rows::<7>(w, a, nb, o) }),
-                    (6, |w, a, nb, o| unsafe { avx2::q4_1_rows::<6>(w, a, nb, o) }),
-                    (5, |w, a, nb, o| unsafe { avx2::q4_1_rows::<5>(w, a, nb, o) }),
-                    (4, |w, a, nb, o| unsafe { avx2::q4_1_rows::<4>(w, a, nb, o) }),
-                    (3, |w, a, nb, o| unsafe { avx2::q4_1_rows::<3>(w, a, nb, o) }),
-                    (2, |w, a, nb, o| unsafe { avx2::q4_1_rows::<2>(w, a, nb, o) }),
-                    (1, |w, a, nb, o| unsafe { avx2::q4_1_rows::<1>(w, a, nb, o) }),
-                ],
-                BlockFormat::Q8_0 => &[
-                    (8, |w, a, nb, o| unsafe { avx2::q8_0_rows::<8>(w, a, nb, o) }),
-                    (7, |w, a, nb, o| unsafe { avx2::q8_0_rows::<7>(w, a, nb, o) }),
-                    (6, |w, a, nb, o| unsafe { avx2::q8_0_rows::<6>(w, a, nb, o) }),
-                    (5, |w, a, nb, o| unsafe { avx2::q8_0_rows::<5>(w, a, nb, o) }),
-                    (4, |w, a, nb, o| unsafe { avx2::q8_0_rows::<4>(w, a, nb, o) }),
-                    (3, |w, a, nb, o| unsafe { avx2::q8_0_rows::<3>(w, a, nb, o) }),
-                    (2, |w, a, nb, o| unsafe { avx2::q8_0_rows::<2>(w, a, nb, o) }),
-                    (1, |w, a, nb, o| unsafe { avx2::q8_0_rows::<1>(w, a, nb, o) }),
-                ],
+                BlockFormat::Q4_1 => tiles!(avx2::q4_1_rows),
+                BlockFormat::Q8_0 => tiles!(avx2::q8_0_rows),
                 BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)"),
             };
         }
