@@ -53,7 +53,6 @@ type Key = (usize, usize);
 /// each quantized tensor's rows (`MATRIX_ROW_PADDING`), and the pool rounds allocations.
 const PER_EXPERT_SLACK: u64 = 3 * 64 * 1024;
 
-
 /// How VRAM holds the cached experts.
 enum Vram {
     /// Device tensors per expert, allocated at each copy and freed at eviction.

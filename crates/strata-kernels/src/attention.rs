@@ -1,6 +1,7 @@
 //! Attention for decode and short passes (one new token, or a speculative verify pass of a few)
-//! straight over the KV cache storage, instead of a dozen small tensor ops. Same math as the batched path: `softmax(q·Kᵀ·scale)·V` per head with
-//! grouped-query sharing (query head `h` reads kv head `h / (n_heads / n_kv_heads)`).
+//! straight over the KV cache storage, instead of a dozen small tensor ops. Same math as the
+//! batched path: `softmax(q·Kᵀ·scale)·V` per head with grouped-query sharing (query head `h`
+//! reads kv head `h / (n_heads / n_kv_heads)`).
 
 /// Shapes of one layer's KV cache storage: `[n_kv_heads, capacity, head_dim]` f32, row-major.
 #[derive(Debug, Clone, Copy)]
@@ -10,20 +11,11 @@ pub struct KvLayout {
     pub head_dim: usize,
 }
 
-/// `q: [n_heads, head_dim]`, `k`/`v`: cache storage, `len`: positions to attend (`0..len`),
-/// `out: [n_heads, head_dim]`. `scores` is scratch (resized as needed).
-#[allow(clippy::too_many_arguments)]
-pub fn attend_one(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize, len: usize, scale: f32, out: &mut [f32], scores: &mut Vec<f32>) {
-    let hd = kv.head_dim;
-    for h in 0..n_heads {
-        attend_head(&q[h * hd..(h + 1) * hd], k, v, kv, kv_head(kv, n_heads, h), len, scale, &mut out[h * hd..(h + 1) * hd], scores);
-    }
-}
-
-/// [`attend_one`] for `seq` consecutive query rows `q: [seq, n_heads, head_dim]`: row `i` attends
-/// positions `0..first_len + i` (causal). Output `out: [seq, n_heads, head_dim]`. The
-/// (row, head) pairs run in parallel on candle's barrier pool; each one's arithmetic is
-/// [`attend_one`]'s, so results do not depend on `seq` or on the thread count.
+/// Attention of `seq` consecutive query rows `q: [seq, n_heads, head_dim]` (decode: `seq = 1`)
+/// over the cache storage `k`/`v`: row `i` attends positions `0..first_len + i` (causal). Output
+/// `out: [seq, n_heads, head_dim]`. The (row, head) pairs run in parallel on candle's barrier pool;
+/// each pair's arithmetic is the same whatever `seq` and the thread count, so a row's result equals
+/// attending that token alone.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize, seq: usize, first_len: usize, scale: f32, out: &mut [f32]) {
     let hd = kv.head_dim;
@@ -109,7 +101,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    /// Rows of a multi-row pass equal single-row calls bit for bit (parallel or not).
+    /// Rows of a multi-row pass equal one-row calls bit for bit (parallel or not).
     #[test]
     fn rows_equal_one_row_at_a_time() {
         let kv = KvLayout { n_kv_heads: 3, capacity: 200, head_dim: 16 };
@@ -123,7 +115,7 @@ mod tests {
             attend_rows(&q, &k, &v, kv, nh, seq, first, 0.25, &mut rows);
             for i in 0..seq {
                 let mut one = vec![0f32; nh * 16];
-                attend_one(&q[i * nh * 16..(i + 1) * nh * 16], &k, &v, kv, nh, first + i, 0.25, &mut one, &mut Vec::new());
+                attend_rows(&q[i * nh * 16..(i + 1) * nh * 16], &k, &v, kv, nh, 1, first + i, 0.25, &mut one);
                 assert!(one.iter().zip(&rows[i * nh * 16..(i + 1) * nh * 16]).all(|(a, b)| a.to_bits() == b.to_bits()), "row {i}, first {first}");
             }
         }
@@ -138,7 +130,7 @@ mod tests {
         let k: Vec<f32> = (0..2 * 10 * 12).map(|i| f(i + 1000)).collect();
         let v: Vec<f32> = (0..2 * 10 * 12).map(|i| f(i + 5000)).collect();
         let mut out = vec![0f32; nh * 12];
-        attend_one(&q, &k, &v, kv, nh, len, 0.3, &mut out, &mut Vec::new());
+        attend_rows(&q, &k, &v, kv, nh, 1, len, 0.3, &mut out);
         for h in 0..nh {
             let g = h / 3;
             let s: Vec<f32> = (0..len).map(|j| (0..12).map(|d| q[h * 12 + d] * k[(g * 10 + j) * 12 + d]).sum::<f32>() * 0.3).collect();

@@ -129,8 +129,6 @@ impl QuantMatrix {
         let rows = self.rows;
         let ptr = SendPtr(out.as_mut_ptr());
         let (data, rb) = (self.data.as_slice(), self.row_bytes());
-        // candle's persistent barrier pool: the calling thread works too, and its workers are the
-        // ones candle's own ops use, so no second pool competes for the cores.
         // The tiles covering tokens 0..m, fixed before the parallel region: (first token, size, kernel).
         let mut plan = Vec::with_capacity(4);
         let mut t = 0;
@@ -141,6 +139,8 @@ impl QuantMatrix {
             }
         }
         debug_assert_eq!(t, m, "the last tile takes one token");
+        // candle's persistent barrier pool: the calling thread works too, and its workers are the
+        // ones candle's own ops use, so no second pool competes for the cores.
         candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
             let p = ptr;
             let mut v = [0f32; MAX_TILE];

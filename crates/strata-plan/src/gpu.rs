@@ -55,7 +55,6 @@ impl GpuRates {
     pub const H100: GpuRates = GpuRates { h2d_gbps: 52.5, resident_gbps: 100.0, tiered_gbps: 93.0, tiered_per_expert_gbps: 46.0, prefill_gflops: 6000.0 };
 }
 
-
 /// The GPU part of a plan.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct GpuPlan {
