@@ -42,6 +42,11 @@ pub struct GenerateArgs {
     /// stall ms and elapsed ms of the step that produced each token).
     #[arg(long, short = 'v')]
     pub verbose: bool,
+    /// MoE models: record every layer's experts for each decoded token and report the routing
+    /// statistics (previous-token reuse, Zipf fit, LRU hit curve, prefetch predictors' recall;
+    /// the `routing` field with --json, a table on stderr otherwise). Plain decoding only.
+    #[arg(long)]
+    pub routing_report: bool,
 }
 
 /// Sampling flags (llama.cpp names). Unset flags take the model's generation_config, then
@@ -97,7 +102,10 @@ impl SamplingArgs {
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let rss_before_load = strata_engine::expert_store::process_rss().map(|r| r.0);
-    let (engine, plan) = args.model.load_with_plan()?;
+    let (mut engine, plan) = args.model.load_with_plan()?;
+    if args.routing_report {
+        crate::measure::score_routing(&mut engine)?;
+    }
     let prompt = if let Some(chat) = &args.chat {
         engine.chat_prompt(&[ChatMessage::new("user", chat.as_str())])?.1
     } else if let Some(p) = &args.prompt {
@@ -112,6 +120,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     req.stop = args.stop.clone();
     req.ignore_eos = args.ignore_eos;
     req.prefill_chunk = args.model.prefill_chunk;
+    req.record_routing = args.routing_report;
     let mut cache = engine.new_cache(args.model.ctx_size)?;
     let stdout = std::io::stdout();
     let json = args.json;
@@ -163,6 +172,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "prefetch_decode": gen.prefetch_decode,
             "spec": gen.spec.as_ref().map(spec_json),
             "memory": memory_report(&engine, &cache, rss_before_load),
+            "routing": gen.routing.as_ref().map(|t| strata_engine::routing_report::report(t, gen.prefetch_decode.as_ref())),
         });
         println!("{obj}");
     } else {
@@ -179,6 +189,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         );
         if let Some(s) = &gen.spec {
             eprintln!("{}", s.summary());
+        }
+        if let Some(t) = &gen.routing {
+            eprintln!("{}", strata_engine::routing_report::report(t, gen.prefetch_decode.as_ref()).markdown());
+        } else if args.routing_report {
+            eprintln!("routing report: not recorded (speculative decoding routes rejected drafts too; run without --spec)");
         }
         if let Some(x) = &gen.experts {
             eprintln!("{}", crate::measure::expert_stats_line(x, gen.prompt_tokens + gen.tokens.len()));

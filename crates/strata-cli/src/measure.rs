@@ -82,6 +82,55 @@ pub struct BenchArgs {
     /// Seconds per --disk configuration.
     #[arg(long, default_value_t = 1.5)]
     pub disk_seconds: f64,
+    /// MoE models: instead of pp/tg, decode --n-gen tokens (sampled, --routing-temp) from
+    /// --routing-prompt and report the routing statistics of the decoded tokens: previous-token
+    /// reuse per layer, Zipf fit, LRU hit curve at 5 / 10 / 12.5 / 25 / 50% of the experts
+    /// cached (simulated on the trace), each prefetch predictor's precision and recall.
+    #[arg(long)]
+    pub routing: bool,
+    /// With --routing: the prompt.
+    #[arg(long, default_value = "The history of the printing press begins in the fifteenth century, when")]
+    pub routing_prompt: String,
+    /// With --routing: sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    pub routing_temp: f64,
+    /// With --routing: write the trace (every decoded token's experts per MoE layer) as JSON.
+    #[arg(long)]
+    pub routing_trace: Option<PathBuf>,
+}
+
+/// Turns on prefetch-predictor scoring (no reads) so a routing report can give their recall.
+pub fn score_routing(engine: &mut strata_engine::Engine) -> Result<()> {
+    let model = std::sync::Arc::get_mut(&mut engine.model).context("the model is shared; cannot turn predictor scoring on")?;
+    model.score_prefetch();
+    Ok(())
+}
+
+fn bench_routing(a: &BenchArgs) -> Result<()> {
+    let mut m = a.model.clone();
+    m.ctx_size = m.ctx_size.max(a.n_gen + 256);
+    let (mut engine, _plan) = m.load_with_plan()?;
+    anyhow::ensure!(engine.model.config().moe.is_some(), "--routing: {} is not an MoE model", engine.name);
+    score_routing(&mut engine)?;
+    let prompt = engine.text_prompt(&a.routing_prompt)?;
+    let params = strata_engine::SamplingParams { temperature: a.routing_temp, seed: Some(1), ..strata_engine::SamplingParams::default() };
+    let mut req = strata_engine::GenerateRequest::new(prompt, a.n_gen + 1, params);
+    req.ignore_eos = true;
+    req.record_routing = true;
+    req.prefill_chunk = m.prefill_chunk;
+    let mut cache = engine.new_cache(m.ctx_size)?;
+    let gen = engine.generate(&mut cache, &req, &mut |_| std::ops::ControlFlow::Continue(()))?;
+    let trace = gen.routing.as_ref().context("no routing was recorded (speculative decoding is on?)")?;
+    if let Some(path) = &a.routing_trace {
+        std::fs::write(path, serde_json::to_vec(trace)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let r = strata_engine::routing_report::report(trace, gen.prefetch_decode.as_ref());
+    if a.json {
+        println!("{}", serde_json::json!({"model": engine.name, "routing": r, "decode_tok_s": gen.decode_tok_s()}));
+    } else {
+        print!("{}", r.markdown());
+    }
+    Ok(())
 }
 
 fn bench_disk(a: &BenchArgs, file: &std::path::Path) -> Result<()> {
@@ -166,6 +215,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     if a.moe_layer {
         return bench_moe_layer(&a);
+    }
+    if a.routing {
+        return bench_routing(&a);
     }
     let mut m = a.model.clone();
     m.ctx_size = m.ctx_size.max(a.n_prompt + a.n_gen + 1);

@@ -32,13 +32,58 @@ pub struct SynthArgs {
     /// Override the preset's layer count.
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Override the preset's routed experts per MoE layer.
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Override the preset's experts per token (top-k).
+    #[arg(long)]
+    pub top_k: Option<usize>,
     /// PRNG seed (same seed, same file).
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
-    /// Zipf exponent S of expert popularity, planted as a router bias -S·ln(rank); omitted: random
-    /// routers (near-uniform routing, no locality: the worst case for an expert cache).
+    /// How the model routes tokens to experts. `realistic` (default): a routing process written
+    /// into the file's metadata, calibrated to published decode statistics of trained MoE models
+    /// (Zipf popularity per layer drifting over the sequence, previous-token reuse, pre-gating
+    /// recall; docs/performance.md, "Routing"). `uniform`: every token's top-k drawn uniformly,
+    /// the worst case for an expert cache. `local`: the random routers decide (their hidden states
+    /// barely vary, so decoding reuses a few experts: far more cache hits than a real model).
+    /// Only Strata applies the override; llama.cpp routes such files by their random routers.
+    #[arg(long, default_value = "realistic", value_parser = ["realistic", "uniform", "local"])]
+    pub routing: String,
+    /// `--routing realistic`: Zipf exponent of each layer's expert popularity.
+    #[arg(long, default_value_t = 0.6)]
+    pub routing_zipf: f64,
+    /// `--routing realistic`: probability of keeping each of the previous token's experts (the
+    /// measured previous-token reuse).
+    #[arg(long, default_value_t = 0.35)]
+    pub routing_reuse: f64,
+    /// `--routing realistic`: deviation of each expert's log-popularity drift per 256 tokens.
+    #[arg(long, default_value_t = 0.5)]
+    pub routing_drift: f64,
+    /// `--routing realistic|uniform`: recall of the pre-gating prediction of the next layer's
+    /// experts (published: 0.8–0.9 one layer ahead).
+    #[arg(long, default_value_t = 0.8)]
+    pub routing_pregate_recall: f64,
+    /// `--routing local`: Zipf exponent S of expert popularity, planted as a router bias
+    /// -S·ln(rank).
     #[arg(long)]
     pub routing_skew: Option<f64>,
+}
+
+/// The routing override `--routing` and its parameters select (`None` for `local`).
+fn routing(a: &SynthArgs) -> Result<Option<strata_formats::SyntheticRouting>> {
+    use strata_formats::SyntheticRouting;
+    let r = match a.routing.as_str() {
+        "local" => return Ok(None),
+        "uniform" => SyntheticRouting::uniform(a.seed),
+        _ => SyntheticRouting { zipf: a.routing_zipf, reuse: a.routing_reuse, drift: a.routing_drift, ..SyntheticRouting::realistic(a.seed) },
+    };
+    if a.routing_skew.is_some() {
+        anyhow::bail!("--routing-skew plants a bias in the random routers; it applies to --routing local only");
+    }
+    let r = SyntheticRouting { pregate_recall: a.routing_pregate_recall, ..r };
+    r.validate().map_err(|m| anyhow::anyhow!("--routing {}: {m}", a.routing))?;
+    Ok(Some(r))
 }
 
 pub fn run(a: SynthArgs) -> Result<()> {
@@ -61,7 +106,10 @@ pub fn run(a: SynthArgs) -> Result<()> {
     if let Some(l) = a.layers {
         preset.layers = l.max(1);
     }
-    let opts = SynthOptions { preset, quant: parse_quant(&a.quant).map_err(anyhow::Error::msg)?, seed: a.seed, routing_skew: a.routing_skew };
+    preset.experts = a.experts.unwrap_or(preset.experts);
+    preset.top_k = a.top_k.unwrap_or(preset.top_k);
+    anyhow::ensure!(preset.experts >= 1 && (1..=preset.experts).contains(&preset.top_k), "top-{} of {} experts is not a valid routing", preset.top_k, preset.experts);
+    let opts = SynthOptions { preset, quant: parse_quant(&a.quant).map_err(anyhow::Error::msg)?, seed: a.seed, routing_skew: a.routing_skew, routing: routing(&a)? };
     let bar = ProgressBar::new(1);
     bar.set_style(ProgressStyle::with_template("writing {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec})").unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar.set_message(a.out.display().to_string());
@@ -77,9 +125,19 @@ pub fn run(a: SynthArgs) -> Result<()> {
         opts.preset.name,
         opts.quant,
         opts.preset.layers,
-        opts.routing_skew.map_or("uniform (random router)".to_string(), |s| format!("Zipf skew {s}")),
+        routing_summary(&opts),
         r.file_bytes as f64 / 1e9,
         r.expert_bytes as f64 / 1e9
     );
     Ok(())
+}
+
+/// The routing a synthetic file was written with, in words.
+fn routing_summary(o: &SynthOptions) -> String {
+    match (&o.routing, o.routing_skew) {
+        (Some(r), _) if r.mode == strata_formats::RoutingMode::Uniform => format!("uniform override, pre-gating recall {}", r.pregate_recall),
+        (Some(r), _) => format!("realistic override: Zipf {}, reuse {}, drift {}, pre-gating recall {}", r.zipf, r.reuse, r.drift, r.pregate_recall),
+        (None, Some(s)) => format!("local (random routers) with a planted Zipf skew {s}"),
+        (None, None) => "local (random routers)".to_string(),
+    }
 }

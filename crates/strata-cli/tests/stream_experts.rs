@@ -38,7 +38,7 @@ fn generate(model: &Path, extra: &[&str]) -> Value {
 fn tiny_moe_streamed_tokens_equal_resident() {
     for (quant, skew) in [("Q4_K", "1.0"), ("Q8_0", "0")] {
         let model = tmp(&format!("tiny-{quant}.gguf"));
-        synth(&model, &["--preset", "tiny-moe", "--quant", quant, "--routing-skew", skew]);
+        synth(&model, &["--preset", "tiny-moe", "--quant", quant, "--routing", "local", "--routing-skew", skew]);
         let want = generate(&model, &[])["generated_token_ids"].clone();
         assert_eq!(want.as_array().unwrap().len(), 64);
         for budget in ["10%", "50%", "100%"] {
@@ -54,7 +54,7 @@ fn tiny_moe_streamed_tokens_equal_resident() {
 #[test]
 fn repacked_model_and_every_prefetch_predictor_keep_the_tokens() {
     let model = tmp("tiny-repack.gguf");
-    synth(&model, &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing-skew", "0.5"]);
+    synth(&model, &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing", "local", "--routing-skew", "0.5"]);
     let bundled = tmp("tiny-repack-bundled.gguf");
     let r = strata().arg("repack").arg(&model).arg(&bundled).output().unwrap();
     assert!(r.status.success(), "repack: {}", String::from_utf8_lossy(&r.stderr));
@@ -124,4 +124,52 @@ fn streamed_rss_stays_within_weights_kv_and_cache() {
     assert_eq!(refused.status.code(), Some(2), "{}", String::from_utf8_lossy(&refused.stderr));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&refused.stderr));
     let _ = std::fs::remove_file(&model);
+}
+
+/// `strata synth --routing uniform|realistic` on tiny-moe with Qwen3-30B-A3B's routing shape (128
+/// experts, top-8; 4 layers): the routing report of 64 generated tokens (63 decode steps) has the
+/// statistics the override asks for (the ranges for the 30B shape), and streaming at 10%
+/// gives the resident tokens and the same routing.
+#[test]
+fn routing_overrides_route_as_configured_and_streaming_keeps_the_tokens() {
+    let mut reports = Vec::new();
+    for routing in ["uniform", "realistic"] {
+        let model = tmp(&format!("tiny-routing-{routing}.gguf"));
+        synth(&model, &["--preset", "tiny-moe", "--experts", "128", "--top-k", "8", "--quant", "Q4_K", "--routing", routing]);
+        let resident = generate(&model, &["--routing-report"]);
+        let r = resident["routing"].clone();
+        assert_eq!(r["tokens"], 63, "{r}");
+        // Prefetch off: the hit rate is the cache's alone (pre-gating at recall 0.8 reads ahead
+        // most of what the cache lacks).
+        let streamed = generate(&model, &["--stream-experts", "--expert-cache", "10%", "--prefetch", "off", "--routing-report"]);
+        assert_eq!(streamed["generated_token_ids"], resident["generated_token_ids"], "{routing}: streamed tokens");
+        assert_eq!(streamed["routing"]["reuse_per_layer"], r["reuse_per_layer"], "{routing}: streamed routing");
+        let x = &streamed["experts_decode"];
+        let hit_rate = x["hits"].as_f64().unwrap() / (x["hits"].as_f64().unwrap() + x["misses"].as_f64().unwrap());
+        let lru = |f: f64| r["lru_per_layer"].as_array().unwrap().iter().find(|p| (p["fraction"].as_f64().unwrap() - f).abs() < 1e-9).unwrap()["hit_rate"].as_f64().unwrap();
+        let reuse = r["reuse"]["mean"].as_f64().unwrap();
+        let pregate_recall = r["predictors"][0][1]["recall"].as_f64().unwrap();
+        eprintln!("{routing}: reuse {reuse:.3}, LRU 10% {:.3} 25% {:.3} 50% {:.3}, zipf {}, pregate recall {pregate_recall:.3}, streamed hit rate at 10% {hit_rate:.3}", lru(0.1), lru(0.25), lru(0.5), r["zipf"]);
+        assert!((0.65..=0.95).contains(&pregate_recall), "{routing}: pre-gating recall {pregate_recall} (configured 0.8)");
+        if routing == "uniform" {
+            assert!(lru(0.10) <= 0.20, "uniform: simulated LRU hits at 10% {}", lru(0.10));
+            assert!(hit_rate <= 0.20, "uniform: streamed hit rate at 10% {hit_rate}");
+            assert!(reuse < 0.12, "uniform reuse {reuse} (chance 8/128)");
+        } else {
+            assert!((0.25..=0.45).contains(&reuse), "realistic reuse {reuse}");
+            assert!((0.40..=0.85).contains(&lru(0.25)), "realistic LRU hits at 25% {}", lru(0.25));
+            assert!((0.15..=0.70).contains(&lru(0.10)), "realistic LRU hits at 10% {}", lru(0.10));
+            assert!(r["top_expert_share"].as_f64().unwrap() > 2.0 / 128.0, "{r}");
+        }
+        reports.push(r);
+    }
+    let lru25 = |r: &Value| r["lru_per_layer"][3]["hit_rate"].as_f64().unwrap();
+    assert!(lru25(&reports[1]) > lru25(&reports[0]) + 0.2, "realistic routing must cache better than uniform: {} vs {}", lru25(&reports[1]), lru25(&reports[0]));
+    // A local-routing file (no override) keeps the random routers and reports the same way.
+    let local = tmp("tiny-routing-local.gguf");
+    synth(&local, &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing", "local"]);
+    assert_eq!(generate(&local, &["--routing-report"])["routing"]["tokens"], 63);
+    // Out-of-range parameters are refused by name.
+    let s = strata().args(["synth", "--preset", "tiny-moe", "--routing-reuse", "1.5", "--out"]).arg(tmp("bad.gguf")).output().unwrap();
+    assert!(!s.status.success() && String::from_utf8_lossy(&s.stderr).contains("reuse 1.5"), "{}", String::from_utf8_lossy(&s.stderr));
 }

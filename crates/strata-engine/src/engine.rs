@@ -11,6 +11,7 @@ use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, 
 use strata_expert_store::StreamOptions;
 use strata_models::{DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, PrefetchStats, Transformer};
 
+use crate::routing_report::RoutingTrace;
 use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
 use crate::spec::{Emitted, SpecConfig, SpecStats, Speculator};
 use crate::stop::{StopMatcher, StopScan};
@@ -185,6 +186,8 @@ impl Engine {
         let mut stops = StopMatcher::new(req.stop.clone());
         let experts_prefilled = self.model.experts().stats();
         let prefetch_prefilled = self.model.prefetch_stats();
+        // Speculative rounds route rejected drafts too: only plain decoding is traced.
+        let mut routing = (req.record_routing && spec.is_none()).then(|| RoutingTrace::new(self.model.config().moe.as_ref().map_or(0, |m| m.num_experts)));
         let t1 = Instant::now();
         let mut ttft_ms = 0.0;
         let finish;
@@ -245,6 +248,9 @@ impl Engine {
                 Some(s) => ready.extend(s.round(cache, &history, &mut sampler, req.max_tokens - tokens.len())?),
                 None => {
                     let out = self.model.forward(&[id], cache, Logits::Last, &[])?;
+                    if let Some(t) = routing.as_mut() {
+                        t.push(&out.routing);
+                    }
                     let logits: Vec<f32> = out.logits.flatten_all()?.to_vec1()?;
                     ready.push_back((sampler.sample(&logits, &history), logits));
                 }
@@ -282,6 +288,7 @@ impl Engine {
             experts_decode,
             prefetch_decode,
             spec: spec.map(|s| s.stats),
+            routing,
         })
     }
 }
@@ -298,11 +305,14 @@ pub struct GenerateRequest {
     pub logprobs: Option<usize>,
     /// Prompt tokens per prefill forward pass.
     pub prefill_chunk: usize,
+    /// Record every MoE layer's experts for each decoded token ([`Generation::routing`]; plain
+    /// decoding only).
+    pub record_routing: bool,
 }
 
 impl GenerateRequest {
     pub fn new(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Self {
-        Self { prompt, max_tokens, sampling, stop: Vec::new(), ignore_eos: false, logprobs: None, prefill_chunk: 512 }
+        Self { prompt, max_tokens, sampling, stop: Vec::new(), ignore_eos: false, logprobs: None, prefill_chunk: 512, record_routing: false }
     }
 }
 
@@ -371,6 +381,9 @@ pub struct Generation {
     pub prefetch_decode: Option<PrefetchStats>,
     /// Speculative-decoding counters (`None` without speculation).
     pub spec: Option<SpecStats>,
+    /// The decode steps' routing, with [`GenerateRequest::record_routing`] and no speculation.
+    #[serde(skip)]
+    pub routing: Option<RoutingTrace>,
 }
 
 impl Generation {

@@ -6,6 +6,7 @@ pub mod device;
 pub mod engine;
 pub mod moe_bench;
 pub mod perplexity;
+pub mod routing_report;
 pub mod sampling;
 pub mod spec;
 pub mod stop;
@@ -13,6 +14,7 @@ pub mod synth;
 pub mod synth_dflash;
 
 pub use engine::{Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent, TokenLogprobs};
+pub use routing_report::{RoutingReport, RoutingTrace};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{DraftSource, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator};
 pub use strata_expert_store::{CacheBudget, EvictionPolicy, StreamOptions};

@@ -1,12 +1,17 @@
 //! Synthetic MoE models for benchmarks (`strata synth`): valid GGUF files with a real
 //! architecture's dimensions, random weights from a seeded PRNG, and a byte-level tokenizer.
 //!
-//! Speed does not depend on weight values, but cache behaviour depends on routing. Random routers
-//! route near-uniformly with no temporal locality (a worst case for an expert cache);
-//! `routing_skew = S` writes a router bias `ffn_gate_inp.bias[e] = -S · ln(rank(e))` (a random
-//! rank per layer), which multiplies expert `e`'s softmax score by `rank^-S`: a Zipf(S) popularity.
-//! llama.cpp does not load that extra tensor; files without skew follow llama.cpp's `qwen3moe` /
-//! `llama` (Mixtral) layouts exactly.
+//! Speed does not depend on weight values, but cache behaviour depends on routing, and random
+//! routers route unlike trained ones: a random model's hidden states barely vary, so decoding
+//! reuses the same few experts (95% hits with a quarter of the experts cached: `local` routing).
+//! `routing: Some(..)` writes a routing override into the metadata
+//! ([`strata_formats::synthetic`]; applied by `strata_models::synthetic_routing`): `uniform` (the
+//! worst case) or `realistic` (calibrated to published decode statistics of trained models).
+//! `routing_skew = S` (for `local` routing) writes a router bias
+//! `ffn_gate_inp.bias[e] = -S · ln(rank(e))` (a random rank per layer), which multiplies expert
+//! `e`'s softmax score by `rank^-S`: a Zipf(S) popularity. llama.cpp does not load that extra
+//! tensor and ignores the override keys (it routes such files by their random routers); files
+//! without skew follow llama.cpp's `qwen3moe` / `llama` (Mixtral) layouts exactly.
 //!
 //! Quantized blocks get random quants with fixed scales chosen so that weights are zero-mean with a
 //! standard deviation of about 0.02 (Q4_K: `d = 2.5e-4`, `dmin = 1.875e-3`, as the synthetic
@@ -17,6 +22,7 @@ use std::path::Path;
 use candle_core::quantized::GgmlDType;
 use half::f16;
 use strata_formats::gguf_write::{write_gguf, MetaValue, TensorSpec};
+use strata_formats::SyntheticRouting;
 
 /// Dimensions of a synthetic model.
 #[derive(Debug, Clone, PartialEq)]
@@ -171,8 +177,12 @@ pub struct SynthOptions {
     /// Type of every 2-D/3-D weight (routers stay F32): Q4_K, Q4_1, Q8_0 or F32.
     pub quant: GgmlDType,
     pub seed: u64,
-    /// Zipf exponent of expert popularity (see the module docs); `None`: uniform routing.
+    /// Zipf exponent of expert popularity planted as a router bias (see the module docs); `None`:
+    /// none. Only meaningful with `routing: None` (with an override it only changes weights).
     pub routing_skew: Option<f64>,
+    /// A routing override written into the metadata (`strata synth --routing uniform|realistic`);
+    /// `None`: the random router decides (`--routing local`).
+    pub routing: Option<SyntheticRouting>,
 }
 
 /// Sizes of the written file.
@@ -257,7 +267,7 @@ fn vocab(size: usize) -> (Vec<String>, Vec<i32>, [u32; 3]) {
     (toks, types, [s, s + 1, s + 2])
 }
 
-fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
+fn metadata(p: &SynthPreset, quant: GgmlDType, routing: Option<&SyntheticRouting>) -> Vec<(String, MetaValue)> {
     let a = p.arch;
     let k = |s: &str| format!("{a}.{s}");
     let (toks, types, [eot, _, im_end]) = vocab(p.vocab);
@@ -294,6 +304,9 @@ fn metadata(p: &SynthPreset, quant: GgmlDType) -> Vec<(String, MetaValue)> {
     }
     if p.shared_expert_ffn > 0 {
         m.push((k("expert_shared_feed_forward_length"), MetaValue::U32(p.shared_expert_ffn as u32)));
+    }
+    if let Some(r) = routing {
+        m.extend(r.to_metadata());
     }
     if let Some(la) = &p.linear {
         m.push((k("ssm.conv_kernel"), MetaValue::U32(la.conv_kernel as u32)));
@@ -400,7 +413,7 @@ fn fill_random(dtype: GgmlDType, buf: &mut [u8], rng: &mut Rng) {
 /// Errors: I/O, or dimensions that do not fit the block type (Q4_K needs multiples of 256).
 pub fn synth(out: &Path, o: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<SynthReport, String> {
     let ts = tensors(o);
-    let meta = metadata(&o.preset, o.quant);
+    let meta = metadata(&o.preset, o.quant, o.routing.as_ref());
     let specs: Vec<TensorSpec> = ts.iter().map(|(s, _)| s.clone()).collect();
     let mut expert_bytes = 0;
     for s in &specs {
@@ -451,7 +464,7 @@ mod tests {
 
     #[test]
     fn qwen35_122b_preset_has_the_published_size() {
-        let o = SynthOptions { preset: SynthPreset::by_name("qwen3.5-122b-a10b").unwrap(), quant: GgmlDType::Q4K, seed: 0, routing_skew: None };
+        let o = SynthOptions { preset: SynthPreset::by_name("qwen3.5-122b-a10b").unwrap(), quant: GgmlDType::Q4K, seed: 0, routing_skew: None, routing: None };
         let ts = tensors(&o);
         let count = |pred: &dyn Fn(&str) -> bool| ts.iter().filter(|(s, _)| pred(&s.name)).map(|(s, _)| s.shape.iter().product::<usize>()).sum::<usize>() as f64;
         let total = count(&|_| true);

@@ -155,7 +155,7 @@ fn synthetic_hybrid_streams_and_speculates_like_resident() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiny-hybrid.gguf");
     let preset = strata_engine::synth::SynthPreset::by_name("tiny-hybrid").unwrap();
-    let o = strata_engine::synth::SynthOptions { preset, quant: strata_engine::synth::parse_quant("Q4_K").unwrap(), seed: 7, routing_skew: Some(1.0) };
+    let o = strata_engine::synth::SynthOptions { preset, quant: strata_engine::synth::parse_quant("Q4_K").unwrap(), seed: 7, routing_skew: Some(1.0), routing: None };
     strata_engine::synth::synth(&path, &o, &mut |_, _| {}).unwrap();
     let cfg = strata_formats::ModelFiles::open(&path).unwrap().config().unwrap();
     assert_eq!(cfg.arch, strata_formats::Architecture::Qwen35Moe);

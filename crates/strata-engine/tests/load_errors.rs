@@ -190,3 +190,35 @@ fn missing_metadata_key_is_named() {
     // The config is complete; the tokenizer has no token list.
     assert!(e.to_string().contains("tokenizer.ggml.tokens"), "{e}");
 }
+
+/// Copies a GGUF with extra metadata `extra` (tensors byte for byte).
+fn copy_gguf_with(src: &Path, dst: &Path, extra: Vec<(String, strata_formats::gguf_write::MetaValue)>) {
+    use std::io::{Read, Seek, SeekFrom};
+    use strata_formats::gguf_write::{write_gguf, MetaValue, TensorSpec};
+    let g = strata_formats::gguf::GgufFile::open(src).unwrap();
+    let mut meta: Vec<(String, MetaValue)> = g.metadata.iter().map(|(k, v)| (k.clone(), MetaValue::Gguf(v.clone()))).collect();
+    meta.sort_by(|a, b| a.0.cmp(&b.0));
+    meta.extend(extra);
+    let specs: Vec<TensorSpec> =
+        g.tensor_order.iter().map(|n| TensorSpec { name: n.clone(), shape: g.tensors[n].shape.clone(), dtype: g.tensors[n].dtype, align: 0 }).collect();
+    let mut f = std::fs::File::open(src).unwrap();
+    let mut fill = |i: usize, offset: u64, buf: &mut [u8]| {
+        f.seek(SeekFrom::Start(g.tensors[&g.tensor_order[i]].offset + offset)).map_err(|e| e.to_string())?;
+        f.read_exact(buf).map_err(|e| e.to_string())
+    };
+    write_gguf(dst, &meta, &specs, 1 << 20, &mut fill, &mut |_, _| {}).unwrap();
+}
+
+#[test]
+fn a_routing_override_in_a_model_strata_synth_did_not_write_is_refused() {
+    let src = common::repo_root().join("tests/fixtures/moe-tiny/qwen3_moe.gguf");
+    let d = scratch("override");
+    // The copy without extra keys loads: the refusal below is the keys' doing.
+    let plain = d.join("plain.gguf");
+    copy_gguf_with(&src, &plain, Vec::new());
+    Engine::load(&plain, &LoadOptions::new(64, candle_core::Device::Cpu), &mut |_, _| {}).unwrap();
+    let forged = d.join("forged.gguf");
+    copy_gguf_with(&src, &forged, strata_formats::SyntheticRouting::uniform(1).to_metadata());
+    let msg = load_err(&forged).to_string();
+    assert!(msg.contains("strata.synthetic.routing") && msg.contains("only models written by `strata synth`"), "{msg}");
+}

@@ -58,11 +58,15 @@ fn smollm2_greedy_speculation_equals_plain_decoding() {
 }
 
 fn tiny_moe(name: &str, seed: u64, skew: Option<f64>) -> PathBuf {
+    tiny_moe_routed(name, seed, skew, None)
+}
+
+fn tiny_moe_routed(name: &str, seed: u64, skew: Option<f64>, routing: Option<strata_formats::SyntheticRouting>) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("strata-spec-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join(name);
     if !out.exists() {
-        let o = SynthOptions { preset: SynthPreset::by_name("tiny-moe").unwrap(), quant: strata_engine::synth::parse_quant("Q4_K").unwrap(), seed, routing_skew: skew };
+        let o = SynthOptions { preset: SynthPreset::by_name("tiny-moe").unwrap(), quant: strata_engine::synth::parse_quant("Q4_K").unwrap(), seed, routing_skew: skew, routing };
         synth(&out, &o, &mut |_, _| {}).unwrap();
     }
     out
@@ -76,14 +80,21 @@ fn load(path: &Path, stream: Option<&str>) -> Engine {
 
 #[test]
 fn tiny_moe_streamed_greedy_speculation_equals_plain_decoding() {
-    let target = tiny_moe("target.gguf", 1, Some(1.0));
+    // Local routing with a planted skew, and the realistic routing override (whose choices depend
+    // on each token's position and the previous token's experts: verify passes must route as
+    // token-by-token decoding does).
+    check_streamed_speculation(&tiny_moe("target.gguf", 1, Some(1.0)));
+    check_streamed_speculation(&tiny_moe_routed("target-realistic.gguf", 1, None, Some(strata_formats::SyntheticRouting::realistic(1))));
+}
+
+fn check_streamed_speculation(target: &Path) {
     let draft_path = tiny_moe("draft.gguf", 2, None);
     let draft = Engine::load_draft_model(&draft_path, &LoadOptions::new(512, candle_core::Device::Cpu)).unwrap().0;
-    let resident = load(&target, None);
+    let resident = load(target, None);
     let prompt = resident.text_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox").unwrap();
     let want = generate(&resident, &prompt, 64, SamplingParams::greedy()).tokens;
     for budget in ["25%", "100%"] {
-        let mut engine = load(&target, Some(budget));
+        let mut engine = load(target, Some(budget));
         for (name, cfg) in [
             ("ngram", spec(DraftSource::Ngram(NgramParams { max: 3, min: 1 }), 4, true)),
             ("self", spec(DraftSource::SelfDraft { layers: 2 }, 4, true)),

@@ -228,6 +228,9 @@ struct Entry {
     usage: Usage,
     /// Read by a prefetch and not asked for yet.
     prefetched: bool,
+    /// Read on demand (not in the cache when its layer routed) and not asked for yet: its first
+    /// lookup is a miss even if the read has finished by then.
+    demand_read: bool,
 }
 
 impl Entry {
@@ -486,7 +489,7 @@ impl StreamingExperts {
             if prefetch {
                 self.counters.prefetch_reads.fetch_add(1, Ordering::Relaxed);
             }
-            st.map.insert((layer, expert), Entry { state: State::Pending { slot, ticket }, usage: Usage::default(), prefetched: prefetch });
+            st.map.insert((layer, expert), Entry { state: State::Pending { slot, ticket }, usage: Usage::default(), prefetched: prefetch, demand_read: !prefetch });
         }
         Ok(())
     }
@@ -574,25 +577,31 @@ impl StreamingExperts {
             st.tick += 1;
             let tick = st.tick;
             let ticket = match st.map.get_mut(&key) {
-                Some(Entry { state: State::Ready { slot, expert: x }, usage, prefetched }) => {
+                Some(Entry { state: State::Ready { slot, expert: x }, usage, prefetched, demand_read }) => {
                     usage.touch(tick);
                     if std::mem::take(prefetched) {
                         self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
                     }
+                    // A demand read that finished before this lookup is still a miss: the expert
+                    // was not in the cache when its layer routed.
+                    let missed = std::mem::take(demand_read);
                     if !counted {
-                        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                        let counter = if missed { &self.counters.misses } else { &self.counters.hits };
+                        counter.fetch_add(1, Ordering::Relaxed);
                     }
                     if build && x.is_none() {
                         *x = Some(Arc::new(self.build(layer, expert, slot)?));
                     }
                     return Ok((slot.clone(), x.clone()));
                 }
-                Some(Entry { state: State::Pending { ticket, .. }, prefetched, .. }) => {
+                Some(Entry { state: State::Pending { ticket, .. }, prefetched, demand_read, .. }) => {
                     // A prediction read in time counts as a hit: the expert was in memory when asked.
                     if *prefetched && ticket.is_done() && !counted {
                         self.counters.hits.fetch_add(1, Ordering::Relaxed);
                         counted = true;
                     }
+                    // Counted as a miss below if not already: the Ready branch must not count it again.
+                    *demand_read = false;
                     ticket.clone()
                 }
                 None => {
@@ -620,7 +629,7 @@ impl StreamingExperts {
                 result.map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
                 continue;
             }
-            let Some(Entry { state: State::Pending { slot, .. }, mut usage, prefetched }) = st.map.remove(&key) else { unreachable!("checked above") };
+            let Some(Entry { state: State::Pending { slot, .. }, mut usage, prefetched, .. }) = st.map.remove(&key) else { unreachable!("checked above") };
             result.map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
             let slot = self.place(layer, expert, slot)?;
             let x = if build { Some(Arc::new(self.build(layer, expert, &slot)?)) } else { None };
@@ -628,7 +637,7 @@ impl StreamingExperts {
             if prefetched {
                 self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
             }
-            st.map.insert(key, Entry { state: State::Ready { slot: slot.clone(), expert: x.clone() }, usage, prefetched: false });
+            st.map.insert(key, Entry { state: State::Ready { slot: slot.clone(), expert: x.clone() }, usage, prefetched: false, demand_read: false });
             return Ok((slot, x));
         }
     }
@@ -648,9 +657,9 @@ impl StreamingExperts {
     pub fn ready_bytes(&self, layer: usize, expert: usize) -> Option<ExpertBytes> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let placed = match st.map.remove(&(layer, expert))? {
-            Entry { state: State::Pending { slot, ticket }, usage, prefetched } if ticket.is_done() && ticket.wait().is_ok() => {
+            Entry { state: State::Pending { slot, ticket }, usage, prefetched, demand_read } if ticket.is_done() && ticket.wait().is_ok() => {
                 let slot = self.place(layer, expert, slot).ok()?;
-                Entry { state: State::Ready { slot, expert: None }, usage, prefetched }
+                Entry { state: State::Ready { slot, expert: None }, usage, prefetched, demand_read }
             }
             other => other,
         };

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{FormatError, Result};
 use crate::gguf::GgufFile;
+use crate::synthetic::SyntheticRouting;
 
 /// The architectures Strata implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -184,6 +185,10 @@ pub struct MoeConfig {
     /// Layer `i` is sparse when `(i + 1) % decoder_sparse_step == 0` and `i` is not in `mlp_only_layers`.
     pub decoder_sparse_step: usize,
     pub mlp_only_layers: Vec<usize>,
+    /// A synthetic model's routing override (`strata synth --routing`); `None` for every model
+    /// `strata synth` did not write ([`SyntheticRouting::from_gguf`]).
+    #[serde(default)]
+    pub synthetic_routing: Option<SyntheticRouting>,
 }
 
 /// How rotary embeddings pair up dimensions.
@@ -289,6 +294,8 @@ impl ModelConfig {
             _ => RopeScaling::None,
         };
         let has_output = g.tensors.contains_key("output.weight");
+        // Checked for every file: override keys in a file strata synth did not write are an error.
+        let synthetic_routing = SyntheticRouting::from_gguf(g)?;
         // qwen35moe files have no dense feed-forward length (every layer is sparse).
         let ffn = match g.get_u64(&k("feed_forward_length")) {
             Ok(v) => v as usize,
@@ -314,6 +321,7 @@ impl ModelConfig {
                 mlp_only_layers: (0..g.get_u64(&k("block_count"))? as usize)
                     .filter(|i| !g.tensors.contains_key(&format!("blk.{i}.ffn_gate_inp.weight")))
                     .collect(),
+                synthetic_routing,
             })
         } else {
             None
@@ -509,6 +517,7 @@ fn hf_moe_config(path: &Path, arch: Architecture, v: &serde_json::Value) -> Resu
         shared_expert_intermediate_size: u("shared_expert_intermediate_size").filter(|&s| s > 0),
         decoder_sparse_step: u("decoder_sparse_step").unwrap_or(1).max(1),
         mlp_only_layers,
+        synthetic_routing: None,
     }))
 }
 

@@ -16,12 +16,14 @@ mod model_files;
 pub mod names;
 pub mod repack;
 pub mod safetensors;
+pub mod synthetic;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, HeadOrder, LinearAttnConfig, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
 pub use dflash::DFlashConfig;
 pub use error::{FormatError, Result};
+pub use synthetic::{RoutingMode, SyntheticRouting};
 pub use experts::{weight_from_bytes, ByteRange, ExpertDims, ExpertEncoding, ExpertExtent, ExpertLayout, ExpertTensors};
 pub use model_files::{GenerationDefaults, ModelFiles, TensorEntry, Weight};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

@@ -142,9 +142,11 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
 /// generation's figures.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ExpertStats {
-    /// `expert()` calls answered from the cache.
+    /// `expert()` calls for experts that were in the cache when their layer routed (or that a
+    /// prefetch had finished reading by the time they were asked for).
     pub hits: u64,
-    /// `expert()` calls that had to wait for (or issue) a read.
+    /// `expert()` calls for experts that were not: read on demand (counted even when the read
+    /// finished before the call) or still being read by a prefetch.
     pub misses: u64,
     /// Bytes read from the model files.
     pub bytes_read: u64,

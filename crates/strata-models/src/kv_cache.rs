@@ -8,6 +8,7 @@ use strata_formats::ModelConfig;
 
 use crate::error::{ModelError, Result};
 use crate::recurrent::{LinearState, RecurrentCache, StepLog};
+use crate::synthetic_routing::RoutingHistory;
 
 #[derive(Debug)]
 pub struct KvCache {
@@ -16,6 +17,8 @@ pub struct KvCache {
     /// Layer → index into `k`/`v` (`None` for recurrent layers).
     slot: Vec<Option<usize>>,
     recurrent: RecurrentCache,
+    /// A synthetic model's per-sequence routing choices ([`crate::synthetic_routing`]).
+    routing: Option<RoutingHistory>,
     len: usize,
     capacity: usize,
 }
@@ -35,7 +38,13 @@ impl KvCache {
                 v.push(mk()?);
             }
         }
-        Ok(Self { k, v, slot, recurrent: RecurrentCache::new(cfg.linear_attn.as_ref()), len: 0, capacity })
+        let routing = cfg.moe.as_ref().filter(|m| m.synthetic_routing.is_some()).map(|m| RoutingHistory::new(cfg.num_layers, m.experts_per_token));
+        Ok(Self { k, v, slot, recurrent: RecurrentCache::new(cfg.linear_attn.as_ref()), routing, len: 0, capacity })
+    }
+
+    /// The routing history of a synthetic model's routers (`None` for every other model).
+    pub fn routing_history_mut(&mut self) -> Option<&mut RoutingHistory> {
+        self.routing.as_mut()
     }
 
     /// Layer `layer`'s recurrent state and, while a checkpoint is held, its update log.
@@ -139,6 +148,6 @@ impl KvCache {
 
     /// Bytes allocated (KV cache, recurrent state and its checkpoint).
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum::<usize>() + self.recurrent.bytes()
+        self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum::<usize>() + self.recurrent.bytes() + self.routing.as_ref().map_or(0, RoutingHistory::bytes)
     }
 }

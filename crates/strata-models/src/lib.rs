@@ -14,13 +14,15 @@ pub mod moe;
 pub mod prefetch;
 pub mod recurrent;
 pub mod rope;
+pub mod synthetic_routing;
 pub mod transformer;
 
 pub use dflash::DFlashDraft;
 pub use error::{ModelError, Result};
 pub use experts::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ResidentExperts};
 pub use kv_cache::KvCache;
-pub use moe::{LayerRouting, Router, SparseMoe};
+pub use moe::{LayerRouting, Router, SeqRoute, SparseMoe};
+pub use synthetic_routing::{RoutingHistory, SyntheticRouter};
 pub use prefetch::{PrefetchMode, PrefetchStats, PredictorStats};
 pub use attention::EXACT_ROWS_MAX;
 pub use transformer::{ForwardOutput, Logits, Transformer};

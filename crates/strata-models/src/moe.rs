@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::experts::{ExpertProvider, FusedCall};
 use crate::layers::{Linear, WeightLoader};
 use crate::mlp::Mlp;
+use crate::synthetic_routing::{RoutingHistory, SyntheticRouter};
 
 /// The routing decision of one MoE layer for a batch of tokens.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,12 +58,38 @@ pub struct Router {
     scoring: RouterScoring,
     /// Runtime override (`--moe-top-k`): keep the `k` best of the router's top-k.
     top_k_override: Option<usize>,
+    /// A synthetic model's routing process: chooses the experts of passes routed with a
+    /// [`SeqRoute`] (the scores still come from `gate`).
+    synthetic: Option<SyntheticRouter>,
+}
+
+/// Where a pass's tokens sit in their sequence, for a router whose choice depends on it (a
+/// synthetic model's routing process, [`crate::synthetic_routing`]).
+#[derive(Debug)]
+pub struct SeqRoute<'a> {
+    /// Position of the pass's first token.
+    pub start: usize,
+    /// `[seq]`: the pass's token ids.
+    pub tokens: &'a [u32],
+    /// The sequence's earlier choices (read at `start − 1`, written at `start..`).
+    pub history: &'a mut RoutingHistory,
 }
 
 impl Router {
     /// `gate: [E, H]` router weights.
     pub fn new(gate: Linear, top_k: usize, norm_topk_prob: bool, scoring: RouterScoring) -> Self {
-        Self { gate, top_k, norm_topk_prob, scoring, top_k_override: None }
+        Self { gate, top_k, norm_topk_prob, scoring, top_k_override: None, synthetic: None }
+    }
+
+    /// Lets `synthetic` choose the experts of passes routed with a [`SeqRoute`].
+    pub fn with_synthetic(mut self, synthetic: Option<SyntheticRouter>) -> Self {
+        self.synthetic = synthetic;
+        self
+    }
+
+    /// Whether a synthetic routing process chooses this router's experts.
+    pub fn is_synthetic(&self) -> bool {
+        self.synthetic.is_some()
     }
 
     /// Uses only the `k` best of the router's top-k choices (`None`: the model's top-k). Their
@@ -79,19 +106,59 @@ impl Router {
 
     /// Routes `x: [seq, hidden]`; `layer` is recorded in the result.
     pub fn route(&self, x: &Tensor, layer: usize) -> Result<LayerRouting> {
+        self.route_seq(x, layer, None, false)
+    }
+
+    /// Routes `x: [seq, hidden]` whose tokens sit in a sequence as `seq` says. A synthetic
+    /// routing process chooses the experts when the router has one and `seq` is given (and then
+    /// records them in its history, unless `predict`); otherwise the logits' top-k. With
+    /// `predict`, the result is pre-gating's prediction for this layer (synthetic: of the
+    /// configured recall; otherwise the plain routing).
+    pub fn route_seq(&self, x: &Tensor, layer: usize, seq: Option<SeqRoute<'_>>, predict: bool) -> Result<LayerRouting> {
         let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
         let mut routing = LayerRouting { layer, top_k: self.top_k(), expert_ids: Vec::new(), weights: Vec::new() };
-        for row in &logits {
-            let (ids, w) = self.select(row);
-            routing.expert_ids.extend(ids);
-            routing.weights.extend(w);
+        match (&self.synthetic, seq) {
+            (Some(s), Some(seq)) => {
+                if seq.tokens.len() != logits.len() {
+                    return Err(candle_core::Error::Msg(format!("{} rows routed with {} token positions", logits.len(), seq.tokens.len())).into());
+                }
+                let mut prev: Option<Vec<u32>> = seq.start.checked_sub(1).and_then(|p| seq.history.get(layer, p)).map(<[u32]>::to_vec);
+                for (i, row) in logits.iter().enumerate() {
+                    let (pos, token) = (seq.start + i, seq.tokens[i]);
+                    let actual = s.route(pos, token, prev.as_deref());
+                    let chosen = if predict { s.predict(pos, token, &actual) } else { actual.clone() };
+                    if !predict {
+                        seq.history.set(layer, pos, &actual);
+                    }
+                    let (ids, w) = self.weigh(&self.scores(row), chosen);
+                    routing.expert_ids.extend(ids);
+                    routing.weights.extend(w);
+                    prev = Some(actual);
+                }
+            }
+            _ => {
+                for row in &logits {
+                    let (ids, w) = self.select(row);
+                    routing.expert_ids.extend(ids);
+                    routing.weights.extend(w);
+                }
+            }
         }
         Ok(routing)
     }
 
     /// Scores, top-k (ties to the lower expert id), renormalisation for one token's logits `[E]`.
     pub fn select(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
-        let scores: Vec<f32> = match self.scoring {
+        let scores = self.scores(logits);
+        let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+        order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
+        order.truncate(self.top_k);
+        self.weigh(&scores, order)
+    }
+
+    /// Softmax (in f32) or sigmoid scores of one token's logits `[E]`.
+    fn scores(&self, logits: &[f32]) -> Vec<f32> {
+        match self.scoring {
             RouterScoring::Softmax => {
                 let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let exp: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
@@ -99,10 +166,13 @@ impl Router {
                 exp.iter().map(|e| e / sum).collect()
             }
             RouterScoring::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
-        };
-        let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+        }
+    }
+
+    /// The chosen experts `ids` (the top-k) highest score first (ties to the lower id), their
+    /// weights renormalised if the model says so, cut to the `--moe-top-k` override.
+    fn weigh(&self, scores: &[f32], mut order: Vec<u32>) -> (Vec<u32>, Vec<f32>) {
         order.sort_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
-        order.truncate(self.top_k);
         let mut w: Vec<f32> = order.iter().map(|&e| scores[e as usize]).collect();
         if self.norm_topk_prob {
             let s: f32 = w.iter().sum();
@@ -148,7 +218,8 @@ impl SparseMoe {
         // A router bias (`ffn_gate_inp.bias`) is optional: synthetic models plant routing skew there.
         let name = format!("blk.{layer}.ffn_gate_inp");
         let gate = l.linear(&name, m.num_experts, h, l.has(&format!("{name}.bias")))?;
-        let router = Router::new(gate, m.experts_per_token, m.norm_topk_prob, m.scoring);
+        let synthetic = m.synthetic_routing.map(|r| SyntheticRouter::new(r, layer, m.num_experts, m.experts_per_token));
+        let router = Router::new(gate, m.experts_per_token, m.norm_topk_prob, m.scoring).with_synthetic(synthetic);
         let shared = match m.shared_expert_intermediate_size {
             Some(i) => Some(SharedExpert {
                 mlp: Mlp::load(l, layer, "_shexp", h, i)?,
@@ -180,6 +251,12 @@ impl SparseMoe {
     /// The router's decision for `x: [seq, hidden]`.
     pub fn route(&self, x: &Tensor) -> Result<LayerRouting> {
         self.router.route(x, self.layer)
+    }
+
+    /// The router's decision for `x: [seq, hidden]` at the sequence positions `seq` gives (see
+    /// [`Router::route_seq`]; `predict`: pre-gating's prediction, nothing recorded).
+    pub fn route_seq(&self, x: &Tensor, seq: Option<SeqRoute<'_>>, predict: bool) -> Result<LayerRouting> {
+        self.router.route_seq(x, self.layer, seq, predict)
     }
 
     /// [`Self::forward`] with the routing already made (the caller has told the provider what it

@@ -21,7 +21,7 @@ use crate::layers::{Linear, RmsNorm, WeightLoader};
 use crate::experts::{ExpertProvider, ResidentExperts};
 use crate::gated_delta_net::GatedDeltaNet;
 use crate::mlp::Mlp;
-use crate::moe::{LayerRouting, SparseMoe};
+use crate::moe::{LayerRouting, SeqRoute, SparseMoe};
 use crate::prefetch::{PrefetchMode, PrefetchStats, Prefetcher};
 use crate::rope::RotaryEmbedding;
 
@@ -183,6 +183,16 @@ impl Transformer {
         self.prefetcher = (limit > 0 && moe).then(|| Prefetcher::new(mode, self.layers.len(), limit));
     }
 
+    /// Scores the prefetch predictors on every pass without reading anything, also where the
+    /// provider takes no predictions (resident experts), so that a routing report can give
+    /// their recall on any MoE model. A streaming provider's prefetcher is kept as it is.
+    pub fn score_prefetch(&mut self) {
+        let moe = self.cfg.moe.as_ref().map(|m| m.num_experts);
+        if let (None, Some(experts)) = (&self.prefetcher, moe) {
+            self.prefetcher = Some(Prefetcher::new(PrefetchMode::Off, self.layers.len(), experts));
+        }
+    }
+
     /// Cumulative precision/recall counters of the prefetch predictors (`None` without prefetch).
     pub fn prefetch_stats(&self) -> Option<PrefetchStats> {
         self.prefetcher.as_ref().map(Prefetcher::stats)
@@ -201,9 +211,9 @@ impl Transformer {
     /// Predicts MoE layer `j`'s experts from the residual stream `x: [seq, hidden]` (pre-gating:
     /// layer `j`'s ffn_norm and router on `x`) and the layer's last routing, and hands the
     /// prediction to the provider.
-    fn prefetch_layer(&self, p: &Prefetcher, j: usize, x: &Tensor) -> Result<()> {
+    fn prefetch_layer(&self, p: &Prefetcher, j: usize, x: &Tensor, seq: Option<SeqRoute<'_>>) -> Result<()> {
         let FeedForward::Moe(moe) = &self.layers[j].ffn else { return Ok(()) };
-        let pregate = moe.route(&self.layers[j].ffn_norm.forward(x)?)?;
+        let pregate = moe.route_seq(&self.layers[j].ffn_norm.forward(x)?, seq, true)?;
         let ids = p.predict(j, Some(&pregate));
         if !ids.is_empty() {
             self.experts.prefetch(j, &ids);
@@ -274,8 +284,9 @@ impl Transformer {
         let mut tapped = Vec::with_capacity(taps.len());
         let mut routing = Vec::new();
         let end = n_layers.clamp(1, self.layers.len());
+        let start = cache.len();
         if let (Some(p), Some(j)) = (&self.prefetcher, self.next_moe_layer(0, end)) {
-            self.prefetch_layer(p, j, &x)?;
+            self.prefetch_layer(p, j, &x, seq_route(cache, start, tokens))?;
         }
         for (i, layer) in self.layers.iter().take(end).enumerate() {
             let xn = layer.attn_norm.forward(&x)?;
@@ -288,14 +299,14 @@ impl Transformer {
             let h = match &layer.ffn {
                 FeedForward::Dense(m) => m.forward(&xn)?,
                 FeedForward::Moe(moe) => {
-                    let r = moe.route(&xn)?;
+                    let r = moe.route_seq(&xn, seq_route(cache, start, tokens), false)?;
                     self.experts.will_need(i, &r.expert_ids);
                     if let Some(p) = &self.prefetcher {
                         p.observe(&r);
                         // Reads for the next MoE layer overlap this layer's experts and the next
                         // layer's token mixer.
                         if let Some(j) = self.next_moe_layer(i + 1, end) {
-                            self.prefetch_layer(p, j, &x)?;
+                            self.prefetch_layer(p, j, &x, seq_route(cache, start, tokens))?;
                         }
                     }
                     let h = moe.forward_routed(&xn, &r, self.experts.as_ref())?;
@@ -340,4 +351,10 @@ impl Transformer {
     pub fn rollback(&self, cache: &mut KvCache, len: usize) -> Result<()> {
         cache.rollback(len)
     }
+}
+
+/// The sequence context of a pass at `start` for a synthetic model's routers (`None` for every
+/// other model: its routers need none).
+fn seq_route<'a>(cache: &'a mut KvCache, start: usize, tokens: &'a [u32]) -> Option<SeqRoute<'a>> {
+    cache.routing_history_mut().map(|history| SeqRoute { start, tokens, history })
 }

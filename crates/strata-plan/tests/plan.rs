@@ -27,7 +27,7 @@ fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
 fn synth(name: &str, layers: usize) -> PathBuf {
     let out = std::env::temp_dir().join(format!("strata-plan-{}-{name}.gguf", std::process::id()));
     let preset = strata_engine::synth::SynthPreset { layers, ..strata_engine::synth::SynthPreset::by_name("tiny-moe").unwrap() };
-    let o = strata_engine::synth::SynthOptions { preset, quant: candle_core::quantized::GgmlDType::Q8_0, seed: 1, routing_skew: None };
+    let o = strata_engine::synth::SynthOptions { preset, quant: candle_core::quantized::GgmlDType::Q8_0, seed: 1, routing_skew: None, routing: None };
     strata_engine::synth::synth(&out, &o, &mut |_, _| {}).unwrap();
     out
 }

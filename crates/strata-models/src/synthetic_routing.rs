@@ -1,0 +1,291 @@
+//! The routing process of synthetic benchmark models (`strata synth --routing`; the metadata and
+//! its guard are [`strata_formats::synthetic`]). The router computes its logits as usual and this
+//! process chooses the experts; weights come from the router's scores of the chosen experts.
+//!
+//! - `uniform`: each token's top-k drawn independently and uniformly (the worst case).
+//! - `realistic`: each of the previous token's experts is kept with probability `reuse`; the rest
+//!   are drawn from the layer's popularity, excluding the previous token's experts (so the measured
+//!   previous-token reuse is `reuse`); popularity is Zipf(`zipf`) over a random order of the
+//!   experts per layer, each expert's log-weight drifting by a Gaussian of deviation `drift` per
+//!   `drift_period` tokens (linearly interpolated knots: segment locality). Calibration targets —
+//!   published decode statistics of trained models — are listed in docs/performance.md, "Routing".
+//! - pre-gating ([`SyntheticRouter::predict`]): the next layer's actual experts, each kept with
+//!   probability `pregate_recall` and otherwise replaced by a popularity draw, so the pre-gating
+//!   predictor's recall is `pregate_recall`.
+//!
+//! Every draw is a hash of (seed, layer, position, token id, purpose, counter), and each token's
+//! choice depends on the same layer's choice at the previous position of its sequence (kept per
+//! sequence in a [`RoutingHistory`]). A sequence therefore routes identically in one prefill
+//! pass or token by token, resident or streamed, on any device, and in a speculative verify pass.
+
+use strata_formats::{RoutingMode, SyntheticRouting};
+
+/// Experts each MoE layer chose at every position of one sequence (the state a synthetic router
+/// keeps beside the KV cache). Positions are written in order; a rollback needs no action, since
+/// later passes overwrite the positions after the sequence's new length.
+#[derive(Debug, Clone, Default)]
+pub struct RoutingHistory {
+    top_k: usize,
+    /// `ids[layer]`: `[positions · top_k]`.
+    ids: Vec<Vec<u32>>,
+}
+
+impl RoutingHistory {
+    pub fn new(num_layers: usize, top_k: usize) -> Self {
+        Self { top_k, ids: vec![Vec::new(); num_layers] }
+    }
+
+    /// The experts `layer` chose at `position` (`None` if not recorded).
+    pub fn get(&self, layer: usize, position: usize) -> Option<&[u32]> {
+        let r = position * self.top_k..(position + 1) * self.top_k;
+        self.ids.get(layer).and_then(|v| v.get(r))
+    }
+
+    /// Records `ids` (`top_k` of them) as `layer`'s choice at `position`.
+    pub fn set(&mut self, layer: usize, position: usize, ids: &[u32]) {
+        let k = self.top_k;
+        let Some(v) = self.ids.get_mut(layer) else { return };
+        if v.len() < (position + 1) * k {
+            v.resize((position + 1) * k, 0);
+        }
+        v[position * k..(position + 1) * k].copy_from_slice(&ids[..k]);
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.ids.iter().map(|v| v.capacity() * 4).sum()
+    }
+}
+
+/// splitmix64's finaliser (Steele, Lea, Flood 2014).
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn hash(parts: &[u64]) -> u64 {
+    parts.iter().fold(0x243F_6A88_85A3_08D3, |h, &p| mix(h ^ p))
+}
+
+/// Uniform in [0, 1).
+fn unit(h: u64) -> f64 {
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+// Purposes of the hashed draws.
+const RANK: u64 = 1;
+const KNOT: u64 = 2;
+const KEEP: u64 = 3;
+const DRAW: u64 = 4;
+const PREGATE_KEEP: u64 = 5;
+const PREGATE_DRAW: u64 = 6;
+
+/// The routing process of one MoE layer of a synthetic model.
+#[derive(Debug, Clone)]
+pub struct SyntheticRouter {
+    cfg: SyntheticRouting,
+    layer: u64,
+    top_k: usize,
+    /// `[experts]`: `-zipf · ln(rank)` of each expert (ranks a random permutation per layer).
+    base: Vec<f64>,
+}
+
+impl SyntheticRouter {
+    /// The process of MoE layer `layer` with `experts` experts, `top_k` per token.
+    pub fn new(cfg: SyntheticRouting, layer: usize, experts: usize, top_k: usize) -> Self {
+        let mut rank: Vec<usize> = (1..=experts).collect();
+        for j in (1..experts).rev() {
+            let i = (hash(&[cfg.seed, RANK, layer as u64, j as u64]) % (j as u64 + 1)) as usize;
+            rank.swap(i, j);
+        }
+        let base = rank.iter().map(|&r| -cfg.zipf * (r as f64).ln()).collect();
+        Self { cfg, layer: layer as u64, top_k: top_k.min(experts), base }
+    }
+
+    pub fn config(&self) -> &SyntheticRouting {
+        &self.cfg
+    }
+
+    fn experts(&self) -> usize {
+        self.base.len()
+    }
+
+    /// A standard normal per (expert, knot) (Box–Muller).
+    fn knot(&self, e: usize, i: u64) -> f64 {
+        let h = |n| unit(hash(&[self.cfg.seed, KNOT, self.layer, e as u64, i, n]));
+        let (u1, u2) = (1.0 - h(0), h(1));
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// Unnormalised popularity of every expert at `position`.
+    fn popularity(&self, position: usize) -> Vec<f64> {
+        if self.cfg.drift == 0.0 {
+            return self.base.iter().map(|b| b.exp()).collect();
+        }
+        let s = position as f64 / self.cfg.drift_period as f64;
+        let (i, f) = (s.floor() as u64, s.fract());
+        (0..self.experts()).map(|e| (self.base[e] + self.cfg.drift * ((1.0 - f) * self.knot(e, i) + f * self.knot(e, i + 1))).exp()).collect()
+    }
+
+    /// Draws from `weights` among experts not `excluded`, or `None` if none is left.
+    fn draw(weights: &[f64], excluded: &[bool], u: f64) -> Option<u32> {
+        let total: f64 = weights.iter().zip(excluded).filter(|(_, &x)| !x).map(|(w, _)| w).sum();
+        if total <= 0.0 {
+            return None;
+        }
+        let mut target = u * total;
+        let mut last = None;
+        for (e, (&w, &x)) in weights.iter().zip(excluded).enumerate() {
+            if x {
+                continue;
+            }
+            last = Some(e as u32);
+            if target < w {
+                return last;
+            }
+            target -= w;
+        }
+        last
+    }
+
+    /// Fills `chosen` up to top-k with draws from `weights` (uniform weights for `uniform`),
+    /// never an expert in `excluded`, then, if the exclusions left too few, not one in `chosen`.
+    fn fill(&self, chosen: &mut Vec<u32>, excluded: &mut [bool], weights: &[f64], key: [u64; 4]) {
+        let mut n = 0u64;
+        while chosen.len() < self.top_k {
+            let u = unit(hash(&[self.cfg.seed, key[0], self.layer, key[1], key[2], key[3], n]));
+            n += 1;
+            match Self::draw(weights, excluded, u) {
+                Some(e) => {
+                    excluded[e as usize] = true;
+                    chosen.push(e);
+                }
+                None => {
+                    excluded.iter_mut().for_each(|x| *x = false);
+                    chosen.iter().for_each(|&e| excluded[e as usize] = true);
+                }
+            }
+        }
+    }
+
+    /// The top-k experts (unordered) of `token` at `position`, given this layer's experts at the
+    /// previous position of the same sequence (`None` at its start).
+    pub fn route(&self, position: usize, token: u32, prev: Option<&[u32]>) -> Vec<u32> {
+        let e = self.experts();
+        let mut chosen = Vec::with_capacity(self.top_k);
+        let mut excluded = vec![false; e];
+        let weights = match self.cfg.mode {
+            RoutingMode::Uniform => vec![1.0; e],
+            RoutingMode::Realistic => {
+                for &x in prev.unwrap_or_default() {
+                    let keep = unit(hash(&[self.cfg.seed, KEEP, self.layer, position as u64, token as u64, x as u64])) < self.cfg.reuse;
+                    if let Some(slot) = excluded.get_mut(x as usize) {
+                        *slot = true;
+                        if keep && chosen.len() < self.top_k {
+                            chosen.push(x);
+                        }
+                    }
+                }
+                self.popularity(position)
+            }
+        };
+        self.fill(&mut chosen, &mut excluded, &weights, [DRAW, position as u64, token as u64, 0]);
+        chosen
+    }
+
+    /// Pre-gating's prediction of this layer's experts for `token` at `position` whose routing is
+    /// `actual`: each actual expert with probability `pregate_recall`, the others replaced by
+    /// popularity draws (uniform for `uniform`).
+    pub fn predict(&self, position: usize, token: u32, actual: &[u32]) -> Vec<u32> {
+        let e = self.experts();
+        let mut excluded = vec![false; e];
+        actual.iter().for_each(|&x| excluded[x as usize] = true);
+        let mut chosen: Vec<u32> =
+            actual.iter().copied().filter(|&x| unit(hash(&[self.cfg.seed, PREGATE_KEEP, self.layer, position as u64, token as u64, x as u64])) < self.cfg.pregate_recall).collect();
+        let weights = match self.cfg.mode {
+            RoutingMode::Uniform => vec![1.0; e],
+            RoutingMode::Realistic => self.popularity(position),
+        };
+        self.fill(&mut chosen, &mut excluded, &weights, [PREGATE_DRAW, position as u64, token as u64, 0]);
+        chosen
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(cfg: SyntheticRouting, experts: usize, k: usize, tokens: usize) -> Vec<Vec<u32>> {
+        let r = SyntheticRouter::new(cfg, 3, experts, k);
+        let mut prev: Option<Vec<u32>> = None;
+        (0..tokens)
+            .map(|p| {
+                let ids = r.route(p, (p as u32 * 7919) % 1000, prev.as_deref());
+                prev = Some(ids.clone());
+                ids
+            })
+            .collect()
+    }
+
+    fn distinct(ids: &[u32]) -> bool {
+        let mut v = ids.to_vec();
+        v.sort_unstable();
+        v.dedup();
+        v.len() == ids.len()
+    }
+
+    #[test]
+    fn every_choice_is_top_k_distinct_and_reproducible() {
+        for cfg in [SyntheticRouting::realistic(5), SyntheticRouting::uniform(5), SyntheticRouting { reuse: 1.0, ..SyntheticRouting::realistic(5) }] {
+            for (e, k) in [(128, 8), (16, 4), (8, 4), (4, 4)] {
+                let t = trace(cfg, e, k, 200);
+                assert!(t.iter().all(|ids| ids.len() == k && distinct(ids) && ids.iter().all(|&x| (x as usize) < e)), "{cfg:?} {e}/{k}");
+                assert_eq!(t, trace(cfg, e, k, 200));
+            }
+        }
+    }
+
+    #[test]
+    fn measured_reuse_is_the_parameter_and_uniform_has_chance_reuse() {
+        let reuse = |t: &[Vec<u32>], k: usize| {
+            let n: usize = t.windows(2).map(|w| w[1].iter().filter(|e| w[0].contains(e)).count()).sum();
+            n as f64 / ((t.len() - 1) * k) as f64
+        };
+        let r = reuse(&trace(SyntheticRouting::realistic(1), 128, 8, 4000), 8);
+        assert!((0.33..0.37).contains(&r), "realistic reuse {r}");
+        let u = reuse(&trace(SyntheticRouting::uniform(1), 128, 8, 4000), 8);
+        assert!((0.04..0.09).contains(&u), "uniform reuse {u} (chance 8/128)");
+    }
+
+    #[test]
+    fn pregate_prediction_has_the_configured_recall() {
+        let cfg = SyntheticRouting::realistic(9);
+        let r = SyntheticRouter::new(cfg, 0, 128, 8);
+        let (mut hit, mut n) = (0, 0);
+        let mut prev: Option<Vec<u32>> = None;
+        for p in 0..2000 {
+            let actual = r.route(p, 11, prev.as_deref());
+            let pred = r.predict(p, 11, &actual);
+            assert!(pred.len() == 8 && distinct(&pred));
+            hit += pred.iter().filter(|e| actual.contains(e)).count();
+            n += 8;
+            prev = Some(actual);
+        }
+        let recall = hit as f64 / n as f64;
+        assert!((0.77..0.83).contains(&recall), "{recall}");
+    }
+
+    #[test]
+    fn history_round_trips_and_overwrites() {
+        let mut h = RoutingHistory::new(2, 2);
+        assert_eq!(h.get(1, 0), None);
+        h.set(1, 0, &[3, 4]);
+        h.set(1, 1, &[5, 6]);
+        h.set(1, 0, &[7, 8]);
+        assert_eq!(h.get(1, 0), Some(&[7, 8][..]));
+        assert_eq!(h.get(1, 1), Some(&[5, 6][..]));
+        assert_eq!(h.get(0, 0), None);
+    }
+}
