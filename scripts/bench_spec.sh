@@ -14,7 +14,7 @@
 # Every run prints decode tok/s and the speculation stats line; greedy tokens must be identical.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-S=./target/release/strata
+S=${STRATA:-./target/release/strata}
 N=${TOKENS:-256}
 EOS_FLAG=--ignore-eos
 T=${THREADS:-2}
@@ -86,12 +86,12 @@ fi
 if [ "${PART:-all}" != smollm2 ]; then
   MOE=${MOE:-/work/bench/q3-30b-q4k.gguf}
   NM=${MOE_TOKENS:-32}
-  echo "## synthetic qwen3-30b-a3b Q4_K, streamed experts, cache 25%, cold page cache, 6 GiB cgroup, $NM tokens"
+  echo "## $(basename "$MOE"), streamed experts, cache ${MOE_CACHE:-auto}, cold page cache, 6 GiB cgroup, $NM tokens"
   CG=/sys/fs/cgroup/memory/strata6g
   mkdir -p $CG
   echo $((6*1024*1024*1024)) > $CG/memory.limit_in_bytes
   cold() { sync; echo 3 > /proc/sys/vm/drop_caches; echo $$ > $CG/cgroup.procs; }
-  Q=(-m "$MOE" --prompt "The quick brown fox jumps over the lazy dog. The quick brown fox" -n "$NM" --ctx-size 512 --stream-experts --expert-cache 25%)
+  Q=(-m "$MOE" --prompt "The quick brown fox jumps over the lazy dog. The quick brown fox" -n "$NM" --ctx-size 512 --stream-experts --expert-cache "${MOE_CACHE:-auto}")
   cold; run plain "${Q[@]}"
   cold; run "ngram adaptive" "${Q[@]}" --spec ngram --ngram-min 1
   cold; run "ngram fixed 4" "${Q[@]}" --spec ngram --ngram-min 1 --draft-policy fixed

@@ -237,11 +237,23 @@ fn record_observation(engine: &strata_engine::Engine, plan: &strata_plan::Plan, 
         return; // observations describe plain decoding
     }
     let n = gen.tokens.len().saturating_sub(1) as u64;
-    let (hit_rate, stall_ms, cache_fraction) = match &gen.experts_decode {
-        Some(d) => (d.hit_rate(), d.stall_ns as f64 / 1e6, (engine.model.experts().memory_bytes() as f64 / plan.model.expert_bytes.max(1) as f64).min(1.0)),
-        None => (1.0, 0.0, 1.0),
+    let (hit_rate, stall_ms, read_ms, cache_fraction) = match &gen.experts_decode {
+        Some(d) => {
+            let byte_hit = if d.touched_bytes > 0 { 1.0 - d.bytes_read as f64 / d.touched_bytes as f64 } else { d.hit_rate() };
+            let read_ms = d.bytes_read as f64 / (plan.estimate.rates.drive_gbps * 1e9) * 1e3;
+            (byte_hit.clamp(0.0, 1.0), d.stall_ns as f64 / 1e6, read_ms, (engine.model.experts().memory_bytes() as f64 / plan.model.expert_bytes.max(1) as f64).min(1.0))
+        }
+        None => (1.0, 0.0, 0.0, 1.0),
     };
-    let run = strata_plan::Observed { cache_fraction, hit_rate, compute_ms_per_token: (gen.timings.decode_ms - stall_ms).max(0.0) / n.max(1) as f64, tokens: n };
+    let per_token = |ms: f64| ms / n.max(1) as f64;
+    let run = strata_plan::Observed {
+        cache_fraction,
+        hit_rate,
+        hidden_read_ms_per_token: per_token((read_ms - stall_ms).max(0.0)),
+        compute_ms_per_token: per_token((gen.timings.decode_ms - stall_ms).max(0.0)),
+        resident_compute_ms_per_token: None,
+        tokens: n,
+    };
     if let Err(e) = strata_plan::observed::record(std::path::Path::new(&plan.model.path), run) {
         eprintln!("warning: could not record this run for future plans: {e}");
     }

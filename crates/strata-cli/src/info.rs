@@ -25,10 +25,11 @@ pub fn run(a: InfoArgs) -> Result<()> {
         eprintln!("calibrating (drive: random 4 MiB reads of {}; RAM; kernels)…", path.display());
         let b = strata_plan::calibrate::calibrate(&path, a.model.threads()).map_err(anyhow::Error::msg)?;
         eprintln!(
-            "drive {:.2} GB/s, RAM {:.1} GB/s, Q4_K matvec {:.1} GB/s, Q4_K GEMM {:.0} GFLOP/s → {}",
+            "drive {:.2} GB/s, RAM {:.1} GB/s, Q4_K expert matvec {:.1} GB/s, dense matvec {:.1} GB/s, Q4_K GEMM {:.0} GFLOP/s → {}",
             b.drive_gbps,
             b.ram_gbps,
             b.matvec_gbps,
+            b.dense_matvec_gbps.unwrap_or(b.matvec_gbps),
             b.gemm_gflops,
             strata_plan::calibrate::cache_file().display()
         );

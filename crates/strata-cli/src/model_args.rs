@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use strata_engine::{CacheBudget, Engine, EvictionPolicy, LoadOptions, PrefetchMode, StreamOptions};
+use strata_engine::{CacheBudget, DirectIo, Engine, EvictionPolicy, LoadOptions, PrefetchMode, StreamOptions};
 use strata_plan::{Plan, PlanRequest, Strategy, StreamMode};
 
 /// The plan says the model cannot run here: `main` prints the reason and exits with status 2.
@@ -57,9 +57,11 @@ pub struct ModelArgs {
     /// experts (`25%`), or `auto` (free VRAM minus the dense weights and a 2 GiB reserve).
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(CacheBudget))]
     pub gpu_expert_cache: CacheBudget,
-    /// Read experts with O_DIRECT (bypassing the page cache; needs a filesystem that supports it).
-    #[arg(long)]
-    pub direct_io: bool,
+    /// Read experts with O_DIRECT, bypassing the page cache: `auto` (default) where the model's
+    /// filesystem supports it, `on` (an error where it does not), `off` (buffered reads through
+    /// the page cache). `--direct-io` alone means `on`.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on", value_parser = clap::value_parser!(DirectIo))]
+    pub direct_io: DirectIo,
     /// Expert reads in flight at once (reader threads).
     #[arg(long, default_value_t = 16)]
     pub io_threads: usize,
@@ -179,7 +181,7 @@ impl ModelArgs {
         self.spec.apply(&mut engine, &opts)?;
         if let Some(s) = &opts.stream_experts {
             eprintln!(
-                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}){}, policy {}, {} reads in flight, O_DIRECT {}, prefetch {}",
+                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}){}, policy {}, {} reads in flight, O_DIRECT {} ({}), prefetch {}",
                 engine.resident_weight_bytes as f64 / 1e9,
                 engine.model.experts().memory_bytes() as f64 / 1e9,
                 s.budget,
@@ -189,7 +191,8 @@ impl ModelArgs {
                 },
                 s.policy.name(),
                 s.io_threads,
-                s.direct_io,
+                engine.model.experts().direct_io().map_or("n/a".into(), |d| d.to_string()),
+                s.direct_io.name(),
                 s.prefetch.name()
             );
         }

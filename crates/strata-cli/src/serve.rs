@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
+use clap::builder::TypedValueParser as _;
 use clap::Args;
 use strata_server::{AppState, ServerConfig};
 
@@ -18,18 +19,30 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Default (and cap) for max_tokens when a request does not set it.
-    #[arg(long, default_value_t = 1024)]
+    /// Cap on a request's max_tokens (a request asking for more gets a 400), and its value when
+    /// a request does not set it (then also bounded by the context left).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
     pub max_tokens: usize,
     /// Sequence slots generating at once (each has its own KV cache of --ctx-size tokens).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024).map(|v| v as usize))]
     pub parallel: usize,
     /// Requests that may wait for a slot; more are answered 503 at once.
     #[arg(long, default_value_t = 16)]
     pub queue_size: usize,
-    /// Require `Authorization: Bearer KEY` (also from $STRATA_API_KEY).
-    #[arg(long, env = "STRATA_API_KEY")]
+    /// Require `Authorization: Bearer KEY` on every route (also from $STRATA_API_KEY); `/health`
+    /// then shows only `{"status": "ok"}` without it.
+    #[arg(long, env = "STRATA_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Another name requests may give as `model` (repeatable); the model's own name (its file
+    /// stem) is always accepted.
+    #[arg(long)]
+    pub alias: Vec<String>,
+    /// Seconds a client has to send its request headers (the connection is closed after).
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// Seconds a client has to send its request body (408 after).
+    #[arg(long, default_value_t = 30)]
+    pub body_timeout: u64,
     /// Allow cross-origin requests from this origin (`*` for any).
     #[arg(long)]
     pub cors: Option<String>,
@@ -55,12 +68,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
         parallel: a.parallel,
         queue_size: a.queue_size,
         api_key: a.api_key.clone(),
+        model_aliases: a.alias.clone(),
         cors: a.cors.clone(),
         max_body_bytes: a.max_body_bytes,
+        header_timeout: std::time::Duration::from_secs(a.header_timeout.max(1)),
+        body_timeout: std::time::Duration::from_secs(a.body_timeout.max(1)),
         prefill_chunk: a.model.prefill_chunk,
         sampling: a.sampling.params(&engine),
-        panic_trigger: None,
         plan: serde_json::to_value(&plan).ok(),
+        ..ServerConfig::default()
     };
     let state = AppState::new(engine, config).map_err(|e| anyhow!(e))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

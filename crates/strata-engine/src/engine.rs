@@ -32,6 +32,10 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("the model has no chat template")]
     NoChatTemplate,
+    /// A message content holds a special-token string and the chat template does not pass
+    /// contents through as they are (or trimmed), so it cannot be kept as text.
+    #[error("a message contains the special token `{0}`, and this model's chat template changes message contents so that Strata cannot keep it as plain text")]
+    SpecialTokenInContent(String),
     /// Speculative-decoding settings that do not fit the model (draft vocabulary, layer count).
     #[error("speculative decoding: {0}")]
     Spec(String),
@@ -130,11 +134,22 @@ impl Engine {
 
     /// Renders messages through the chat template (with the generation prompt) and tokenizes the
     /// result without adding BOS (templates include it themselves, as in transformers).
+    ///
+    /// Special-token strings inside message contents (`<|im_end|>` typed by a user) are tokenized
+    /// as text, never as control tokens: only the template's own markers are special. Errors with
+    /// [`EngineError::SpecialTokenInContent`] when a content holds one and the template changes
+    /// contents beyond trimming, so that Strata cannot tell where the content landed.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<(String, Vec<u32>)> {
         let tpl = self.chat_template.as_ref().ok_or(EngineError::NoChatTemplate)?;
-        let text = tpl.render(messages, true)?;
-        let ids = self.tokenizer.encode(&text, false)?;
-        Ok((text, ids))
+        let Some(special) = messages.iter().find_map(|m| self.tokenizer.find_special(&m.content)) else {
+            let text = tpl.render(messages, true)?;
+            let ids = self.tokenizer.encode(&text, false)?;
+            return Ok((text, ids));
+        };
+        let r = tpl.render_spans(messages, true)?;
+        let spans = r.spans.ok_or_else(|| EngineError::SpecialTokenInContent(special.to_string()))?;
+        let ids = self.tokenizer.encode_with_plain_spans(&r.text, &spans)?;
+        Ok((r.text, ids))
     }
 
     /// Tokenizes a raw prompt (BOS added if the model asks for it).
@@ -149,6 +164,14 @@ impl Engine {
     /// Runs one request to completion on `cache` (cleared first), calling `on_token` for each
     /// generated token; `on_token` returning `Break` cancels generation (finish reason `cancelled`).
     pub fn generate(&self, cache: &mut KvCache, req: &GenerateRequest, on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>) -> Result<Generation> {
+        self.generate_with(cache, req, on_token, &|| false)
+    }
+
+    /// [`Self::generate`] that also polls `stop` between the layers of every prefill pass and
+    /// before every decode step: when it returns true, generation ends at once with finish reason
+    /// `cancelled` (no tokens if it was still prefilling). A server's shutdown uses it so that a
+    /// long prompt does not outlive the grace period.
+    pub fn generate_with(&self, cache: &mut KvCache, req: &GenerateRequest, on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>, stop: &dyn Fn() -> bool) -> Result<Generation> {
         let prompt = &req.prompt;
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -165,18 +188,21 @@ impl Engine {
             None => None,
         };
         let t0 = Instant::now();
-        let logits = match spec.as_mut() {
+        let prefilled = match spec.as_mut() {
             // The speculator keeps what its draft needs from the prompt (DFlash: hidden states).
-            Some(s) => s.prefill(cache, prompt)?,
-            None => {
-                let mut logits = None;
-                for part in prompt.chunks(chunk) {
-                    logits = Some(self.model.forward(part, cache, Logits::Last, &[])?.logits);
-                }
-                logits.ok_or(EngineError::EmptyPrompt)?.flatten_all()?.to_vec1()?
-            }
+            Some(s) => s.prefill(cache, prompt, stop),
+            None => self.prefill(cache, prompt, chunk, stop),
         };
         let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let logits = match prefilled {
+            Ok(l) => l,
+            Err(EngineError::Model(strata_models::ModelError::Interrupted)) => {
+                cache.clear(); // a pass stopped half way
+                let timings = Timings { prefill_ms, decode_ms: 0.0, ttft_ms: 0.0 };
+                return Ok(Generation::cancelled(prompt.len(), timings));
+            }
+            Err(e) => return Err(e),
+        };
 
         let mut sampler = Sampler::new(req.sampling.clone());
         let mut history = prompt.clone();
@@ -198,6 +224,10 @@ impl Engine {
         let first = sampler.sample(&logits, &history);
         ready.push_back((first, logits));
         loop {
+            if stop() {
+                finish = FinishReason::Cancelled;
+                break;
+            }
             let (id, logits) = ready.pop_front().expect("a decided token");
             let logprobs = req.logprobs.map(|n| {
                 let lp = log_softmax(&logits);
@@ -290,6 +320,17 @@ impl Engine {
             spec: spec.map(|s| s.stats),
             routing,
         })
+    }
+}
+
+impl Engine {
+    /// Chunked prefill of `prompt` into the empty `cache`; the last position's logits `[vocab]`.
+    fn prefill(&self, cache: &mut KvCache, prompt: &[u32], chunk: usize, stop: &dyn Fn() -> bool) -> Result<Vec<f32>> {
+        let mut logits = None;
+        for part in prompt.chunks(chunk) {
+            logits = Some(self.model.forward_interruptible(part, cache, Logits::Last, &[], stop)?.logits);
+        }
+        Ok(logits.ok_or(EngineError::EmptyPrompt)?.flatten_all()?.to_vec1()?)
     }
 }
 
@@ -387,6 +428,22 @@ pub struct Generation {
 }
 
 impl Generation {
+    /// A generation stopped during prefill: no tokens, finish reason `cancelled`.
+    fn cancelled(prompt_tokens: usize, timings: Timings) -> Self {
+        Self {
+            prompt_tokens,
+            tokens: Vec::new(),
+            text: String::new(),
+            finish_reason: FinishReason::Cancelled,
+            timings,
+            experts: None,
+            experts_decode: None,
+            prefetch_decode: None,
+            spec: None,
+            routing: None,
+        }
+    }
+
     pub fn prefill_tok_s(&self) -> f64 {
         self.prompt_tokens as f64 / (self.timings.prefill_ms / 1e3).max(1e-9)
     }

@@ -17,6 +17,6 @@ pub use engine::{Engine, EngineError, FinishReason, GenerateRequest, Generation,
 pub use routing_report::{RoutingReport, RoutingTrace};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{DraftSource, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator};
-pub use strata_expert_store::{CacheBudget, EvictionPolicy, StreamOptions};
+pub use strata_expert_store::{CacheBudget, DirectIo, EvictionPolicy, StreamOptions};
 pub use strata_models::{ExpertStats, PrefetchMode, PrefetchStats};
 pub use strata_expert_store as expert_store;

@@ -230,19 +230,13 @@ impl Rng {
     }
 }
 
-/// GPT-2's byte-to-unicode table (256 printable symbols, in HF tokenizers' order).
+/// GPT-2's byte symbols in HF tokenizers' vocabulary order: the printable bytes first, then the
+/// others (each id the same as GPT-2's `encoder.json`).
 fn byte_symbols() -> Vec<String> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    cs.into_iter().map(|c| char::from_u32(c).map(String::from).unwrap_or_default()).collect()
+    let table = strata_formats::tokenizer::gpt2_byte_symbols();
+    let mut order: Vec<usize> = (0..256).collect();
+    order.sort_by_key(|&b| table[b] as u32);
+    order.into_iter().map(|b| table[b].to_string()).collect()
 }
 
 /// Byte-level BPE vocabulary: 256 byte symbols, "ĠĠ" (the one merge), fillers, and

@@ -15,15 +15,12 @@ pub fn smollm2_path() -> PathBuf {
     p
 }
 
-/// `../shared/<rel>` beside the checkout, or None (tests that need it skip cleanly).
-pub fn shared(rel: &str) -> Option<PathBuf> {
-    let p = repo_root().join("../shared").join(rel);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipping: {} not found", p.display());
-        None
-    }
+/// `tests/fixtures/smollm2-oracle/<name>`: llama.cpp's outputs on SmolLM2 (copied from
+/// `../shared/oracles/smollm2`; see that folder's README for how they were made).
+pub fn oracle(name: &str) -> PathBuf {
+    let p = repo_root().join("tests/fixtures/smollm2-oracle").join(name);
+    assert!(p.exists(), "{} is missing from the repository", p.display());
+    p
 }
 
 pub fn load_smollm2(ctx: usize) -> strata_engine::Engine {

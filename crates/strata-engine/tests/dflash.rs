@@ -46,7 +46,7 @@ fn rounds_equal_zlab_reference() {
         // Prefill chunk 5 < 24 prompt tokens: the context features arrive in pieces.
         let mut spec = Speculator::new(&engine.model, &cfg, cache.capacity(), false, 5).unwrap();
         spec.trace = Some(Vec::new());
-        let logits = spec.prefill(&mut cache, &prompt).unwrap();
+        let logits = spec.prefill(&mut cache, &prompt, &|| false).unwrap();
         let first = strata_engine::sampling::argmax(&logits);
         assert_eq!(first as u64, want["prefill_first_token"].as_u64().unwrap(), "{name}");
         let mut sampler = Sampler::new(SamplingParams::greedy());

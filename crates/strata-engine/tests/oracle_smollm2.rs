@@ -1,5 +1,5 @@
-//! SmolLM2-135M Q4_1 against llama.cpp b4748 (`../shared/oracles/smollm2/oracles.json`): prompt token
-//! ids, greedy tokens, and first-token log-probabilities.
+//! SmolLM2-135M Q4_1 against llama.cpp b4748 (`tests/fixtures/smollm2-oracle/oracles.json`, from
+//! `../shared/oracles/smollm2`): prompt token ids, greedy tokens, and first-token log-probabilities.
 
 mod common;
 
@@ -9,9 +9,8 @@ use strata_engine::sampling::log_softmax;
 use strata_engine::{GenerateRequest, SamplingParams};
 use strata_models::Logits;
 
-fn oracles() -> Option<serde_json::Value> {
-    let p = common::shared("oracles/smollm2/oracles.json")?;
-    Some(serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
+fn oracles() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(common::oracle("oracles.json")).unwrap()).unwrap()
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -20,7 +19,7 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 #[test]
 fn prompt_tokens_match_llama_cpp() {
-    let Some(o) = oracles() else { return };
+    let o = oracles();
     let engine = common::load_smollm2(512);
     for p in o["prompts"].as_array().unwrap() {
         let ours = engine.text_prompt(p["prompt"].as_str().unwrap()).unwrap();
@@ -41,7 +40,7 @@ fn top2_gap(step: &serde_json::Value) -> f64 {
 
 #[test]
 fn first_token_logprobs_track_llama_cpp() {
-    let Some(o) = oracles() else { return };
+    let o = oracles();
     let engine = common::load_smollm2(1024);
     let mut worst_alt = 0f32;
     for p in o["prompts"].as_array().unwrap() {
@@ -67,7 +66,7 @@ fn first_token_logprobs_track_llama_cpp() {
 /// not a near-tie, and our log-probabilities of its top-5 stay close.
 #[test]
 fn teacher_forced_logprobs_track_llama_cpp() {
-    let Some(o) = oracles() else { return };
+    let o = oracles();
     let engine = common::load_smollm2(1024);
     let mut worst = 0f32;
     for p in o["prompts"].as_array().unwrap() {
@@ -104,7 +103,7 @@ fn teacher_forced_logprobs_track_llama_cpp() {
 /// near-tie (and at least 8 tokens); reports how many of 64 match.
 #[test]
 fn greedy_generation_matches_llama_cpp() {
-    let Some(o) = oracles() else { return };
+    let o = oracles();
     let engine = common::load_smollm2(1024);
     let mut report = Vec::new();
     for p in o["prompts"].as_array().unwrap() {

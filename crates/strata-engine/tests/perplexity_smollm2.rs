@@ -1,12 +1,11 @@
-//! `llama-perplexity -c 512` on `../shared/oracles/smollm2/ppl.txt` gives 14.8775 (llama.cpp b4748);
+//! `llama-perplexity -c 512` on `tests/fixtures/smollm2-oracle/ppl.txt` gives 14.8775 (llama.cpp b4748);
 //! ours must land within 1%, and the running PPL after each chunk must track llama.cpp's.
 
 mod common;
 
 #[test]
 fn perplexity_within_one_percent_of_llama_cpp() {
-    let Some(text) = common::shared("oracles/smollm2/ppl.txt") else { return };
-    let Some(res) = common::shared("oracles/smollm2/ppl_result.json") else { return };
+    let (text, res) = (common::oracle("ppl.txt"), common::oracle("ppl_result.json"));
     let res: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(res).unwrap()).unwrap();
     let want = res["final_ppl"].as_f64().unwrap();
     let running: Vec<f64> = res["per_chunk_running_ppl"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();

@@ -89,7 +89,9 @@ fn check(name: &str) {
             assert_eq!(a.misses, b.misses, "{name}: the layouts read different experts");
             assert_eq!(a.reads, 3 * b.reads, "{name}: original {} reads, repacked {} (want one per expert)", a.reads, b.reads);
             assert_eq!(b.reads, b.misses, "{name}: not one read per expert");
-            assert!(b.bytes_read >= a.bytes_read && b.bytes_read < a.bytes_read + 64 * b.reads, "{name}: {} vs {} bytes", b.bytes_read, a.bytes_read);
+            // One read per expert never reads more than three (with O_DIRECT the original's three
+            // reads are each rounded out to the block size, so it may read less).
+            assert!(b.bytes_read < a.bytes_read + 64 * b.reads, "{name}: {} vs {} bytes", b.bytes_read, a.bytes_read);
             eprintln!("{name}: {} experts bundled; streamed reads {} -> {}, bytes {} -> {}", report.experts, a.reads, b.reads, a.bytes_read, b.bytes_read);
         }
     }

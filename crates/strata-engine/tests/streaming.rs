@@ -22,7 +22,8 @@ fn load(path: &Path, stream: Option<StreamOptions>) -> Engine {
     Engine::load(path, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
 }
 
-fn stream(percent: f64, policy: EvictionPolicy, direct_io: bool) -> StreamOptions {
+fn stream(percent: f64, policy: EvictionPolicy, direct: bool) -> StreamOptions {
+    let direct_io = if direct { strata_engine::DirectIo::On } else { strata_engine::DirectIo::Off };
     // Prefetch gate open: predictions are always read, so the prefetch path is exercised; reads
     // split into 4 KiB pieces (the fixtures' experts are 8–25 KB), so piece splitting is too.
     StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy, prefetch: PrefetchMode::default(), prefetch_min_precision: 0.0, read_chunk: 4096, gpu_expert_cache: CacheBudget::Auto }

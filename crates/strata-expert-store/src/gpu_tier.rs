@@ -44,6 +44,7 @@ use strata_models::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts
 
 use crate::budget::{CacheBudget, VRAM_RESERVE};
 use crate::prefetch_gate::PrefetchGate;
+use crate::protect::Protected;
 use crate::provider::{ExpertBytes, StreamOptions, StreamingExperts};
 use crate::slab::Slot;
 
@@ -98,7 +99,8 @@ struct TierState {
     /// Pool rows not holding an expert.
     free: Vec<usize>,
     /// Experts of the most recent `will_need`: evicted only when nothing else can be.
-    protected: HashSet<Key>,
+    /// Experts each thread's current pass needs.
+    protected: Protected<Key>,
     /// Per layer: predicted experts VRAM lacked at the last prediction (copied or not).
     candidates: HashMap<usize, Vec<usize>>,
     gate: PrefetchGate,
@@ -238,7 +240,7 @@ impl GpuExperts {
                 map: HashMap::new(),
                 tick: 0,
                 free: (0..capacity).rev().collect(),
-                protected: HashSet::new(),
+                protected: Protected::default(),
                 candidates: HashMap::new(),
                 gate: PrefetchGate::new(opts.prefetch_min_precision),
                 inflight: Vec::new(),
@@ -506,7 +508,7 @@ impl ExpertProvider for GpuExperts {
         let missing: Vec<Key> = {
             let mut guard = self.lock();
             let st = &mut *guard;
-            st.protected = keys.iter().copied().collect();
+            st.protected.set_for_current_thread(&keys);
             let (candidates, used) = st.gate.resolve(&mut st.candidates, layer, &keys);
             self.counters.prefetch_candidates.fetch_add(candidates, Ordering::Relaxed);
             self.counters.prefetch_candidates_used.fetch_add(used, Ordering::Relaxed);
@@ -558,6 +560,10 @@ impl ExpertProvider for GpuExperts {
 
     fn device_cache_bytes(&self) -> u64 {
         self.vram_bytes()
+    }
+
+    fn direct_io(&self) -> Option<bool> {
+        self.host.direct_io()
     }
 
     fn stats(&self) -> Option<ExpertStats> {

@@ -173,6 +173,49 @@ impl std::fmt::Debug for IoEngine {
     }
 }
 
+/// `--direct-io`: whether expert reads bypass the page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// `O_DIRECT` where every model file's filesystem supports it, buffered reads otherwise: on
+    /// realistic routing O_DIRECT read at the drive's peak while buffered reads reached 63–87% and
+    /// cost a CPU copy per expert (docs/performance.md, "Realistic routing").
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for DirectIo {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "on" | "true" | "yes" => Ok(Self::On),
+            "off" | "false" | "no" => Ok(Self::Off),
+            _ => Err(format!("unknown --direct-io `{s}` (auto, on, off)")),
+        }
+    }
+}
+
+impl DirectIo {
+    /// Whether to read `files` with `O_DIRECT`: `Auto` tries to open each with it.
+    pub fn resolve(self, files: &[PathBuf]) -> bool {
+        match self {
+            Self::On => true,
+            Self::Off => false,
+            Self::Auto => files.iter().all(|p| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(p).is_ok()),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
+}
+
 impl IoEngine {
     /// Opens `files` (with `O_DIRECT` when `direct`) and starts `threads` readers.
     ///
@@ -187,7 +230,7 @@ impl IoEngine {
                 o.custom_flags(libc::O_DIRECT);
             }
             let f = o.open(p).map_err(|e| {
-                let hint = if direct { " with O_DIRECT (does this filesystem support direct I/O? drop --direct-io)" } else { "" };
+                let hint = if direct { " with O_DIRECT (does this filesystem support direct I/O? use --direct-io auto or off)" } else { "" };
                 format!("{}: cannot open{hint}: {e}", p.display())
             })?;
             let len = f.metadata().map_err(|e| format!("{}: {e}", p.display()))?.len();

@@ -7,6 +7,7 @@
 //! - [`budget`]: `--expert-cache` sizes and available memory (cgroup limits included).
 //! - [`disk_bench`]: `strata bench --disk`, the drive's random-read bandwidth.
 //! - [`prefetch_gate`]: whether predictions of the next layer's experts are precise enough to read.
+//! - [`protect`]: the experts each thread's current pass needs, spared by eviction.
 //! - [`provider`]: [`StreamingExperts`], the [`strata_models::ExpertProvider`] tying them together.
 //! - `gpu_tier` (cargo feature `cuda`): `GpuExperts`, a VRAM expert cache above the host cache
 //!   (page-locked), copies on their own CUDA stream.
@@ -18,9 +19,11 @@ pub mod gpu_tier;
 pub mod io;
 pub mod policy;
 pub mod prefetch_gate;
+pub mod protect;
 pub mod provider;
 pub mod slab;
 
 pub use budget::{available_memory, parse_bytes, process_rss, CacheBudget};
+pub use io::DirectIo;
 pub use policy::EvictionPolicy;
 pub use provider::{open_streaming, ExpertBytes, StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION, DEFAULT_READ_CHUNK};

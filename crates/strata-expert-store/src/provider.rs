@@ -14,7 +14,7 @@
 //! current routing nor the predicted layer uses; a prediction the layer then needs is promoted to
 //! the demand queue. A finished read nobody asked for is evictable like a cached expert.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,7 +27,8 @@ use strata_models::mlp::Mlp;
 use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError, PrefetchMode};
 
 use crate::budget::{available_memory, CacheBudget};
-use crate::io::{IoEngine, Priority, ReadJob, Ticket, DIRECT_ALIGN};
+use crate::io::{DirectIo, IoEngine, Priority, ReadJob, Ticket, DIRECT_ALIGN};
+use crate::protect::Protected;
 use crate::policy::{EvictionPolicy, Usage};
 use crate::prefetch_gate::PrefetchGate;
 use crate::slab::{Slab, Slot};
@@ -37,8 +38,8 @@ use crate::slab::{Slab, Slot};
 pub struct StreamOptions {
     /// `--expert-cache`.
     pub budget: CacheBudget,
-    /// `--direct-io`: `O_DIRECT` reads that bypass the page cache.
-    pub direct_io: bool,
+    /// `--direct-io`: `O_DIRECT` reads that bypass the page cache (`auto`: where supported).
+    pub direct_io: DirectIo,
     /// Reader threads = reads in flight at once (`--io-threads`).
     pub io_threads: usize,
     pub policy: EvictionPolicy,
@@ -59,7 +60,7 @@ impl Default for StreamOptions {
     fn default() -> Self {
         Self {
             budget: CacheBudget::Auto,
-            direct_io: false,
+            direct_io: DirectIo::Auto,
             io_threads: 16,
             policy: EvictionPolicy::Lru,
             prefetch: PrefetchMode::default(),
@@ -258,7 +259,8 @@ struct CacheState {
     map: HashMap<(usize, usize), Entry>,
     tick: u64,
     /// Experts of the most recent `will_need`: evicted only when nothing else can be.
-    protected: HashSet<(usize, usize)>,
+    /// Experts each thread's current pass needs.
+    protected: Protected<(usize, usize)>,
     /// Per layer: the predicted experts the cache lacked at the last prediction (read or not).
     candidates: HashMap<usize, Vec<usize>>,
     gate: PrefetchGate,
@@ -319,6 +321,7 @@ impl StreamingExperts {
         let dims = ExpertDims { num_experts: moe.num_experts, hidden: cfg.hidden_size, intermediate: moe.expert_intermediate_size };
         let mut extents = vec![Vec::new(); cfg.num_layers];
         let (mut slot_bytes, mut extra, mut total) = (0usize, 0u64, 0u64);
+        let direct = opts.direct_io.resolve(&files.weight_files());
         for (layer, ext) in extents.iter_mut().enumerate() {
             if !cfg.is_moe_layer(layer) {
                 continue;
@@ -326,7 +329,7 @@ impl StreamingExperts {
             let layout = files.expert_layout(layer, dims)?;
             for e in 0..moe.num_experts {
                 let x = files.expert_extent(&layout, e)?;
-                slot_bytes = slot_bytes.max(ReadPlan::new(&x, opts.direct_io).span);
+                slot_bytes = slot_bytes.max(ReadPlan::new(&x, direct).span);
                 extra = extra.max(decoded_bytes(&x, dims));
                 total += x.bytes();
                 ext.push(x);
@@ -351,7 +354,7 @@ impl StreamingExperts {
         }
         // Slack for slots still held by forward passes after their expert was evicted.
         let slab = Slab::new(capacity + 2 * moe.experts_per_token + 2, slot_bytes).map_err(err)?;
-        let io = IoEngine::open(&files.weight_files(), opts.io_threads, opts.direct_io).map_err(err)?;
+        let io = IoEngine::open(&files.weight_files(), opts.io_threads, direct).map_err(err)?;
         Ok(Self {
             io,
             slab,
@@ -368,7 +371,7 @@ impl StreamingExperts {
             state: Mutex::new(CacheState {
                 map: HashMap::new(),
                 tick: 0,
-                protected: HashSet::new(),
+                protected: Protected::default(),
                 candidates: HashMap::new(),
                 gate: PrefetchGate::new(opts.prefetch_min_precision),
             }),
@@ -692,7 +695,7 @@ impl ExpertProvider for StreamingExperts {
         {
             let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let st = &mut *guard;
-            st.protected = keys.iter().copied().collect();
+            st.protected.set_for_current_thread(&keys);
             // Score the last prediction for this layer on what the cache lacked.
             let (candidates, used) = st.gate.resolve(&mut st.candidates, layer, &keys);
             self.counters.prefetch_candidates.fetch_add(candidates, Ordering::Relaxed);
@@ -732,6 +735,10 @@ impl ExpertProvider for StreamingExperts {
 
     fn memory_bytes(&self) -> u64 {
         self.cache_bytes()
+    }
+
+    fn direct_io(&self) -> Option<bool> {
+        Some(self.io.direct())
     }
 
     fn stats(&self) -> Option<ExpertStats> {

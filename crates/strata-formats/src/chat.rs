@@ -20,6 +20,32 @@ impl ChatMessage {
     }
 }
 
+/// Instructions a chat template may execute per rendering (minijinja fuel): ample for any real
+/// template over a long conversation, a bound for a hostile one.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
+/// Bytes a chat template may write per rendering.
+pub const TEMPLATE_MAX_OUTPUT: usize = 64 << 20;
+
+/// An output buffer that refuses to grow past `limit` bytes.
+struct LimitedWriter {
+    buf: Vec<u8>,
+    limit: usize,
+}
+
+impl std::io::Write for LimitedWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.limit {
+            return Err(std::io::Error::other(format!("the chat template's output exceeds {} bytes", self.limit)));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A compiled chat template with the special-token strings it may reference.
 #[derive(Debug)]
 pub struct ChatTemplate {
@@ -89,19 +115,78 @@ impl ChatTemplate {
         });
         env.add_function("strftime_now", |fmt: String| -> String { chrono::Local::now().format(&fmt).to_string() });
         env.add_filter("tojson", py_tojson);
+        // A template comes from the model file: bound its work and its output (a hostile
+        // template must fail the request, never hang or exhaust memory).
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned("chat", source.to_string()).map_err(tpl_err)?;
         Ok(ChatTemplate { env, source: source.to_string(), bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 
+    /// Renders the conversation and finds where each message's content landed in the text: the
+    /// spans a tokenizer must treat as plain text (special-token strings a user typed must not
+    /// become control tokens). The template is rendered a second time with a sentinel in place of
+    /// each content, and the real rendering is matched against the literal text between the
+    /// sentinels; a content the template passed through unchanged or trimmed is found.
+    /// `spans` is `None` when the template transforms contents in a way this cannot follow.
+    pub fn render_spans(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Rendered> {
+        let text = self.render(messages, add_generation_prompt)?;
+        let marked: Vec<ChatMessage> = messages.iter().enumerate().map(|(i, m)| ChatMessage { content: sentinel(i), ..m.clone() }).collect();
+        let spans = self.render(&marked, add_generation_prompt).ok().and_then(|t| content_spans(&text, &t, messages));
+        Ok(Rendered { text, spans })
+    }
+
     /// Renders the conversation; with `add_generation_prompt` the assistant header is appended.
+    ///
+    /// Errors: the template fails, runs out of its instruction budget ([`TEMPLATE_FUEL`]) or
+    /// writes more than [`TEMPLATE_MAX_OUTPUT`] bytes.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let tpl = self.env.get_template("chat").map_err(tpl_err)?;
-        tpl.render(minijinja::context! {
+        let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
-        })
-        .map_err(tpl_err)
+        };
+        let mut out = LimitedWriter { buf: Vec::new(), limit: TEMPLATE_MAX_OUTPUT };
+        tpl.render_captured_to(ctx, &mut out).map_err(tpl_err)?;
+        String::from_utf8(out.buf).map_err(|e| FormatError::ChatTemplate(format!("the template wrote invalid UTF-8: {e}")))
+    }
+}
+
+/// A rendered conversation and the byte ranges of `text` that hold message contents.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    pub text: String,
+    /// Byte ranges of `text` that came from message contents, in order (`None`: not found).
+    pub spans: Option<Vec<std::ops::Range<usize>>>,
+}
+
+/// Private-use code points around a message index: never produced by a tokenizer's vocabulary
+/// of chat markers, unchanged by `trim`, `strip` and the like.
+const MARK: char = '\u{F8FF}';
+
+fn sentinel(i: usize) -> String {
+    format!("{MARK}{i}{MARK}")
+}
+
+/// Matches `real` (the rendering) against `marked` (the rendering with sentinels): literal pieces
+/// must be equal, each sentinel stands for its message's content as is or trimmed.
+fn content_spans(real: &str, marked: &str, messages: &[ChatMessage]) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut parts = marked.split(MARK);
+    let mut literal = parts.next()?;
+    let mut pos = 0;
+    let mut spans = Vec::new();
+    loop {
+        real.get(pos..)?.strip_prefix(literal)?;
+        pos += literal.len();
+        let Some(index) = parts.next() else { return (pos == real.len()).then_some(spans) };
+        let content = &messages.get(index.parse::<usize>().ok()?)?.content;
+        literal = parts.next()?;
+        let rest = &real[pos..];
+        let found = [content.as_str(), content.trim(), content.trim_start(), content.trim_end()]
+            .into_iter()
+            .find(|c| rest.strip_prefix(c).is_some_and(|after| after.starts_with(literal)))?;
+        spans.push(pos..pos + found.len());
+        pos += found.len();
     }
 }

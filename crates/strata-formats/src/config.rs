@@ -251,6 +251,22 @@ pub struct ModelConfig {
     pub linear_attn: Option<LinearAttnConfig>,
 }
 
+/// Upper bounds on what a config may declare (far above any released model), checked before
+/// anything is sized from them: a hostile file's `block_count = 2^40` must be an error, not an
+/// allocation.
+const MAX_LAYERS: usize = 4096;
+const MAX_DIM: usize = 1 << 20;
+const MAX_HEADS: usize = 1 << 12;
+const MAX_VOCAB: usize = 1 << 22;
+const MAX_EXPERTS: usize = 1 << 14;
+
+fn bounded(path: &Path, what: &str, v: usize, max: usize) -> Result<usize> {
+    if v > max {
+        return Err(FormatError::invalid(path, format!("{what} = {v} is beyond any supported model (at most {max})")));
+    }
+    Ok(v)
+}
+
 fn hf_err(path: &Path, key: &str) -> FormatError {
     FormatError::MissingKey { path: path.to_path_buf(), key: key.to_string() }
 }
@@ -259,7 +275,8 @@ impl ModelConfig {
     /// Reads the config from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, …).
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let arch_name = g.get_str("general.architecture")?;
-        let expert_count = g.get_u64(&format!("{arch_name}.expert_count")).unwrap_or(0) as usize;
+        let expert_count = bounded(&g.path, "expert_count", g.get_u64(&format!("{arch_name}.expert_count")).unwrap_or(0) as usize, MAX_EXPERTS)?;
+        bounded(&g.path, "block_count", g.get_u64(&format!("{arch_name}.block_count")).unwrap_or(0) as usize, MAX_LAYERS)?;
         let arch = Architecture::from_gguf(arch_name)
             // llama.cpp converts Mixtral as `llama` with experts
             .map(|a| if a == Architecture::Llama && expert_count > 0 { Architecture::Mixtral } else { a })
@@ -367,6 +384,7 @@ impl ModelConfig {
         })?;
         let u = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize).ok_or_else(|| hf_err(path, key));
         let f = |key: &str| v.get(key).and_then(|x| x.as_f64());
+        bounded(path, "num_hidden_layers", u("num_hidden_layers")?, MAX_LAYERS)?;
         let hidden = u("hidden_size")?;
         let num_heads = u("num_attention_heads")?;
         let head_dim = v
@@ -422,6 +440,25 @@ impl ModelConfig {
 
     fn validate(self, path: &Path) -> Result<Self> {
         let bad = |m: String| Err(FormatError::invalid(path, m));
+        bounded(path, "layers", self.num_layers, MAX_LAYERS)?;
+        bounded(path, "vocabulary", self.vocab_size, MAX_VOCAB)?;
+        for (what, v) in [("hidden size", self.hidden_size), ("intermediate size", self.intermediate_size), ("head dim", self.head_dim)] {
+            bounded(path, what, v, MAX_DIM)?;
+        }
+        bounded(path, "attention heads", self.num_heads, MAX_HEADS)?;
+        bounded(path, "kv heads", self.num_kv_heads, MAX_HEADS)?;
+        if let Some(m) = &self.moe {
+            bounded(path, "experts", m.num_experts, MAX_EXPERTS)?;
+            bounded(path, "expert intermediate size", m.expert_intermediate_size, MAX_DIM)?;
+        }
+        if let Some(la) = &self.linear_attn {
+            for (what, v) in [("linear key heads", la.num_k_heads), ("linear value heads", la.num_v_heads)] {
+                bounded(path, what, v, MAX_HEADS)?;
+            }
+            for (what, v) in [("linear key head dim", la.head_k_dim), ("linear value head dim", la.head_v_dim), ("conv kernel", la.conv_kernel)] {
+                bounded(path, what, v, MAX_DIM)?;
+            }
+        }
         if self.num_layers == 0 || self.hidden_size == 0 || self.num_heads == 0 || self.vocab_size == 0 {
             return bad(format!("config has a zero dimension: {self:?}"));
         }

@@ -86,6 +86,10 @@ struct Reader<R> {
     path: PathBuf,
     file_len: u64,
     pos: u64,
+    /// Metadata values still allowed (each costs `size_of::<Value>()` bytes of memory beside the
+    /// file): `(32 MiB + file length) / size_of::<Value>()`, so a header that declares huge
+    /// arrays of one-byte elements cannot take more than about the file's size in memory.
+    values_left: u64,
 }
 
 impl<R: Read> Reader<R> {
@@ -145,6 +149,21 @@ impl<R: Read> Reader<R> {
                 }
                 let elem_ty = self.u32()?;
                 let n = self.len("array", MAX_ARRAY)?;
+                // Every element takes at least this many bytes of the file.
+                let min_bytes = match elem_ty {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    9 => 12,
+                    _ => 8,
+                };
+                if n.saturating_mul(min_bytes) > self.file_len.saturating_sub(self.pos) {
+                    return Err(FormatError::invalid(&self.path, format!("GGUF header truncated or corrupt: an array of {n} elements at byte {} does not fit in the file", self.pos)));
+                }
+                if n > self.values_left {
+                    return Err(FormatError::invalid(&self.path, format!("GGUF metadata declares more values than a {}-byte file can hold in memory (array of {n} at byte {})", self.file_len, self.pos)));
+                }
+                self.values_left -= n;
                 let mut out = Vec::with_capacity(n.min(1 << 20) as usize);
                 for _ in 0..n {
                     out.push(self.value(elem_ty, depth + 1)?);
@@ -168,7 +187,8 @@ impl GgufFile {
         let path = path.as_ref().to_path_buf();
         let file = File::open(&path).map_err(|e| FormatError::io(&path, e))?;
         let file_len = file.metadata().map_err(|e| FormatError::io(&path, e))?.len();
-        let mut r = Reader { inner: BufReader::with_capacity(1 << 20, file), path: path.clone(), file_len, pos: 0 };
+        let values_left = ((32 << 20) + file_len) / std::mem::size_of::<Value>() as u64;
+        let mut r = Reader { inner: BufReader::with_capacity(1 << 20, file), path: path.clone(), file_len, pos: 0, values_left };
         let magic = r.u32()?;
         if magic != GGUF_MAGIC {
             return Err(FormatError::UnknownFormat { path, reason: format!("bad magic {magic:#x}, not a GGUF file") });
@@ -215,14 +235,17 @@ impl GgufFile {
                 tensor: name.clone(),
                 dtype: ggml_type_name(ty),
             })?;
-            let elems: usize = shape.iter().product();
+            let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| FormatError::invalid(&path, format!("tensor `{name}`: shape {shape:?} overflows")))?;
             if elems % dtype.block_size() != 0 {
                 return Err(FormatError::invalid(&path, format!("tensor `{name}`: {elems} elements is not a multiple of the {dtype:?} block size")));
             }
-            let size = (elems / dtype.block_size() * dtype.type_size()) as u64;
-            let offset = data_start + rel;
-            if offset + size > file_len {
-                return Err(FormatError::Truncated { path, tensor: name, start: offset, end: offset + size, file_len });
+            let size = (elems / dtype.block_size()).checked_mul(dtype.type_size()).map(|s| s as u64);
+            let range = size.and_then(|size| Some((data_start.checked_add(rel)?, size))).and_then(|(o, size)| Some((o, size, o.checked_add(size)?)));
+            let Some((offset, size, end)) = range else {
+                return Err(FormatError::invalid(&path, format!("tensor `{name}`: offset {rel} and shape {shape:?} overflow")));
+            };
+            if end > file_len {
+                return Err(FormatError::Truncated { path, tensor: name, start: offset, end, file_len });
             }
             tensor_order.push(name.clone());
             tensors.insert(name, GgufTensorInfo { shape, dtype, offset, size });

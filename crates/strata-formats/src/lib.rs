@@ -19,7 +19,7 @@ pub mod safetensors;
 pub mod synthetic;
 pub mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, Rendered};
 pub use config::{Architecture, HeadOrder, LinearAttnConfig, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
 pub use dflash::DFlashConfig;
 pub use error::{FormatError, Result};

@@ -35,6 +35,14 @@ pub struct SafetensorsSet {
     pub tensors: HashMap<String, SafetensorsInfo>,
 }
 
+/// A tensor's entry in the header (`__metadata__` is skipped before this is parsed).
+#[derive(serde::Deserialize)]
+struct TensorHeader {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: [u64; 2],
+}
+
 fn elem_size(dtype: &str) -> Option<usize> {
     Some(match dtype {
         "F32" | "I32" | "U32" => 4,
@@ -63,38 +71,34 @@ impl SafetensorsSet {
             if n > file_len - 8 || n > 100 << 20 {
                 return Err(FormatError::invalid(path, format!("safetensors header length {n} exceeds the file ({file_len} bytes): truncated or corrupt")));
             }
-            let header: HashMap<String, serde_json::Value> = serde_json::from_slice(&map[8..8 + n as usize])
+            // Borrowed raw values: a large header costs no more than its bytes and a map of names.
+            let header: HashMap<String, &serde_json::value::RawValue> = serde_json::from_slice(&map[8..8 + n as usize])
                 .map_err(|e| FormatError::invalid(path, format!("safetensors header is not valid JSON: {e}")))?;
             let data_start = 8 + n;
-            for (name, v) in header {
+            for (name, raw) in header {
                 if name == "__metadata__" {
                     continue;
                 }
-                let dtype = v.get("dtype").and_then(|d| d.as_str()).unwrap_or("?").to_string();
-                let shape: Vec<usize> = v
-                    .get("shape")
-                    .and_then(|s| s.as_array())
-                    .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
-                    .ok_or_else(|| FormatError::invalid(path, format!("tensor `{name}` has no shape")))?;
-                let offs = v
-                    .get("data_offsets")
-                    .and_then(|s| s.as_array())
-                    .filter(|a| a.len() == 2)
-                    .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
-                    .ok_or_else(|| FormatError::invalid(path, format!("tensor `{name}` has no data_offsets")))?;
+                let h: TensorHeader = serde_json::from_str(raw.get()).map_err(|e| FormatError::invalid(path, format!("tensor `{name}`: {e}")))?;
+                let TensorHeader { dtype, shape, data_offsets: offs } = h;
                 let es = elem_size(&dtype).ok_or_else(|| FormatError::UnsupportedTensorType {
                     path: path.clone(),
                     tensor: name.clone(),
                     dtype: dtype.clone(),
                 })?;
-                let size = offs.1.saturating_sub(offs.0);
-                if size != (shape.iter().product::<usize>() * es) as u64 {
-                    return Err(FormatError::invalid(path, format!("tensor `{name}`: {size} bytes do not match shape {shape:?} of {dtype}")));
+                let bytes = shape.iter().try_fold(es as u64, |a, &d| a.checked_mul(d));
+                let size = offs[1].checked_sub(offs[0]);
+                if bytes.is_none() || bytes != size {
+                    return Err(FormatError::invalid(path, format!("tensor `{name}`: data_offsets {offs:?} do not match shape {shape:?} of {dtype}")));
                 }
-                let (start, end) = (data_start + offs.0, data_start + offs.1);
+                let size = size.unwrap_or(0);
+                let (Some(start), Some(end)) = (data_start.checked_add(offs[0]), data_start.checked_add(offs[1])) else {
+                    return Err(FormatError::invalid(path, format!("tensor `{name}`: data_offsets {offs:?} overflow")));
+                };
                 if end > file_len {
                     return Err(FormatError::Truncated { path: path.clone(), tensor: name, start, end, file_len });
                 }
+                let shape = shape.iter().map(|&d| d as usize).collect();
                 tensors.insert(name, SafetensorsInfo { file: fi, dtype, shape, offset: start, size });
             }
             maps.push(Arc::new(map));

@@ -26,6 +26,12 @@ pub struct TextTokenizer {
     pub add_bos: bool,
     /// Token ids that end generation (EOS, EOT, …), deduplicated.
     pub eos_ids: Vec<u32>,
+    /// Strings of the special (control) tokens, longest first.
+    specials: std::sync::Arc<Vec<String>>,
+    /// `inner` with special-token strings encoded as ordinary text, made on first use.
+    plain: std::sync::Arc<std::sync::OnceLock<tokenizers::Tokenizer>>,
+    /// The longest token string in bytes.
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -106,7 +112,7 @@ impl TextTokenizer {
             }
         }
         eos_ids.dedup();
-        Ok(TextTokenizer { inner, bos_id, add_bos: g.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false), eos_ids })
+        Ok(Self::assemble(inner, bos_id, g.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false), eos_ids))
     }
 
     /// Loads `tokenizer.json` from an HF directory; BOS/EOS come from `tokenizer_config.json`,
@@ -149,7 +155,60 @@ impl TextTokenizer {
         // HF adds BOS through the post-processor; we encode without it and prepend it ourselves.
         let probe = inner.encode("a", true).map_err(tk_err)?;
         let add_bos = bos_id.is_some_and(|b| probe.get_ids().first() == Some(&b));
-        Ok(TextTokenizer { inner, bos_id, add_bos, eos_ids })
+        Ok(Self::assemble(inner, bos_id, add_bos, eos_ids))
+    }
+
+    fn assemble(inner: tokenizers::Tokenizer, bos_id: Option<u32>, add_bos: bool, eos_ids: Vec<u32>) -> Self {
+        let mut specials: Vec<String> = inner.get_added_tokens_decoder().values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.clone()).collect();
+        specials.sort_by_key(|t| std::cmp::Reverse(t.len()));
+        let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        TextTokenizer { inner, bos_id, add_bos, eos_ids, specials: std::sync::Arc::new(specials), plain: Default::default(), max_token_bytes }
+    }
+
+    /// The first special-token string (`<|im_end|>`, …) inside `text`, if any.
+    pub fn find_special<'a>(&'a self, text: &str) -> Option<&'a str> {
+        self.specials.iter().find(|t| text.contains(t.as_str())).map(String::as_str)
+    }
+
+    /// Encodes text with special-token strings as ordinary text (what a user typed: `<|im_end|>`
+    /// in a message becomes the tokens of those characters, never the control token). No BOS.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let plain = self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        Ok(plain.encode(text, false).map_err(tk_err)?.get_ids().to_vec())
+    }
+
+    /// Encodes `text` whose byte ranges `plain` (ascending, disjoint) hold user text: those with
+    /// [`Self::encode_plain`], the rest with special tokens parsed. No BOS.
+    pub fn encode_with_plain_spans(&self, text: &str, plain: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut pos = 0;
+        for r in plain {
+            let (Some(before), Some(inside)) = (text.get(pos..r.start), text.get(r.clone())) else {
+                return Err(FormatError::Tokenizer(format!("span {r:?} is not inside the text")));
+            };
+            ids.extend(self.encode(before, false)?);
+            ids.extend(self.encode_plain(inside)?);
+            pos = r.end;
+        }
+        ids.extend(self.encode(text.get(pos..).unwrap_or_default(), false)?);
+        Ok(ids)
+    }
+
+    /// The longest token's length in bytes (for a lower bound on a text's token count: every
+    /// token of a byte-level vocabulary covers at least one byte and at most this many).
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
+    /// At least this many tokens encode `bytes` bytes of text: no token covers more than
+    /// [`Self::max_token_bytes`] of the text's bytes (halved again for normalizers that shrink
+    /// text, e.g. NFKC ligatures). Lets a server refuse a huge prompt without tokenizing it.
+    pub fn min_tokens_for(&self, bytes: usize) -> usize {
+        bytes / (2 * self.max_token_bytes)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -179,6 +238,30 @@ impl TextTokenizer {
     /// The string of one token id (for logprobs output), without skipping specials.
     pub fn token_text(&self, id: u32) -> String {
         self.inner.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// The raw bytes token `id` stands for (a piece of a multi-byte character is its own bytes,
+    /// not U+FFFD): byte-level BPE symbols mapped back through GPT-2's byte table, `<0xHH>`
+    /// byte-fallback tokens as that byte, SentencePiece's `▁` as a space, added tokens as their
+    /// text. Empty for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if let Some(t) = self.inner.get_added_tokens_decoder().get(&id) {
+            return t.content.as_bytes().to_vec();
+        }
+        let Some(tok) = self.inner.id_to_token(id) else { return Vec::new() };
+        if matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_))) {
+            let table = gpt2_byte_symbols();
+            let bytes: Option<Vec<u8>> = tok.chars().map(|c| table.iter().position(|&s| s == c).map(|b| b as u8)).collect();
+            if let Some(b) = bytes {
+                return b;
+            }
+        }
+        if let Some(hex) = tok.strip_prefix("<0x").and_then(|t| t.strip_suffix('>')) {
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                return vec![b];
+            }
+        }
+        tok.replace('\u{2581}', " ").into_bytes()
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
@@ -239,4 +322,21 @@ pub(crate) fn read_json_opt(path: &Path) -> Result<Option<Json>> {
     }
     let text = std::fs::read_to_string(path).map_err(|e| FormatError::io(path, e))?;
     serde_json::from_str(&text).map(Some).map_err(|e| FormatError::invalid(path, format!("invalid JSON: {e}")))
+}
+
+/// GPT-2's byte-to-unicode table (`bytes_to_unicode` in openai/gpt-2 `encoder.py`): the symbol
+/// byte-level BPE vocabularies use for each byte, indexed by byte.
+pub fn gpt2_byte_symbols() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let printable = |b: u32| (b'!' as u32..=b'~' as u32).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut n = 0;
+    for b in 0..256u32 {
+        table[b as usize] = if printable(b) {
+            char::from_u32(b).unwrap_or('\0')
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap_or('\0')
+        };
+    }
+    table
 }

@@ -18,6 +18,9 @@ pub enum ModelError {
     /// there is none).
     #[error("cannot roll the recurrent state back to {to} tokens (checkpoint: {checkpoint:?})")]
     Rollback { to: usize, checkpoint: Option<usize> },
+    /// A forward pass was stopped between layers by its caller ([`crate::Transformer::forward_interruptible`]).
+    #[error("the forward pass was interrupted")]
+    Interrupted,
     /// Reading a streamed expert failed (I/O error, short read, file changed).
     #[error("expert {expert} of layer {layer}: {message}")]
     ExpertRead { layer: usize, expert: usize, message: String },

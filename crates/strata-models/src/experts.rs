@@ -136,6 +136,11 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     fn device_cache_bytes(&self) -> u64 {
         0
     }
+
+    /// Whether experts are read with `O_DIRECT` (`None`: nothing is read, experts are resident).
+    fn direct_io(&self) -> Option<bool> {
+        None
+    }
 }
 
 /// Cumulative counters of a streaming provider. Subtract two snapshots ([`Self::since`]) for one

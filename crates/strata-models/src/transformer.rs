@@ -273,6 +273,18 @@ impl Transformer {
     /// `tokens.len()`, but only layers `0..n_layers` are written at those positions: roll back
     /// ([`Self::rollback`]) before a full forward over the same positions.
     pub fn forward_layers(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize], n_layers: usize) -> Result<ForwardOutput> {
+        self.forward_impl(tokens, cache, logits, taps, n_layers, None)
+    }
+
+    /// [`Self::forward`] that polls `stop` before every layer and returns
+    /// `ModelError::Interrupted` when it says so (a long prefill cut short by a server's
+    /// shutdown). The cache's length is unchanged then, but layers already run have written
+    /// their KV entries and recurrent state: clear the cache before using it again.
+    pub fn forward_interruptible(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize], stop: &dyn Fn() -> bool) -> Result<ForwardOutput> {
+        self.forward_impl(tokens, cache, logits, taps, self.layers.len(), Some(stop))
+    }
+
+    fn forward_impl(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize], n_layers: usize, stop: Option<&dyn Fn() -> bool>) -> Result<ForwardOutput> {
         let seq = tokens.len();
         cache.check_room(seq)?;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
@@ -289,6 +301,9 @@ impl Transformer {
             self.prefetch_layer(p, j, &x, seq_route(cache, start, tokens))?;
         }
         for (i, layer) in self.layers.iter().take(end).enumerate() {
+            if stop.is_some_and(|s| s()) {
+                return Err(ModelError::Interrupted);
+            }
             let xn = layer.attn_norm.forward(&x)?;
             let h = match &layer.mixer {
                 Mixer::Attention(a) => a.forward(&xn, i, cache, &self.rope, mask.as_ref())?,

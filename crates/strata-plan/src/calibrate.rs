@@ -20,6 +20,12 @@ pub struct Bandwidths {
     /// Weight bytes per second a decode step streams through the quantized matvec kernels (our Q4_K
     /// kernel on 64 MB of expert-shaped matrices, one token, per-call costs included), GB/s.
     pub matvec_gbps: f64,
+    /// The same for dense weights through candle's quantized matmul (the path attention
+    /// projections and the LM head take: Q4_K `[4096, 2048]` and `[2048, 4096]`, Q6_K
+    /// `[16384, 2048]`, 64 MB in all, one token), GB/s. `None` in calibrations made before it
+    /// existed: the plan then uses `matvec_gbps`.
+    #[serde(default)]
+    pub dense_matvec_gbps: Option<f64>,
     /// Quantized GEMM rate for prefill (candle Q4_K, `[512, 2048] × [2304, 2048]ᵀ`), GFLOP/s.
     pub gemm_gflops: f64,
     pub threads: usize,
@@ -27,7 +33,7 @@ pub struct Bandwidths {
 
 impl Bandwidths {
     /// Used when nothing was measured: a SATA-class SSD and a modest 2-core machine.
-    pub const DEFAULTS: Bandwidths = Bandwidths { drive_gbps: 1.0, ram_gbps: 20.0, matvec_gbps: 8.0, gemm_gflops: 200.0, threads: 2 };
+    pub const DEFAULTS: Bandwidths = Bandwidths { drive_gbps: 1.0, ram_gbps: 20.0, matvec_gbps: 8.0, dense_matvec_gbps: None, gemm_gflops: 200.0, threads: 2 };
 }
 
 /// Where the rates come from.
@@ -78,11 +84,14 @@ pub fn load(model: &Path) -> (Bandwidths, RatesSource) {
 /// Errors: the drive measurement fails (file too small or unreadable), the cache cannot be written.
 pub fn calibrate(model: &Path, threads: usize) -> Result<Bandwidths, String> {
     let file = if model.is_dir() { largest_file(model)? } else { model.to_path_buf() };
-    let drive = strata_expert_store::disk_bench::bench_disk(&file, &[4 << 20], &[32], &[false], Duration::from_secs(3))?;
+    // The way the expert store reads (`--direct-io auto`): O_DIRECT where the file system takes it.
+    let bench = |direct: bool| strata_expert_store::disk_bench::bench_disk(&file, &[4 << 20], &[32], &[direct], Duration::from_secs(3));
+    let drive = bench(true).or_else(|_| bench(false))?;
     let b = Bandwidths {
         drive_gbps: drive.first().map_or(Bandwidths::DEFAULTS.drive_gbps, |r| r.gbps),
         ram_gbps: ram_read_gbps(threads),
         matvec_gbps: matvec_gbps(),
+        dense_matvec_gbps: Some(dense_matvec_gbps().map_err(|e| e.to_string())?),
         gemm_gflops: gemm_gflops().map_err(|e| e.to_string())?,
         threads,
     };
@@ -157,6 +166,33 @@ pub fn matvec_gbps() -> f64 {
         best = best.max(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     best
+}
+
+/// candle's quantized matvec on dense-shaped matrices (Q4_K attention projections `[4096, 2048]`
+/// and `[2048, 4096]`, a Q6_K LM-head slice `[16384, 2048]`; ~64 MB, one call per matrix as a
+/// decode step makes them), one token, best of 4 after a warm-up, GB/s.
+pub fn dense_matvec_gbps() -> candle_core::Result<f64> {
+    let mut mats = Vec::new();
+    for (rows, cols, dtype, n) in [(4096, 2048, GgmlDType::Q4K, 5), (2048, 4096, GgmlDType::Q4K, 5), (16384, 2048, GgmlDType::Q6K, 2)] {
+        for _ in 0..n {
+            let w = QTensor::quantize(&Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu)?, dtype)?;
+            let bytes = w.storage_size_in_bytes();
+            mats.push((QMatMul::from_qtensor(w)?, Tensor::randn(0f32, 1.0, (1, cols), &Device::Cpu)?, bytes));
+        }
+    }
+    let bytes: usize = mats.iter().map(|m| m.2).sum();
+    for (mm, x, _) in &mats {
+        mm.forward(x)?;
+    }
+    let mut best = 0f64;
+    for _ in 0..4 {
+        let t = Instant::now();
+        for (mm, x, _) in &mats {
+            std::hint::black_box(mm.forward(x)?);
+        }
+        best = best.max(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok(best)
 }
 
 /// candle's Q4_K GEMM on `[512, 2048] × [2304, 2048]ᵀ`, best of 3 after a warm-up, GFLOP/s.

@@ -29,8 +29,12 @@ pub struct ModelFacts {
     pub bytes_per_expert: u64,
     /// Routed-expert bytes one token touches: MoE layers × top-k × bytes per expert.
     pub expert_bytes_per_token: u64,
-    /// Bytes of dense tensors that candle repacks on x86 and keeps twice (Q4_K / Q6_K matmul
-    /// weights), at 4/3 of their size: the repacked copy.
+    /// Bytes of the copies candle makes of dense Q4_K / Q6_K matmul weights on x86 and keeps:
+    /// a one-token (GEMV) pack at 4/3 of their size, and, on CPUs with AVX-512 VNNI, a second
+    /// pack for multi-token passes (prefill, verification) at 2× of the matrices those passes
+    /// use (all but the token embedding and lm_head). Measured on the synthetic Qwen3-30B-A3B
+    /// (48 layers: 0.99 GB more after a 43-token prefill than after one token, for 0.51 GB of
+    /// attention weights; docs/performance.md, "Realistic routing").
     pub dense_repack_bytes: u64,
     /// Memory the dense weights take once loaded: stored bytes, safetensors floats widened to f32,
     /// plus the repacked copies.
@@ -76,6 +80,10 @@ impl ModelFacts {
             }
             if t.shape.len() == 2 && matches!(t.dtype.as_str(), "Q4K" | "Q6K") && (!is_embedding || tied) && cfg!(target_arch = "x86_64") {
                 repack += t.bytes * 4 / 3;
+                let lm_head = is_embedding || t.name == "output.weight" || t.name == "lm_head.weight";
+                if !lm_head && avx512_vnni() {
+                    repack += t.bytes * 2;
+                }
             }
         }
         let quantization = by_type.into_iter().max_by_key(|(_, b)| *b).map(|(d, _)| d).unwrap_or_default();
@@ -111,5 +119,17 @@ impl ModelFacts {
 
     pub fn is_moe(&self) -> bool {
         self.experts > 0 && self.expert_bytes > 0
+    }
+}
+
+/// Whether candle's x86 multi-token repack runs on this CPU (its `X86Level::Avx512Vnni`).
+fn avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512vnni") && std::arch::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }

@@ -11,8 +11,9 @@
 //!
 //! Cost model per decoded token: compute (bytes touched ÷ an effective GPU rate) + copies of the
 //! experts VRAM misses (÷ pinned host-to-device GB/s) + reads of the experts the host misses
-//! (÷ drive GB/s), not overlapped. Hit rates are the uniform-routing floors (cached ÷ all); both
-//! caches keep the most recently used experts, so the drive serves `1 − max(VRAM, host)` of them. The GPU rates are measured on the lent H100
+//! (÷ drive GB/s), not overlapped. Hit rates are typical decode routing's at each tier's share
+//! ([`crate::hit_curve`]); both caches keep the most recently used experts, so the drive serves
+//! `1 − max(VRAM, host)` of them. The GPU rates are measured on the lent H100
 //! (docs/performance.md, "CUDA"), not on this machine: the plan says so.
 
 use serde::Serialize;
@@ -69,7 +70,7 @@ pub struct GpuPlan {
     /// GPU-OFFLOAD: the page-locked host expert cache, bytes and experts.
     pub host_expert_cache_bytes: Option<u64>,
     pub host_expert_cache_experts: Option<u64>,
-    /// Uniform-routing floors.
+    /// Typical decode routing's hit rates at each tier's share of the experts.
     pub expected_vram_hit_rate: Option<f64>,
     pub expected_host_hit_rate: Option<f64>,
     /// Per decoded token, ms: compute, VRAM-miss copies, drive reads.
@@ -165,7 +166,8 @@ pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuP
                 b => b.resolve(model.expert_bytes, model.dense_bytes, x.host_available),
             };
             let host_experts = (host_bytes / model.bytes_per_expert.max(1)).min(n_experts);
-            let (hv, hh) = (vram_experts as f64 / n_experts.max(1) as f64, host_experts as f64 / n_experts.max(1) as f64);
+            let share = |n: u64| n as f64 / n_experts.max(1) as f64;
+            let (hv, hh) = (crate::hit_curve::typical_hit_rate(share(vram_experts)), crate::hit_curve::typical_hit_rate(share(host_experts)));
             plan.vram_expert_cache_bytes = Some(vram_experts * entry);
             plan.vram_expert_cache_experts = Some(vram_experts);
             plan.host_expert_cache_bytes = Some(host_experts * model.bytes_per_expert);

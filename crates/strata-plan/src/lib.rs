@@ -5,6 +5,7 @@
 //! - [`facts`]: [`ModelFacts`] from metadata and tensor tables.
 //! - [`system`]: [`SystemMemory`] (RAM, available, cgroup limit; overridable for tests).
 //! - [`calibrate`]: measured drive / RAM / kernel rates, cached per drive.
+//! - [`hit_curve`]: the expert-cache hit rate of typical decode routing at a cache share.
 //! - [`observed`]: hit rate and compute time measured by previous runs of the model.
 //! - [`plan`]: [`make_plan`], the strategy and the cost model.
 //! - [`gpu`]: the same on a GPU: VRAM, page-locked host RAM and the drive as tiers.
@@ -12,6 +13,7 @@
 pub mod calibrate;
 pub mod facts;
 pub mod gpu;
+pub mod hit_curve;
 pub mod observed;
 pub mod plan;
 pub mod system;

@@ -3,10 +3,14 @@
 //! after each generation in `$XDG_CACHE_HOME/strata/observed.json` (else `~/.cache/...`), keyed by
 //! the model file's path, size and modification time.
 //!
-//! Uniform routing is a floor for the hit rate; real routing is more local (a measured synthetic
-//! Qwen3-30B-A3B hit 94% with 21% of its experts cached), so a measured hit rate is the better
-//! predictor. Misses are scaled to another cache size as `miss(f) = miss₀ · (1 − f) / (1 − f₀)`
-//! (`f` = cached share of the experts), which keeps `miss(1) = 0`.
+//! A measured hit rate predicts this model's routing better than the typical curve
+//! ([`crate::hit_curve`]); misses are scaled to another cache size along that curve's shape
+//! (`f` = cached share of the experts), which keeps `miss(1) = 0`. The hit rate recorded is the
+//! byte hit rate, `1 − bytes read ÷ expert bytes touched`: a prefetched expert is a cache hit but
+//! its read still took the drive's time, and a wasted prefetch read counts too. How much read
+//! time prefetch hid behind compute (`hidden_read_ms_per_token`) is kept so that the estimate
+//! charges only the rest as stalls. Compute time is kept apart for streamed runs (where the reads'
+//! CPU work, page-cache copies included, counts as compute) and resident ones.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,10 +22,19 @@ use serde::{Deserialize, Serialize};
 pub struct Observed {
     /// Share of the experts the cache held (streaming runs; 1.0 when resident).
     pub cache_fraction: f64,
-    /// Decode-phase expert cache hit rate.
+    /// Decode-phase byte hit rate: `1 − bytes read ÷ expert bytes touched` (prefetch reads,
+    /// wasted ones included, count as reads).
     pub hit_rate: f64,
-    /// Decode wall time minus I/O stalls, per token, ms (the best seen).
+    /// Read time per decoded token (bytes read ÷ the calibrated drive rate, ms) that did not
+    /// stall decoding: hidden behind compute by prefetch. 0 without prefetch.
+    #[serde(default)]
+    pub hidden_read_ms_per_token: f64,
+    /// Decode wall time minus I/O stalls, per token, ms, of the latest streaming run (of a
+    /// resident run while none streamed).
     pub compute_ms_per_token: f64,
+    /// The same for resident runs (the best seen), if any ran.
+    #[serde(default)]
+    pub resident_compute_ms_per_token: Option<f64>,
     /// Decoded tokens behind these figures.
     pub tokens: u64,
 }
@@ -60,15 +73,24 @@ pub fn record(model: &Path, run: Observed) -> Result<(), String> {
     let key = model_key(model);
     let merged = match all.get(&key) {
         Some(old) => {
-            let locality = if run.cache_fraction < 1.0 { run } else { *old };
+            let streamed = run.cache_fraction < 1.0;
+            let locality = if streamed { run } else { *old };
+            let resident = match (old.resident_compute_ms_per_token, streamed) {
+                (Some(r), false) => Some(r.min(run.compute_ms_per_token)),
+                (None, false) => Some(run.compute_ms_per_token),
+                (r, true) => r,
+            };
+            let old_streamed = old.cache_fraction < 1.0;
             Observed {
                 cache_fraction: locality.cache_fraction,
                 hit_rate: locality.hit_rate,
-                compute_ms_per_token: old.compute_ms_per_token.min(run.compute_ms_per_token),
+                hidden_read_ms_per_token: locality.hidden_read_ms_per_token,
+                compute_ms_per_token: if streamed || !old_streamed { run.compute_ms_per_token } else { old.compute_ms_per_token },
+                resident_compute_ms_per_token: resident,
                 tokens: old.tokens + run.tokens,
             }
         }
-        None => run,
+        None => Observed { resident_compute_ms_per_token: (run.cache_fraction >= 1.0).then_some(run.compute_ms_per_token), ..run },
     };
     all.insert(key, merged);
     let path = file();
@@ -81,11 +103,12 @@ pub fn record(model: &Path, run: Observed) -> Result<(), String> {
     std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// The miss rate expected at cache share `f`, scaled from an observation.
+/// The miss rate expected at cache share `f`, scaled from an observation along the typical hit
+/// curve ([`crate::hit_curve`]).
 pub fn miss_rate_at(o: &Observed, f: f64) -> f64 {
-    let miss0 = (1.0 - o.hit_rate).clamp(0.0, 1.0);
     if o.cache_fraction >= 1.0 {
-        return (1.0 - f).clamp(0.0, 1.0); // only resident runs seen: nothing known about locality
+        // Only resident runs seen: nothing measured about routing.
+        return 1.0 - crate::hit_curve::typical_hit_rate(f);
     }
-    (miss0 * (1.0 - f) / (1.0 - o.cache_fraction)).clamp(0.0, 1.0 - f.min(1.0)).max(0.0)
+    crate::hit_curve::scaled_miss_rate((1.0 - o.hit_rate).clamp(0.0, 1.0), o.cache_fraction, f)
 }

@@ -3,8 +3,9 @@
 //!
 //! Cost model (per decoded token, reads and compute not overlapped, as the engine runs today):
 //! `expert bytes touched × (1 − hit rate) ÷ drive GB/s + (dense bytes per token + expert bytes
-//! touched) ÷ matvec GB/s`. The expected hit rate assumes uniform routing without locality (cached
-//! experts ÷ all experts): a floor, real routing is usually more local. When previous runs of the
+//! touched) ÷ matvec GB/s`. The expected hit rate is that of typical decode routing
+//! ([`crate::hit_curve`], calibrated to published measurements of trained models); the uniform
+//! floor (cached ÷ all experts) is reported beside it. When previous runs of the
 //! model were measured ([`crate::observed`]), their hit rate (scaled to this cache size) and compute
 //! time per token replace the floor and the bandwidth-derived compute time. Prefill per chunk of `C`
 //! tokens: `2 · active params · C ÷ GEMM rate` plus, when streaming, the reads of the experts the
@@ -113,7 +114,7 @@ pub struct Estimate {
     pub decode_compute_ms: f64,
     pub rates: Bandwidths,
     pub rates_source: RatesSource,
-    /// Measurements of previous runs used instead of the uniform-routing hit rate and the
+    /// Measurements of previous runs used instead of the typical-routing hit rate and the
     /// bandwidth-derived compute time, when there are any.
     pub observed: Option<Observed>,
 }
@@ -132,8 +133,10 @@ pub struct Plan {
     /// Expert cache when streaming, bytes, and how many experts it holds.
     pub expert_cache_bytes: Option<u64>,
     pub expert_cache_experts: Option<u64>,
-    /// Under uniform routing (a floor).
+    /// Under typical decode routing ([`crate::hit_curve`]), or scaled from previous runs.
     pub expected_hit_rate: Option<f64>,
+    /// Under uniform routing: cached ÷ all experts (the worst case).
+    pub hit_rate_floor: Option<f64>,
     pub estimate: Estimate,
     pub warnings: Vec<String>,
     /// The `strata serve` command line this plan recommends (absent when TOO-LARGE).
@@ -238,6 +241,7 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
             expert_cache_bytes: gpu.host_expert_cache_bytes,
             expert_cache_experts: gpu.host_expert_cache_experts,
             expected_hit_rate: gpu.expected_vram_hit_rate,
+            hit_rate_floor: gpu.vram_expert_cache_experts.map(|n| n as f64 / (model.experts * model.moe_layers).max(1) as f64),
             estimate,
             warnings,
             recommended_command,
@@ -303,11 +307,12 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
         let n_experts = (model.experts * model.moe_layers) as u64;
         let cache_experts = (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
         let f = cache_experts as f64 / n_experts.max(1) as f64;
-        let miss = req.observed.as_ref().map_or(1.0 - f, |o| miss_rate_at(o, f));
-        (Some(cache_experts * entry), Some(cache_experts), Some(1.0 - miss))
+        let miss = req.observed.as_ref().map_or(1.0 - crate::hit_curve::typical_hit_rate(f), |o| miss_rate_at(o, f));
+        (Some(cache_experts * entry), Some(cache_experts), Some((1.0 - miss, f)))
     } else {
         (None, None, None)
     };
+    let (hit, hit_rate_floor) = (hit.map(|h| h.0), hit.map(|h| h.1));
     let estimate = estimate(model, req, hit, rates);
     let recommended_command = (strategy != Strategy::TooLarge).then(|| {
         let mut c = format!("strata serve --model {} --ctx-size {}", shell_quote(&model.path), req.ctx_size);
@@ -328,6 +333,7 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
         expert_cache_bytes: cache,
         expert_cache_experts: cache_experts,
         expected_hit_rate: hit,
+        hit_rate_floor,
         estimate,
         warnings,
         recommended_command,
@@ -337,10 +343,15 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
 
 fn estimate(model: &ModelFacts, req: &PlanRequest, hit: Option<f64>, (rates, source): (Bandwidths, RatesSource)) -> Estimate {
     let miss = 1.0 - hit.unwrap_or(1.0);
-    let read_s = model.expert_bytes_per_token as f64 * miss / (rates.drive_gbps * GB);
-    let compute_s = match &req.observed {
-        Some(o) => o.compute_ms_per_token / 1e3,
-        None => (model.dense_bytes_per_token + model.expert_bytes_per_token) as f64 / (rates.matvec_gbps * GB),
+    // Reads stall decoding except for what prefetch hid behind compute in previous runs.
+    let hidden_s = req.observed.as_ref().filter(|o| o.cache_fraction < 1.0).map_or(0.0, |o| o.hidden_read_ms_per_token / 1e3);
+    let read_s = (model.expert_bytes_per_token as f64 * miss / (rates.drive_gbps * GB) - hidden_s).max(0.0);
+    // Streaming plans take streamed runs' compute time (their reads' CPU work included), resident
+    // plans resident runs'; the calibrated matvec rate otherwise.
+    let measured = req.observed.as_ref().and_then(|o| if hit.is_some() { (o.cache_fraction < 1.0).then_some(o.compute_ms_per_token) } else { o.resident_compute_ms_per_token });
+    let compute_s = match measured {
+        Some(ms) => ms / 1e3,
+        None => model.dense_bytes_per_token as f64 / (rates.dense_matvec_gbps.unwrap_or(rates.matvec_gbps) * GB) + model.expert_bytes_per_token as f64 / (rates.matvec_gbps * GB),
     };
     let c = req.prefill_chunk.clamp(1, 512) as f64;
     let prefill_compute = 2.0 * model.active_params as f64 * c / (rates.gemm_gflops * 1e9);
@@ -370,7 +381,7 @@ impl Plan {
     pub fn summary(&self) -> String {
         let mut s = format!("plan: {} ({})", self.strategy.name(), self.reason);
         if let (Some(c), Some(n), Some(h)) = (self.expert_cache_bytes, self.expert_cache_experts, self.expected_hit_rate) {
-            let basis = if self.estimate.observed.is_some() { "from previous runs" } else { "uniform-routing floor" };
+            let basis = if self.estimate.observed.is_some() { "from previous runs" } else { "typical routing" };
             s += &format!(" | expert cache {} ({n} experts, expected hit rate {:.0}%, {basis})", gb(c), h * 100.0);
         }
         if self.strategy != Strategy::TooLarge {

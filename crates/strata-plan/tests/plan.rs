@@ -132,22 +132,33 @@ fn json_fields_are_the_documented_ones() {
 }
 
 #[test]
-fn observed_runs_replace_the_uniform_floor() {
+fn observed_runs_replace_the_typical_curve() {
     let path = synth("obs", 32);
     let m = facts(&path);
     let compute = plan(&m, 64 << 30, StreamMode::Auto).memory.compute_buffers;
     let tight = ((m.dense_memory_bytes + 1024 * m.kv_bytes_per_token + compute + (512 << 20) + m.expert_bytes / 4) as f64 / 0.95) as u64;
     let base = plan(&m, tight, StreamMode::Auto);
-    let floor = base.expected_hit_rate.unwrap();
     let f = base.expert_cache_experts.unwrap() as f64 / (m.experts * m.moe_layers) as f64;
-    assert!((floor - f).abs() < 1e-9, "without observations the hit rate is the cached share");
-    let o = strata_plan::Observed { cache_fraction: f, hit_rate: 0.9, compute_ms_per_token: 40.0, tokens: 31 };
+    assert!((base.hit_rate_floor.unwrap() - f).abs() < 1e-9, "the uniform floor is the cached share");
+    let typical = strata_plan::hit_curve::typical_hit_rate(f);
+    assert!((base.expected_hit_rate.unwrap() - typical).abs() < 1e-9, "without observations: typical routing's hit rate");
+    assert!(typical > f, "typical routing caches better than uniform");
+    let o = strata_plan::Observed { cache_fraction: f, hit_rate: 0.9, hidden_read_ms_per_token: 0.0, compute_ms_per_token: 40.0, resident_compute_ms_per_token: None, tokens: 31 };
     let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: Some(o), gpu: None, gpu_expert_cache: CacheBudget::Auto };
     let p = make_plan(&m, &ram(tight), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert!((p.expected_hit_rate.unwrap() - 0.9).abs() < 1e-9, "same cache share: the observed hit rate");
     assert!((p.estimate.decode_compute_ms - 40.0).abs() < 1e-9);
-    // A bigger cache misses proportionally less; a full one never.
-    assert!((strata_plan::observed::miss_rate_at(&o, (1.0 + f) / 2.0) - 0.05).abs() < 1e-9);
+    // Read time that prefetch hid behind compute in the recorded run is not charged again.
+    assert!(p.estimate.decode_read_ms > 1.0, "a 10% byte miss rate reads something");
+    let hidden = strata_plan::Observed { hidden_read_ms_per_token: 1.0, ..o };
+    let req_hidden = PlanRequest { observed: Some(hidden), ..req.clone() };
+    let q = make_plan(&m, &ram(tight), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req_hidden);
+    assert!((q.estimate.decode_read_ms - (p.estimate.decode_read_ms - 1.0)).abs() < 1e-9);
+    assert!(q.estimate.decode_tok_s > p.estimate.decode_tok_s);
+    // A bigger cache misses less, along the typical curve's shape; a full one never.
+    let miss = |x: f64| 1.0 - strata_plan::hit_curve::typical_hit_rate(x);
+    let half = (1.0 + f) / 2.0;
+    assert!((strata_plan::observed::miss_rate_at(&o, half) - 0.1 * miss(half) / miss(f)).abs() < 1e-9);
     assert_eq!(strata_plan::observed::miss_rate_at(&o, 1.0), 0.0);
     let _ = std::fs::remove_file(&path);
 }
@@ -177,7 +188,9 @@ fn gpu_plans_use_vram_then_pinned_host_memory_then_the_drive() {
     let g = p.gpu.as_ref().unwrap();
     let (vb, hit) = (g.vram_expert_cache_bytes.unwrap(), g.expected_vram_hit_rate.unwrap());
     assert!(vb <= vram - fixed && vb * 5 > m.expert_memory_bytes, "VRAM cache {vb} of {}", m.expert_memory_bytes);
-    assert!(hit > 0.2 && hit < 0.3, "{hit}");
+    let share = g.vram_expert_cache_experts.unwrap() as f64 / (m.experts * m.moe_layers) as f64;
+    assert!(share > 0.2 && share < 0.3, "{share}");
+    assert!((hit - strata_plan::hit_curve::typical_hit_rate(share)).abs() < 1e-9, "{hit}");
     assert_eq!(g.host_expert_cache_experts.unwrap(), (m.experts * m.moe_layers) as u64);
     assert!(g.decode_copy_ms > 0.0 && g.decode_read_ms == 0.0, "{g:?}");
     let cmd = p.recommended_command.as_deref().unwrap();

@@ -41,6 +41,39 @@ impl ApiError {
         Self { status: StatusCode::NOT_FOUND, message: format!("Unknown route {path}"), kind: "invalid_request_error", param: None, code: Some("not_found") }
     }
 
+    /// 404 `model_not_found` (OpenAI's answer for an unknown model).
+    pub fn model_not_found(model: &str, served: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist; this server serves `{served}`"),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+
+    /// 503 `server_shutting_down`: the server stopped before the answer was complete (streams get
+    /// this as their last event before `[DONE]`).
+    pub fn shutting_down() -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "The server is shutting down; the answer was cut short. Retry on another server or after the restart".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("server_shutting_down"),
+        }
+    }
+
+    /// 408: the client did not send its request body in time.
+    pub fn body_timeout(secs: u64) -> Self {
+        Self { status: StatusCode::REQUEST_TIMEOUT, code: Some("request_timeout"), ..Self::bad_request(format!("The request body did not arrive within {secs} s")) }
+    }
+
+    /// 415: POST bodies must be JSON (so that a web page cannot send a simple cross-site form post).
+    pub fn unsupported_media_type() -> Self {
+        Self { status: StatusCode::UNSUPPORTED_MEDIA_TYPE, ..Self::bad_request("Send the body as JSON with `Content-Type: application/json`") }
+    }
+
     pub fn overloaded(queue: usize) -> Self {
         Self {
             status: StatusCode::SERVICE_UNAVAILABLE,

@@ -126,6 +126,22 @@ impl SpecMetrics {
     }
 }
 
+/// Requests that ended before their answer was complete.
+#[derive(Clone, Default)]
+pub struct Cancellations {
+    /// The client closed the connection.
+    pub by_client: Counter,
+    /// The server shut down (the client got a `server_shutting_down` error).
+    pub by_shutdown: Counter,
+}
+
+impl Cancellations {
+    fn register(&self, r: &mut Registry) {
+        r.register("requests_cancelled_by_client", "Requests whose client went away before the answer was complete", self.by_client.clone());
+        r.register("requests_cut_by_shutdown", "Requests ended by a server shutdown (answered with a server_shutting_down error)", self.by_shutdown.clone());
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     pub requests: Counter,
@@ -138,6 +154,7 @@ pub struct Metrics {
     pub token_latency: Histogram,
     pub queue_depth: Gauge,
     pub active: Gauge,
+    pub cancellations: Cancellations,
     /// Registered only when experts are streamed.
     pub experts: ExpertMetrics,
     /// Registered only with speculative decoding.
@@ -182,7 +199,22 @@ impl Metrics {
         registry.register("token_latency_seconds", "Decode time per generated token", token_latency.clone());
         registry.register("queue_depth", "Requests waiting for a sequence slot", queue_depth.clone());
         registry.register("active_requests", "Requests generating now", active.clone());
-        Self { registry, requests, request_errors, prompt_tokens, generated_tokens, ttft, token_latency, queue_depth, active, experts: ExpertMetrics::default(), spec: SpecMetrics::new() }
+        let cancellations = Cancellations::default();
+        cancellations.register(&mut registry);
+        Self {
+            registry,
+            requests,
+            request_errors,
+            prompt_tokens,
+            generated_tokens,
+            ttft,
+            token_latency,
+            queue_depth,
+            active,
+            cancellations,
+            experts: ExpertMetrics::default(),
+            spec: SpecMetrics::new(),
+        }
     }
 
     pub fn render(&self) -> String {

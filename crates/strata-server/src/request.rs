@@ -1,5 +1,7 @@
 //! Parsing and validation of OpenAI request bodies. Every rejection names the field (`param`).
-//! Unknown fields are ignored, as OpenAI does.
+//! Fields OpenAI defines that Strata does not implement are refused by name (never silently
+//! ignored, [`UNSUPPORTED_CHAT`], [`UNSUPPORTED_COMPLETION`]); fields OpenAI does not define are
+//! ignored, as OpenAI does.
 
 use serde_json::Value;
 use strata_engine::SamplingParams;
@@ -11,6 +13,8 @@ use crate::error::ApiError;
 #[derive(Debug, Clone)]
 pub struct GenParams {
     pub max_tokens: Option<usize>,
+    /// The field `max_tokens` came from (`max_completion_tokens` or `max_tokens`).
+    pub max_tokens_key: Option<&'static str>,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -24,7 +28,79 @@ pub struct GenParams {
 pub enum Prompt {
     Chat(Vec<ChatMessage>),
     Text(String),
-    Tokens(Vec<u32>),
+    /// Token ids as sent (checked against the vocabulary before use).
+    Tokens(Vec<u64>),
+}
+
+impl Prompt {
+    /// Bytes of text to tokenize (0 for token ids): what bounds the tokenizer's work.
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Prompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
+            Prompt::Text(t) => t.len(),
+            Prompt::Tokens(_) => 0,
+        }
+    }
+}
+
+/// OpenAI chat-completion fields that change the output and that Strata does not implement:
+/// each is refused with a 400 naming it when present with a non-default value.
+pub const UNSUPPORTED_CHAT: [&str; 13] = [
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "store",
+];
+
+/// The same for `/v1/completions`.
+pub const UNSUPPORTED_COMPLETION: [&str; 4] = ["echo", "suffix", "best_of", "logit_bias"];
+
+/// Whether `v` is the value OpenAI treats as "not set" for `key` (absent, null, false, empty,
+/// `best_of: 1`, `parallel_tool_calls: true`, `tool_choice: "none"`).
+fn is_default(key: &str, v: &Value) -> bool {
+    match (key, v) {
+        (_, Value::Null | Value::Bool(false)) => true,
+        (_, Value::String(s)) if s.is_empty() => true,
+        (_, Value::Array(a)) if a.is_empty() => true,
+        (_, Value::Object(o)) if o.is_empty() => true,
+        ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
+        // Only meaningful with `tools`, which are refused themselves.
+        ("parallel_tool_calls", Value::Bool(_)) => true,
+        ("tool_choice", Value::String(s)) => s == "none" || s == "auto",
+        ("modalities", Value::Array(a)) => a.iter().all(|m| m == "text"),
+        _ => false,
+    }
+}
+
+/// Refuses any field of `unsupported` that `body` sets.
+pub fn refuse_unsupported(body: &Value, unsupported: &[&str]) -> Result<(), ApiError> {
+    for key in unsupported {
+        if let Some(v) = body.get(*key) {
+            if !is_default(key, v) {
+                return Err(ApiError::invalid(key, format!("`{key}` is not supported by this server (Strata); remove it or send its default")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `model`: required, a string, the served model's id or one of its aliases.
+pub fn check_model(body: &Value, served: &str, aliases: &[String]) -> Result<(), ApiError> {
+    match body.get("model") {
+        None | Some(Value::Null) => Err(ApiError::invalid("model", format!("`model` is required (this server serves `{served}`)"))),
+        Some(Value::String(m)) if m == served || aliases.iter().any(|a| a == m) => Ok(()),
+        Some(Value::String(m)) => Err(ApiError::model_not_found(m, served)),
+        Some(_) => Err(ApiError::invalid("model", "`model` must be a string")),
+    }
 }
 
 fn num(body: &Value, key: &str) -> Result<Option<f64>, ApiError> {
@@ -70,13 +146,16 @@ pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result
             return Err(ApiError::invalid("n", format!("Only n = 1 is supported, got {n}")));
         }
     }
-    let mut max_tokens = None;
+    let (mut max_tokens, mut max_tokens_key) = (None, None);
     for key in ["max_completion_tokens", "max_tokens"] {
         if let Some(m) = int(body, key)? {
             if m < 1 {
                 return Err(ApiError::invalid(key, format!("`{key}` must be at least 1, got {m}")));
             }
-            max_tokens.get_or_insert(m as usize);
+            if max_tokens.is_none() {
+                max_tokens = Some(m as usize);
+                max_tokens_key = Some(key);
+            }
         }
     }
     let mut s = defaults.clone();
@@ -127,14 +206,16 @@ pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result
         Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` must be an object")),
     };
     let logprobs = if chat {
+        let top = int(body, "top_logprobs")?;
         match boolean(body, "logprobs")? {
             Some(true) => {
-                let n = int(body, "top_logprobs")?.unwrap_or(0);
+                let n = top.unwrap_or(0);
                 if !(0..=20).contains(&n) {
                     return Err(ApiError::invalid("top_logprobs", "`top_logprobs` must be between 0 and 20"));
                 }
                 Some(n as usize)
             }
+            _ if top.is_some() => return Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
             _ => None,
         }
     } else {
@@ -145,7 +226,7 @@ pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result
         }
     };
     let ignore_eos = boolean(body, "ignore_eos")?.unwrap_or(false);
-    Ok(GenParams { max_tokens, sampling: s, stop, stream, include_usage, logprobs, ignore_eos })
+    Ok(GenParams { max_tokens, max_tokens_key, sampling: s, stop, stream, include_usage, logprobs, ignore_eos })
 }
 
 /// `messages`: a non-empty list of `{role, content}` where content is a string or a list of
@@ -186,14 +267,18 @@ pub fn chat_messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
         .collect()
 }
 
-/// `prompt` of `/v1/completions`: a string, a list with one string, or a list of token ids.
+/// `prompt` of `/v1/completions`: a string, a list with one string, or a list of token ids
+/// (non-negative integers; their range is checked against the vocabulary by the caller).
 pub fn completion_prompt(body: &Value) -> Result<Prompt, ApiError> {
     match body.get("prompt") {
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap_or_default().to_string())),
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|x| x.is_u64()) => {
-            Ok(Prompt::Tokens(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()))
-        }
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x.as_u64().ok_or_else(|| ApiError::invalid("prompt", format!("prompt[{i}] = {x} is not a token id (a non-negative integer)"))))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Prompt::Tokens),
         None | Some(Value::Null) => Err(ApiError::invalid("prompt", "`prompt` is required")),
         Some(_) => Err(ApiError::invalid("prompt", "`prompt` must be a string, a list with one string, or a list of token ids")),
     }

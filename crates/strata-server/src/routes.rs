@@ -1,4 +1,9 @@
 //! HTTP handlers: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`.
+//!
+//! A request's body is read under a time limit, then parsed, validated and tokenized on the
+//! blocking pool (never on the async runtime, so `/health` stays responsive under huge prompts),
+//! after a size check that refuses a prompt whose bytes cannot fit the context before any
+//! tokenizer work.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -6,26 +11,21 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{header, StatusCode, Uri};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use strata_engine::{FinishReason, GenerateRequest, Generation, TokenLogprobs};
+use strata_engine::{GenerateRequest, Generation, TokenLogprobs};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ApiError;
-use crate::request::{chat_messages, completion_prompt, gen_params, GenParams, Prompt};
+use crate::request::{chat_messages, check_model, completion_prompt, gen_params, refuse_unsupported, GenParams, Prompt, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION};
+use crate::response::{finish_str, logprobs_json, Kind, Meta};
 use crate::scheduler::GenEvent;
 use crate::AppState;
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Completion,
-}
 
 fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
@@ -35,80 +35,119 @@ fn new_id(prefix: &str) -> String {
     format!("{prefix}-{:016x}", rand::random::<u64>())
 }
 
-fn parse_json(body: &Bytes) -> Result<Value, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("Malformed JSON body: {e}")))
-}
-
-pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let res = async {
-        let body = parse_json(&body)?;
-        let params = gen_params(&body, &st.config.sampling, true)?;
-        let messages = chat_messages(&body)?;
-        run(st.clone(), Prompt::Chat(messages), params, Kind::Chat).await
+/// Reads the body within `--body-timeout` (408 after it) and `--max-body-bytes` (413 above it).
+async fn read_body(st: &AppState, req: Request) -> Result<Bytes, ApiError> {
+    let limit = st.config.max_body_bytes;
+    let too_large = || ApiError { status: StatusCode::PAYLOAD_TOO_LARGE, ..ApiError::bad_request(format!("The request body is over the {limit}-byte limit (--max-body-bytes)")) };
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
     }
-    .await;
-    res.unwrap_or_else(|e| {
-        st.metrics.request_errors.inc();
-        e.into_response()
-    })
-}
-
-pub async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let res = async {
-        let body = parse_json(&body)?;
-        let params = gen_params(&body, &st.config.sampling, false)?;
-        let prompt = completion_prompt(&body)?;
-        run(st.clone(), prompt, params, Kind::Completion).await
+    let timeout = st.config.body_timeout;
+    match tokio::time::timeout(timeout, axum::body::to_bytes(req.into_body(), limit)).await {
+        Err(_) => Err(ApiError::body_timeout(timeout.as_secs())),
+        Ok(Err(_)) => Err(too_large()),
+        Ok(Ok(b)) => Ok(b),
     }
-    .await;
-    res.unwrap_or_else(|e| {
-        st.metrics.request_errors.inc();
-        e.into_response()
-    })
 }
 
-/// Tokenizes, checks the context, queues the request and answers (JSON or SSE).
-async fn run(st: Arc<AppState>, prompt: Prompt, p: GenParams, kind: Kind) -> Result<Response, ApiError> {
+pub async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    handle(st, req, Kind::Chat).await
+}
+
+pub async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    handle(st, req, Kind::Completion).await
+}
+
+async fn handle(st: Arc<AppState>, req: Request, kind: Kind) -> Response {
     st.metrics.requests.inc();
+    let res = async {
+        let body = read_body(&st, req).await?;
+        let big = body.len() > 1 << 20;
+        let st2 = st.clone();
+        let permit = st.prepare_permits.acquire().await.map_err(|_| ApiError::shutting_down())?;
+        let prepared = tokio::task::spawn_blocking(move || {
+            let r = prepare(&st2, &body, kind);
+            drop(body);
+            if big {
+                crate::memory::release_free_memory();
+            }
+            r
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?;
+        drop(permit);
+        let (ids, params) = prepared?;
+        run(st.clone(), ids, params, kind).await
+    }
+    .await;
+    res.unwrap_or_else(|e| {
+        st.metrics.request_errors.inc();
+        e.into_response()
+    })
+}
+
+/// Parses and validates the body, checks the prompt's size, tokenizes it, and fixes
+/// `max_tokens`. Blocking work: runs on the blocking pool.
+fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParams), ApiError> {
+    let body: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("Malformed JSON body: {e}")))?;
+    let chat = kind == Kind::Chat;
+    let mut params = gen_params(&body, &st.config.sampling, chat)?;
+    check_model(&body, &st.model_name, &st.config.model_aliases)?;
+    refuse_unsupported(&body, if chat { &UNSUPPORTED_CHAT } else { &UNSUPPORTED_COMPLETION })?;
+    let prompt = if chat { Prompt::Chat(chat_messages(&body)?) } else { completion_prompt(&body)? };
+    drop(body);
     let engine = &st.engine;
+    let ctx = st.config.ctx_size;
+    let too_long = |n: String| ApiError::context_length(format!("This model's context is {ctx} tokens; the prompt has {n} tokens"));
+    let least = engine.tokenizer.min_tokens_for(prompt.text_bytes());
+    if least >= ctx {
+        return Err(too_long(format!("at least {least}")));
+    }
     let ids = match prompt {
-        Prompt::Chat(m) => engine.chat_prompt(&m).map_err(|e| ApiError::bad_request(format!("Cannot apply the chat template: {e}")))?.1,
+        Prompt::Chat(m) => engine.chat_prompt(&m).map_err(|e| ApiError::invalid("messages", format!("Cannot apply the chat template: {e}")))?.1,
         Prompt::Text(t) => engine.text_prompt(&t).map_err(|e| ApiError::bad_request(e.to_string()))?,
         Prompt::Tokens(t) => {
-            let vocab = engine.model.config().vocab_size as u32;
-            if let Some(bad) = t.iter().find(|&&x| x >= vocab) {
-                return Err(ApiError::invalid("prompt", format!("token id {bad} is outside the vocabulary ({vocab})")));
+            let vocab = engine.model.config().vocab_size as u64;
+            if let Some((i, bad)) = t.iter().enumerate().find(|(_, &x)| x >= vocab) {
+                return Err(ApiError::invalid("prompt", format!("prompt[{i}] = {bad} is outside the vocabulary (0..{vocab})")));
             }
-            t
+            t.into_iter().map(|x| x as u32).collect()
         }
     };
     if ids.is_empty() {
         return Err(ApiError::invalid("prompt", "The prompt is empty"));
     }
-    let ctx = st.config.ctx_size;
     if ids.len() >= ctx {
-        return Err(ApiError::context_length(format!("This model's context is {ctx} tokens; the prompt has {} tokens", ids.len())));
+        return Err(too_long(ids.len().to_string()));
     }
-    let max_tokens = match p.max_tokens {
+    let cap = st.config.max_tokens;
+    params.max_tokens = Some(match params.max_tokens {
         Some(m) if ids.len() + m > ctx => {
-            return Err(ApiError::context_length(format!(
-                "This model's context is {ctx} tokens; the prompt ({} tokens) plus max_tokens ({m}) exceed it",
-                ids.len()
-            )))
+            return Err(ApiError::context_length(format!("This model's context is {ctx} tokens; the prompt ({} tokens) plus max_tokens ({m}) exceed it", ids.len())))
+        }
+        Some(m) if m > cap => {
+            let key = params.max_tokens_key.unwrap_or("max_tokens");
+            return Err(ApiError::invalid(key, format!("`{key}` is {m}; this server allows at most {cap} (--max-tokens)")));
         }
         Some(m) => m,
-        None => st.config.max_tokens.min(ctx - ids.len()),
-    };
-    let mut req = GenerateRequest::new(ids, max_tokens, p.sampling.clone());
+        None => cap.min(ctx - ids.len()),
+    });
+    Ok((ids, params))
+}
+
+/// Queues the request and answers (JSON or SSE).
+async fn run(st: Arc<AppState>, ids: Vec<u32>, p: GenParams, kind: Kind) -> Result<Response, ApiError> {
+    let mut req = GenerateRequest::new(ids, p.max_tokens.unwrap_or(1), p.sampling.clone());
     req.stop = p.stop.clone();
     req.logprobs = p.logprobs;
     req.ignore_eos = p.ignore_eos;
     req.prefill_chunk = st.config.prefill_chunk;
     let (tx, rx) = unbounded_channel();
     let start = Instant::now();
-    let cancel = st.scheduler.submit(req, tx)?;
-    st.metrics.queue_depth.set(st.scheduler.queue_depth() as i64);
     let meta = Meta { id: new_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }), created: now(), model: st.model_name.clone(), kind };
+    let cancel = st.scheduler.submit(req, tx, meta.id.clone())?;
+    st.metrics.queue_depth.set(st.scheduler.queue_depth() as i64);
     if p.stream {
         let (sse_tx, sse_rx) = unbounded_channel::<Result<Event, Infallible>>();
         let st2 = st.clone();
@@ -173,76 +212,6 @@ fn record(st: &AppState, id: &str, gen: &Generation, start: Instant) {
     );
 }
 
-/// Clients never see `cancelled` (they are gone, or the server is stopping): report `stop`.
-fn finish_str(f: FinishReason) -> &'static str {
-    match f {
-        FinishReason::Length => "length",
-        _ => "stop",
-    }
-}
-
-struct Meta {
-    id: String,
-    created: u64,
-    model: String,
-    kind: Kind,
-}
-
-impl Meta {
-    fn usage(gen: &Generation) -> Value {
-        json!({"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.tokens.len(), "total_tokens": gen.prompt_tokens + gen.tokens.len()})
-    }
-
-    fn full_response(&self, st: &AppState, gen: &Generation, lps: Vec<(u32, TokenLogprobs)>, want_lp: bool) -> Value {
-        let logprobs = if want_lp { logprobs_json(st, &lps, self.kind) } else { Value::Null };
-        let choice = match self.kind {
-            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)}),
-            Kind::Completion => json!({"index": 0, "text": gen.text, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)}),
-        };
-        let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": Self::usage(gen)})
-    }
-
-    fn chunk(&self, delta_or_text: Value, logprobs: Value, finish: Option<&str>) -> Value {
-        let choice = match self.kind {
-            Kind::Chat => json!({"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish}),
-            Kind::Completion => json!({"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish}),
-        };
-        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
-    }
-
-    fn text_delta(&self, text: &str) -> Value {
-        match self.kind {
-            Kind::Chat => json!({"content": text}),
-            Kind::Completion => json!(text),
-        }
-    }
-}
-
-fn logprobs_json(st: &AppState, lps: &[(u32, TokenLogprobs)], kind: Kind) -> Value {
-    let tok = &st.engine.tokenizer;
-    let piece = |id: u32| tok.token_text(id);
-    match kind {
-        Kind::Chat => json!({"content": lps.iter().map(|(id, l)| {
-            let t = piece(*id);
-            json!({"token": t, "logprob": l.logprob, "bytes": t.as_bytes(),
-                   "top_logprobs": l.top.iter().map(|(a, lp)| { let s = piece(*a); json!({"token": s, "logprob": lp, "bytes": s.as_bytes()}) }).collect::<Vec<_>>()})
-        }).collect::<Vec<_>>()}),
-        Kind::Completion => {
-            let tokens: Vec<String> = lps.iter().map(|(id, _)| piece(*id)).collect();
-            let mut offset = 0;
-            let offsets: Vec<usize> = tokens.iter().map(|t| { let o = offset; offset += t.len(); o }).collect();
-            json!({
-                "tokens": tokens,
-                "token_logprobs": lps.iter().map(|(_, l)| l.logprob).collect::<Vec<_>>(),
-                "top_logprobs": lps.iter().map(|(_, l)| l.top.iter().map(|(a, lp)| (piece(*a), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
-                "text_offset": offsets,
-            })
-        }
-    }
-}
-
 async fn stream_events(
     st: Arc<AppState>,
     mut rx: UnboundedReceiver<GenEvent>,
@@ -293,16 +262,39 @@ async fn stream_events(
 }
 
 pub async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": st.model_name, "object": "model", "created": st.started, "owned_by": "strata"}]}))
+    let mut data = vec![json!({"id": st.model_name, "object": "model", "created": st.started, "owned_by": "strata"})];
+    data.extend(st.config.model_aliases.iter().map(|a| json!({"id": a, "object": "model", "created": st.started, "owned_by": "strata"})));
+    Json(json!({"object": "list", "data": data}))
 }
 
-pub async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
+/// `{"status": "ok"}` for anyone; with the API key (or when none is set) also the model, slots
+/// and the memory plan (without file paths).
+pub async fn health(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Json<Value> {
+    if !crate::http::authorized(&st, &headers) {
+        return Json(json!({"status": "ok"}));
+    }
+    let mut plan = st.config.plan.clone().unwrap_or(Value::Null);
+    strip_paths(&mut plan);
     Json(json!({
         "status": "ok",
         "model": st.model_name,
         "slots": {"total": st.config.parallel, "active": st.scheduler.active(), "queued": st.scheduler.queue_depth()},
-        "plan": st.config.plan.clone().unwrap_or(Value::Null),
+        "plan": plan,
     }))
+}
+
+/// Removes every `path` field and the recommended command (both name the model file's location on
+/// the server) from the plan object.
+fn strip_paths(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            o.remove("path");
+            o.remove("recommended_command");
+            o.values_mut().for_each(strip_paths);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_paths),
+        _ => {}
+    }
 }
 
 pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {

@@ -11,7 +11,7 @@ use strata_engine::{GenerateRequest, SamplingParams};
 use strata_formats::ChatMessage;
 
 fn chat(content: &str, extra: serde_json::Value) -> serde_json::Value {
-    let mut b = json!({"model": "x", "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 12});
+    let mut b = json!({"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 12});
     for (k, v) in extra.as_object().unwrap() {
         b[k] = v.clone();
     }
@@ -189,6 +189,9 @@ fn client_errors_are_4xx_with_openai_bodies() {
     assert!(v["error"]["message"].as_str().unwrap().contains("n = 1"));
     assert_error(&http::post(addr, "/v1/completions", &json!({"max_tokens": 3})), 400, Some("prompt"));
     assert_error(&http::post(addr, "/v1/completions", &json!({"prompt": [999999]})), 400, Some("prompt"));
+    assert_error(&http::post(addr, "/v1/completions", &json!({"prompt": [1u64 << 40]})), 400, Some("prompt"));
+    assert_error(&http::post(addr, "/v1/completions", &json!({"prompt": [-1]})), 400, Some("prompt"));
+    assert_error(&http::post(addr, "/v1/completions", &json!({"prompt": [1.5]})), 400, Some("prompt"));
     let v = assert_error(&http::post(addr, "/v1/chat/completions", &chat("x", json!({"max_tokens": 5000}))), 400, None);
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     let long = "word ".repeat(3000);
@@ -209,14 +212,23 @@ fn api_key_is_required_when_set() {
     assert_error(&http::request(s.addr, "POST", "/v1/completions", &[], &body), 401, None);
     assert_error(&http::request(s.addr, "POST", "/v1/completions", &[("Authorization", "Bearer wrong")], &body), 401, None);
     assert_eq!(http::request(s.addr, "POST", "/v1/completions", &[("Authorization", "Bearer sekret")], &body).status, 200);
-    assert_eq!(http::get(s.addr, "/health").status, 200, "health stays open for load balancers");
+    // The scheme is case-insensitive (RFC 7235).
+    assert_eq!(http::request(s.addr, "POST", "/v1/completions", &[("Authorization", "bearer sekret")], &body).status, 200);
+    assert_error(&http::request(s.addr, "POST", "/v1/completions", &[("Authorization", "Basic sekret")], &body), 401, None);
+    // /health stays open for load balancers, but says nothing more without the key.
+    let open = http::get(s.addr, "/health");
+    assert_eq!(open.status, 200);
+    assert_eq!(open.json(), json!({"status": "ok"}));
+    let full = http::request(s.addr, "GET", "/health", &[("Authorization", "Bearer sekret")], "").json();
+    assert_eq!(full["slots"]["total"], 1, "{full}");
+    assert!(!full.to_string().contains(".gguf") && !full.to_string().contains("/models"), "no file paths: {full}");
 }
 
 #[test]
 fn panic_in_generation_is_a_500_and_the_server_keeps_serving() {
     let engine = common::engine();
     let trigger = engine.text_prompt("PANIC NOW").unwrap();
-    let s = common::start(strata_server::ServerConfig { panic_trigger: Some(trigger), ..common::config() });
+    let s = common::start(strata_server::ServerConfig { panic_trigger: Some(trigger), ..common::config() }); // the `test-hooks` feature
     assert_error(&http::post(s.addr, "/v1/completions", &json!({"prompt": "PANIC NOW", "max_tokens": 2})), 500, None);
     let r = http::post(s.addr, "/v1/completions", &json!({"prompt": "Hello", "max_tokens": 2}));
     assert_eq!(r.status, 200, "{}", r.body);

@@ -67,7 +67,7 @@ fn full_queue_answers_503() {
 #[test]
 fn disconnect_cancels_generation() {
     let s = common::start(strata_server::ServerConfig { max_tokens: 2000, ..common::config() });
-    let body = json!({"prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": true, "ignore_eos": true}).to_string();
+    let body = json!({"model": http::served_model(s.addr), "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": true, "ignore_eos": true}).to_string();
     let mut c = std::net::TcpStream::connect(s.addr).unwrap();
     write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 512];

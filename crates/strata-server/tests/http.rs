@@ -22,7 +22,38 @@ impl Resp {
     }
 }
 
+/// The id the server at `addr` serves (`GET /v1/models`), asked once per address.
+pub fn served_model(addr: SocketAddr) -> String {
+    served_model_with(addr, &[]).expect("a served model")
+}
+
+/// The same, sending `headers` (an API key); `None` when the server refuses to list its models.
+fn served_model_with(addr: SocketAddr, headers: &[(&str, &str)]) -> Option<String> {
+    static MODELS: std::sync::Mutex<Vec<(SocketAddr, String)>> = std::sync::Mutex::new(Vec::new());
+    if let Some((_, m)) = MODELS.lock().unwrap().iter().find(|(a, _)| *a == addr) {
+        return Some(m.clone());
+    }
+    let id = request_raw(addr, "GET", "/v1/models", headers, "").json()["data"][0]["id"].as_str()?.to_string();
+    MODELS.lock().unwrap().push((addr, id.clone()));
+    Some(id)
+}
+
+/// Sends one request, as a well-behaved client does: a POST body that is a JSON object without
+/// `model` gets the id the server serves (when the server lists it to these headers).
+/// [`request_raw`] sends the body untouched.
 pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    if method == "POST" {
+        if let Ok(serde_json::Value::Object(mut o)) = serde_json::from_str::<serde_json::Value>(body) {
+            if let (false, Some(id)) = (o.contains_key("model"), served_model_with(addr, headers)) {
+                o.insert("model".into(), id.into());
+                return request_raw(addr, method, path, headers, &serde_json::Value::Object(o).to_string());
+            }
+        }
+    }
+    request_raw(addr, method, path, headers, body)
+}
+
+pub fn request_raw(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());

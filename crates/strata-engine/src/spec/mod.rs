@@ -196,11 +196,12 @@ impl<'a> Speculator<'a> {
 
     /// Prefills `prompt` into the empty `cache` in chunks, keeping what the draft needs from it
     /// (DFlash: the prompt's context features). Returns the last position's logits `[vocab]`.
-    pub fn prefill(&mut self, cache: &mut KvCache, prompt: &[u32]) -> Result<Vec<f32>> {
+    /// `stop` is polled between layers (`ModelError::Interrupted` when it says so).
+    pub fn prefill(&mut self, cache: &mut KvCache, prompt: &[u32], stop: &dyn Fn() -> bool) -> Result<Vec<f32>> {
         let taps = self.taps().to_vec();
         let mut logits = None;
         for part in prompt.chunks(self.prefill_chunk) {
-            let out = self.target.forward(part, cache, Logits::Last, &taps)?;
+            let out = self.target.forward_interruptible(part, cache, Logits::Last, &taps, stop)?;
             self.observe_taps(&out.taps, part.len())?;
             logits = Some(out.logits);
         }
