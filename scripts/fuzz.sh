@@ -26,6 +26,8 @@ for t in ${TARGETS:-gguf safetensors request}; do
       printf '%s' '{"model":"m","prompt":"hi","echo":false,"best_of":1,"tools":[],"tool_choice":"none"}' > "$c/defaults.json" ;;
   esac
   echo "== $t: ${SECS}s"
-  cargo fuzz run --sanitizer none --release "$t" "$c" -- -max_total_time="$SECS" -timeout=20 -rss_limit_mb=4096 -max_len=2000000 -jobs="${JOBS:-1}" -workers="${JOBS:-1}" -print_final_stats=1 2>&1 | tail -20
+  # With JOBS > 1 libFuzzer writes each job's log to fuzz-N.log (ignored by git).
+  par=(); [ "${JOBS:-1}" -gt 1 ] && par=(-jobs="$JOBS" -workers="$JOBS")
+  cargo fuzz run --sanitizer none --release "$t" "$c" -- -max_total_time="$SECS" -timeout=20 -rss_limit_mb=4096 -max_len=2000000 "${par[@]}" -print_final_stats=1 2>&1 | grep -E "^(Done|stat::)|ERROR|panicked|crash-|timeout-|oom-"
 done
 rm -rf "$seeds"
