@@ -96,7 +96,7 @@ pub struct AppState {
     pub started: u64,
     /// Requests being parsed, size-checked and tokenised at once (on the blocking pool): one per
     /// core, so a burst of large bodies never spawns a thread (and a malloc arena) per request.
-    pub prepare_permits: tokio::sync::Semaphore,
+    pub prepare_permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -113,6 +113,6 @@ impl AppState {
         let scheduler = Scheduler::start(engine.clone(), &config, metrics.cancellations.clone(), trigger)?;
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Ok(Arc::new(Self { model_name: engine.name.clone(), engine, config, scheduler, metrics, started, prepare_permits: tokio::sync::Semaphore::new(cores) }))
+        Ok(Arc::new(Self { model_name: engine.name.clone(), engine, config, scheduler, metrics, started, prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores)) }))
     }
 }

@@ -65,8 +65,11 @@ async fn handle(st: Arc<AppState>, req: Request, kind: Kind) -> Response {
         let body = read_body(&st, req).await?;
         let big = body.len() > 1 << 20;
         let st2 = st.clone();
-        let permit = st.prepare_permits.acquire().await.map_err(|_| ApiError::shutting_down())?;
+        let permit = st.prepare_permits.clone().acquire_owned().await.map_err(|_| ApiError::shutting_down())?;
         let prepared = tokio::task::spawn_blocking(move || {
+            // Held by the blocking work itself: a client that leaves does not free its permit
+            // while its body is still being tokenised.
+            let _permit = permit;
             let r = prepare(&st2, &body, kind);
             drop(body);
             if big {
@@ -76,7 +79,6 @@ async fn handle(st: Arc<AppState>, req: Request, kind: Kind) -> Response {
         })
         .await
         .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?;
-        drop(permit);
         let (ids, params) = prepared?;
         run(st.clone(), ids, params, kind).await
     }
