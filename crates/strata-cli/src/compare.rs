@@ -45,13 +45,14 @@ pub fn run(a: CompareArgs) -> Result<()> {
     }
     let load = |opts: LoadOptions| Engine::load(&a.model, &opts, &mut |_, _| {});
     let mut dev_opts = LoadOptions::new(4096, device.clone());
-    dev_opts.stream_experts = a.gpu_expert_cache.map(|gpu_expert_cache| strata_engine::StreamOptions {
-        budget: strata_engine::CacheBudget::Percent(100.0),
-        gpu_expert_cache,
-        prefetch_min_precision: 0.0,
-        io_threads: 4,
-        ..Default::default()
-    });
+    dev_opts.stream_experts =
+        a.gpu_expert_cache.map(|gpu_expert_cache| strata_engine::StreamOptions {
+            budget: strata_engine::CacheBudget::Percent(100.0),
+            gpu_expert_cache,
+            prefetch_min_precision: 0.0,
+            io_threads: 4,
+            ..Default::default()
+        });
     let (cpu, dev) = (load(LoadOptions::new(4096, candle_core::Device::Cpu))?, load(dev_opts)?);
     let ids = match &a.prompt {
         Some(p) => cpu.text_prompt(p)?,
@@ -60,17 +61,24 @@ pub fn run(a: CompareArgs) -> Result<()> {
     };
     let logits = |e: &Engine| -> Result<Vec<Vec<f32>>> {
         let mut cache = e.new_cache(ids.len() + 1)?;
-        Ok(e.model.forward(&ids, &mut cache, Logits::All, &[])?.logits.to_dtype(candle_core::DType::F32)?.to_vec2()?)
+        Ok(e.model
+            .forward(&ids, &mut cache, Logits::All, &[])?
+            .logits
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec2()?)
     };
     let (lc, ld) = (logits(&cpu)?, logits(&dev)?);
     let (mut worst_rel, mut worst_l2, mut argmax_same) = (0f64, 0f64, 0);
     for (c, d) in lc.iter().zip(&ld) {
         let scale = c.iter().fold(0f64, |m, &x| m.max(x.abs() as f64)).max(1e-12);
         let diff = c.iter().zip(d).fold(0f64, |m, (&x, &y)| m.max((x - y).abs() as f64));
-        let l2 = (c.iter().zip(d).map(|(&x, &y)| ((x - y) as f64).powi(2)).sum::<f64>() / c.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().max(1e-30)).sqrt();
+        let l2 = (c.iter().zip(d).map(|(&x, &y)| ((x - y) as f64).powi(2)).sum::<f64>()
+            / c.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().max(1e-30))
+        .sqrt();
         worst_rel = worst_rel.max(diff / scale);
         worst_l2 = worst_l2.max(l2);
-        argmax_same += usize::from(strata_engine::sampling::argmax(c) == strata_engine::sampling::argmax(d));
+        argmax_same +=
+            usize::from(strata_engine::sampling::argmax(c) == strata_engine::sampling::argmax(d));
     }
     let greedy = |e: &Engine| -> Result<Vec<u32>> {
         let mut req = GenerateRequest::new(ids.clone(), a.tokens, SamplingParams::greedy());

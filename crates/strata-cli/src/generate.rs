@@ -91,7 +91,10 @@ impl SamplingArgs {
             top_k: self.top_k.or(d.top_k).unwrap_or(base.top_k),
             top_p: self.top_p.or(d.top_p).unwrap_or(base.top_p),
             min_p: self.min_p.or(d.min_p).unwrap_or(base.min_p),
-            repeat_penalty: self.repeat_penalty.or(d.repetition_penalty).unwrap_or(base.repeat_penalty),
+            repeat_penalty: self
+                .repeat_penalty
+                .or(d.repetition_penalty)
+                .unwrap_or(base.repeat_penalty),
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             penalty_last_n: self.repeat_last_n,
@@ -111,12 +114,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else if let Some(p) = &args.prompt {
         engine.text_prompt(p)?
     } else if let Some(f) = &args.prompt_file {
-        let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        let text =
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
         engine.text_prompt(&text)?
     } else {
         bail!("give one of --prompt, --chat or --prompt-file");
     };
-    let mut req = GenerateRequest::new(prompt.clone(), args.max_tokens, args.sampling.params(&engine));
+    let mut req =
+        GenerateRequest::new(prompt.clone(), args.max_tokens, args.sampling.params(&engine));
     req.stop = args.stop.clone();
     req.ignore_eos = args.ignore_eos;
     req.prefill_chunk = args.model.prefill_chunk;
@@ -191,15 +196,29 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             eprintln!("{}", s.summary());
         }
         if let Some(t) = &gen.routing {
-            eprintln!("{}", strata_engine::routing_report::report(t, gen.prefetch_decode.as_ref()).markdown());
+            eprintln!(
+                "{}",
+                strata_engine::routing_report::report(t, gen.prefetch_decode.as_ref()).markdown()
+            );
         } else if args.routing_report {
             eprintln!("routing report: not recorded (speculative decoding routes rejected drafts too; run without --spec)");
         }
         if let Some(x) = &gen.experts {
-            eprintln!("{}", crate::measure::expert_stats_line(x, gen.prompt_tokens + gen.tokens.len()));
+            eprintln!(
+                "{}",
+                crate::measure::expert_stats_line(x, gen.prompt_tokens + gen.tokens.len())
+            );
             if let Some(d) = &gen.experts_decode {
-                eprintln!("{}", crate::measure::drive_floor_line(d, gen.tokens.len().saturating_sub(1), std::path::Path::new(&plan.model.path)));
-                if let (Some(p), Some(mode)) = (&gen.prefetch_decode, engine.model.prefetch_mode()) {
+                eprintln!(
+                    "{}",
+                    crate::measure::drive_floor_line(
+                        d,
+                        gen.tokens.len().saturating_sub(1),
+                        std::path::Path::new(&plan.model.path)
+                    )
+                );
+                if let (Some(p), Some(mode)) = (&gen.prefetch_decode, engine.model.prefetch_mode())
+                {
                     eprintln!("{}", crate::measure::prefetch_line(d, p, mode));
                 }
             }
@@ -219,7 +238,11 @@ pub fn spec_json(s: &strata_engine::SpecStats) -> serde_json::Value {
 
 /// What the process holds (bytes): weights outside the expert provider, the provider's budget, the
 /// KV cache, and the RSS before loading and at its peak.
-fn memory_report(engine: &strata_engine::Engine, cache: &strata_models::KvCache, rss_before_load: Option<u64>) -> serde_json::Value {
+fn memory_report(
+    engine: &strata_engine::Engine,
+    cache: &strata_models::KvCache,
+    rss_before_load: Option<u64>,
+) -> serde_json::Value {
     let rss = strata_engine::expert_store::process_rss();
     serde_json::json!({
         "resident_weight_bytes": engine.resident_weight_bytes,
@@ -232,16 +255,31 @@ fn memory_report(engine: &strata_engine::Engine, cache: &strata_models::KvCache,
 
 /// Records this run's decode hit rate and compute time for the next plan of the same model
 /// (`strata_plan::observed`). Failing to write the cache only logs.
-fn record_observation(engine: &strata_engine::Engine, plan: &strata_plan::Plan, gen: &strata_engine::Generation) {
+fn record_observation(
+    engine: &strata_engine::Engine,
+    plan: &strata_plan::Plan,
+    gen: &strata_engine::Generation,
+) {
     if gen.spec.is_some() {
         return; // observations describe plain decoding
     }
     let n = gen.tokens.len().saturating_sub(1) as u64;
     let (hit_rate, stall_ms, read_ms, cache_fraction) = match &gen.experts_decode {
         Some(d) => {
-            let byte_hit = if d.touched_bytes > 0 { 1.0 - d.bytes_read as f64 / d.touched_bytes as f64 } else { d.hit_rate() };
+            let byte_hit = if d.touched_bytes > 0 {
+                1.0 - d.bytes_read as f64 / d.touched_bytes as f64
+            } else {
+                d.hit_rate()
+            };
             let read_ms = d.bytes_read as f64 / (plan.estimate.rates.drive_gbps * 1e9) * 1e3;
-            (byte_hit.clamp(0.0, 1.0), d.stall_ns as f64 / 1e6, read_ms, (engine.model.experts().memory_bytes() as f64 / plan.model.expert_bytes.max(1) as f64).min(1.0))
+            (
+                byte_hit.clamp(0.0, 1.0),
+                d.stall_ns as f64 / 1e6,
+                read_ms,
+                (engine.model.experts().memory_bytes() as f64
+                    / plan.model.expert_bytes.max(1) as f64)
+                    .min(1.0),
+            )
         }
         None => (1.0, 0.0, 0.0, 1.0),
     };

@@ -23,7 +23,8 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let path = a.model.model_path()?;
     if a.calibrate {
         eprintln!("calibrating (drive: random 4 MiB reads of {}; RAM; kernels)…", path.display());
-        let b = strata_plan::calibrate::calibrate(&path, a.model.threads()).map_err(anyhow::Error::msg)?;
+        let b = strata_plan::calibrate::calibrate(&path, a.model.threads())
+            .map_err(anyhow::Error::msg)?;
         eprintln!(
             "drive {:.2} GB/s, RAM {:.1} GB/s, Q4_K expert matvec {:.1} GB/s, dense matvec {:.1} GB/s, Q4_K GEMM {:.0} GFLOP/s → {}",
             b.drive_gbps,
@@ -52,8 +53,15 @@ fn gb(b: u64) -> String {
 
 fn print_plan(p: &Plan) {
     let m = &p.model;
-    println!("model        {} ({}, {} layers, {})", m.path, m.architecture, m.layers, m.quantization);
-    println!("parameters   {:.2} B total, {:.2} B active per token", m.total_params as f64 / 1e9, m.active_params as f64 / 1e9);
+    println!(
+        "model        {} ({}, {} layers, {})",
+        m.path, m.architecture, m.layers, m.quantization
+    );
+    println!(
+        "parameters   {:.2} B total, {:.2} B active per token",
+        m.total_params as f64 / 1e9,
+        m.active_params as f64 / 1e9
+    );
     if m.experts > 0 {
         println!(
             "experts      {} per layer × {} MoE layers, {} active per token; {:.2} MB per expert, {} touched per token",
@@ -108,7 +116,11 @@ fn print_plan(p: &Plan) {
                 g.host_expert_cache_experts,
                 g.expected_host_hit_rate,
             ) {
-                println!("VRAM experts {} = {vn} experts; expected hit rate ≥ {:.0}% (uniform routing)", gb(vb), vh * 100.0);
+                println!(
+                    "VRAM experts {} = {vn} experts; expected hit rate ≥ {:.0}% (uniform routing)",
+                    gb(vb),
+                    vh * 100.0
+                );
                 println!("host experts {} = {hn} experts, page-locked; expected hit rate ≥ {:.0}%; misses read from the drive", gb(hb), hh * 100.0);
             }
             println!(
@@ -126,7 +138,9 @@ fn print_plan(p: &Plan) {
             );
         }
         None => {
-            if let (Some(c), Some(n), Some(h)) = (p.expert_cache_bytes, p.expert_cache_experts, p.expected_hit_rate) {
+            if let (Some(c), Some(n), Some(h)) =
+                (p.expert_cache_bytes, p.expert_cache_experts, p.expected_hit_rate)
+            {
                 println!("expert cache {} = {n} experts; expected hit rate ≥ {:.0}% (uniform routing; real routing is usually more local)", gb(c), h * 100.0);
             }
         }
@@ -137,8 +151,12 @@ fn print_plan(p: &Plan) {
         return;
     }
     let src = match &e.rates_source {
-        strata_plan::RatesSource::Defaults => "DEFAULT bandwidths (not measured: run `strata info --calibrate`)".to_string(),
-        strata_plan::RatesSource::Calibrated { device, .. } => format!("bandwidths measured for drive {device}"),
+        strata_plan::RatesSource::Defaults => {
+            "DEFAULT bandwidths (not measured: run `strata info --calibrate`)".to_string()
+        }
+        strata_plan::RatesSource::Calibrated { device, .. } => {
+            format!("bandwidths measured for drive {device}")
+        }
     };
     println!(
         "estimate     decode {:.2} tok/s ({:.0} ms reads + {:.0} ms compute per token), prefill {:.0} tok/s — {src}: drive {:.2} GB/s, matvec {:.1} GB/s, GEMM {:.0} GFLOP/s",

@@ -27,17 +27,24 @@ pub struct PerplexityArgs {
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     let engine = a.model.load()?;
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
     let mut tokens = engine.text_prompt(&text)?;
     if let Some(c) = a.chunks {
         tokens.truncate(c * a.ctx);
     }
     let json = a.json;
-    let r = strata_engine::perplexity::perplexity(&engine, &tokens, a.ctx, a.model.prefill_chunk.min(a.ctx), &mut |c, n, ppl| {
-        if !json {
-            eprint!("\r[{c}/{n}] running PPL {ppl:.4}   ");
-        }
-    })?;
+    let r = strata_engine::perplexity::perplexity(
+        &engine,
+        &tokens,
+        a.ctx,
+        a.model.prefill_chunk.min(a.ctx),
+        &mut |c, n, ppl| {
+            if !json {
+                eprint!("\r[{c}/{n}] running PPL {ppl:.4}   ");
+            }
+        },
+    )?;
     if json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
@@ -89,7 +96,10 @@ pub struct BenchArgs {
     #[arg(long)]
     pub routing: bool,
     /// With --routing: the prompt.
-    #[arg(long, default_value = "The history of the printing press begins in the fifteenth century, when")]
+    #[arg(
+        long,
+        default_value = "The history of the printing press begins in the fifteenth century, when"
+    )]
     pub routing_prompt: String,
     /// With --routing: sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 1.0)]
@@ -101,7 +111,8 @@ pub struct BenchArgs {
 
 /// Turns on prefetch-predictor scoring (no reads) so a routing report can give their recall.
 pub fn score_routing(engine: &mut strata_engine::Engine) -> Result<()> {
-    let model = std::sync::Arc::get_mut(&mut engine.model).context("the model is shared; cannot turn predictor scoring on")?;
+    let model = std::sync::Arc::get_mut(&mut engine.model)
+        .context("the model is shared; cannot turn predictor scoring on")?;
     model.score_prefetch();
     Ok(())
 }
@@ -110,23 +121,36 @@ fn bench_routing(a: &BenchArgs) -> Result<()> {
     let mut m = a.model.clone();
     m.ctx_size = m.ctx_size.max(a.n_gen + 256);
     let (mut engine, _plan) = m.load_with_plan()?;
-    anyhow::ensure!(engine.model.config().moe.is_some(), "--routing: {} is not an MoE model", engine.name);
+    anyhow::ensure!(
+        engine.model.config().moe.is_some(),
+        "--routing: {} is not an MoE model",
+        engine.name
+    );
     score_routing(&mut engine)?;
     let prompt = engine.text_prompt(&a.routing_prompt)?;
-    let params = strata_engine::SamplingParams { temperature: a.routing_temp, seed: Some(1), ..strata_engine::SamplingParams::default() };
+    let params = strata_engine::SamplingParams {
+        temperature: a.routing_temp,
+        seed: Some(1),
+        ..strata_engine::SamplingParams::default()
+    };
     let mut req = strata_engine::GenerateRequest::new(prompt, a.n_gen + 1, params);
     req.ignore_eos = true;
     req.record_routing = true;
     req.prefill_chunk = m.prefill_chunk;
     let mut cache = engine.new_cache(m.ctx_size)?;
     let gen = engine.generate(&mut cache, &req, &mut |_| std::ops::ControlFlow::Continue(()))?;
-    let trace = gen.routing.as_ref().context("no routing was recorded (speculative decoding is on?)")?;
+    let trace =
+        gen.routing.as_ref().context("no routing was recorded (speculative decoding is on?)")?;
     if let Some(path) = &a.routing_trace {
-        std::fs::write(path, serde_json::to_vec(trace)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_vec(trace)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     let r = strata_engine::routing_report::report(trace, gen.prefetch_decode.as_ref());
     if a.json {
-        println!("{}", serde_json::json!({"model": engine.name, "routing": r, "decode_tok_s": gen.decode_tok_s()}));
+        println!(
+            "{}",
+            serde_json::json!({"model": engine.name, "routing": r, "decode_tok_s": gen.decode_tok_s()})
+        );
     } else {
         print!("{}", r.markdown());
     }
@@ -135,8 +159,14 @@ fn bench_routing(a: &BenchArgs) -> Result<()> {
 
 fn bench_disk(a: &BenchArgs, file: &std::path::Path) -> Result<()> {
     use strata_engine::expert_store::disk_bench;
-    let results = disk_bench::bench_disk(file, &[1 << 20, 4 << 20], &[1, 8, 32, 64], &[false, true], std::time::Duration::from_secs_f64(a.disk_seconds))
-        .map_err(anyhow::Error::msg)?;
+    let results = disk_bench::bench_disk(
+        file,
+        &[1 << 20, 4 << 20],
+        &[1, 8, 32, 64],
+        &[false, true],
+        std::time::Duration::from_secs_f64(a.disk_seconds),
+    )
+    .map_err(anyhow::Error::msg)?;
     let peak = results.iter().map(|r| r.gbps).fold(0.0, f64::max);
     if a.json {
         println!("{}", serde_json::json!({"file": file, "results": results, "peak_gbps": peak}));
@@ -145,9 +175,18 @@ fn bench_disk(a: &BenchArgs, file: &std::path::Path) -> Result<()> {
     println!("| file | O_DIRECT | block | queue depth | GB/s |");
     println!("|---|---|---|---|---|");
     for r in &results {
-        println!("| {} | {} | {} MiB | {} | {:.2} |", file.display(), r.direct, r.block_bytes >> 20, r.queue_depth, r.gbps);
+        println!(
+            "| {} | {} | {} MiB | {} | {:.2} |",
+            file.display(),
+            r.direct,
+            r.block_bytes >> 20,
+            r.queue_depth,
+            r.gbps
+        );
     }
-    let best = results.iter().max_by(|a, b| a.gbps.total_cmp(&b.gbps)).map(|r| format!("O_DIRECT {}, {} MiB, QD {}", r.direct, r.block_bytes >> 20, r.queue_depth));
+    let best = results.iter().max_by(|a, b| a.gbps.total_cmp(&b.gbps)).map(|r| {
+        format!("O_DIRECT {}, {} MiB, QD {}", r.direct, r.block_bytes >> 20, r.queue_depth)
+    });
     println!("peak random read: {peak:.2} GB/s ({})", best.unwrap_or_default());
     Ok(())
 }
@@ -161,7 +200,9 @@ fn parse_dtype(s: &str) -> Result<candle_core::quantized::GgmlDType> {
         "q8_0" => D::Q8_0,
         "q4_0" => D::Q4_0,
         "q4_1" => D::Q4_1,
-        other => anyhow::bail!("unsupported --moe-dtype `{other}` (q4k, q5k, q6k, q8_0, q4_0, q4_1)"),
+        other => {
+            anyhow::bail!("unsupported --moe-dtype `{other}` (q4k, q5k, q6k, q8_0, q4_0, q4_1)")
+        }
     })
 }
 
@@ -205,7 +246,10 @@ fn bench_moe_layer(a: &BenchArgs) -> Result<()> {
             r.ratio_to_floor
         );
     }
-    println!("first use of an expert (candle's one-time weight repack on x86): {:.2} ms per expert", bench.first_use_ms_per_expert);
+    println!(
+        "first use of an expert (candle's one-time weight repack on x86): {:.2} ms per expert",
+        bench.first_use_ms_per_expert
+    );
     Ok(())
 }
 
@@ -226,14 +270,24 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let tg = strata_engine::bench::bench_decode(&engine, a.n_gen, a.reps.max(1))?;
     let threads = m.threads();
     if a.json {
-        println!("{}", serde_json::json!({"model": engine.name, "threads": threads, "results": [pp, tg]}));
+        println!(
+            "{}",
+            serde_json::json!({"model": engine.name, "threads": threads, "results": [pp, tg]})
+        );
         return Ok(());
     }
     println!("| model | threads | test | tok/s (median of {}) | runs |", a.reps);
     println!("|---|---|---|---|---|");
     for r in [&pp, &tg] {
         let runs: Vec<String> = r.runs.iter().map(|x| format!("{x:.1}")).collect();
-        println!("| {} | {} | {} | {:.1} | {} |", engine.name, threads, r.test, r.median_tok_s, runs.join(", "));
+        println!(
+            "| {} | {} | {} | {:.1} | {} |",
+            engine.name,
+            threads,
+            r.test,
+            r.median_tok_s,
+            runs.join(", ")
+        );
     }
     Ok(())
 }
@@ -241,7 +295,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 /// One line of expert-streaming figures for a generation over `tokens` tokens (prompt + generated).
 pub fn expert_stats_line(x: &strata_engine::ExpertStats, tokens: usize) -> String {
     let per = tokens.max(1) as f64;
-    let gpu = if x.uploads > 0 { format!(" | copied to the GPU {:.2} MB/token ({} experts)", x.upload_bytes as f64 / 1e6 / per, x.uploads) } else { String::new() };
+    let gpu = if x.uploads > 0 {
+        format!(
+            " | copied to the GPU {:.2} MB/token ({} experts)",
+            x.upload_bytes as f64 / 1e6 / per,
+            x.uploads
+        )
+    } else {
+        String::new()
+    };
     let line = format!(
         "experts: hit rate {:.1}% | read {:.1} MB in {} reads = {:.2} MB/token at {:.2} GB/s while reading | stall {:.1} ms/token | touched {:.2} MB/token",
         x.hit_rate() * 100.0,
@@ -257,7 +319,11 @@ pub fn expert_stats_line(x: &strata_engine::ExpertStats, tokens: usize) -> Strin
 
 /// One line of prefetch figures for the decode phase: reads the prefetcher started and how many
 /// were used, and every predictor's precision / recall.
-pub fn prefetch_line(x: &strata_engine::ExpertStats, p: &strata_engine::PrefetchStats, mode: strata_engine::PrefetchMode) -> String {
+pub fn prefetch_line(
+    x: &strata_engine::ExpertStats,
+    p: &strata_engine::PrefetchStats,
+    mode: strata_engine::PrefetchMode,
+) -> String {
     let pr = |s: &strata_models::PredictorStats| format!("{:.2}/{:.2}", s.precision(), s.recall());
     format!(
         "prefetch ({}): {} experts read ahead, {} used ({:.0}%); precision on uncached experts {:.2} ({} of {}) | precision/recall: pregate {}, previous {}, union {}",
@@ -277,14 +343,20 @@ pub fn prefetch_line(x: &strata_engine::ExpertStats, p: &strata_engine::Prefetch
 /// The decode phase's reads held against the drive's peak: achieved GB/s ÷ peak, and the floor the
 /// misses imply (miss bytes per token ÷ peak read rate). The peak is `strata info --calibrate`'s
 /// measurement for the drive holding `model` (or the plan's default, said so).
-pub fn drive_floor_line(d: &strata_engine::ExpertStats, tokens: usize, model: &std::path::Path) -> String {
+pub fn drive_floor_line(
+    d: &strata_engine::ExpertStats,
+    tokens: usize,
+    model: &std::path::Path,
+) -> String {
     let (rates, source) = strata_plan::calibrate::load(model);
     let peak = rates.drive_gbps;
     let per = d.bytes_read as f64 / tokens.max(1) as f64;
     let floor_ms = per / (peak * 1e9) * 1e3;
     let basis = match source {
         strata_plan::RatesSource::Calibrated { .. } => "measured by `strata info --calibrate`",
-        strata_plan::RatesSource::Defaults => "DEFAULT, not measured: run `strata info --calibrate`",
+        strata_plan::RatesSource::Defaults => {
+            "DEFAULT, not measured: run `strata info --calibrate`"
+        }
     };
     format!(
         "decode reads: {:.2} MB/token at {:.2} GB/s = {:.0}% of the drive's peak {:.2} GB/s ({basis}); read floor {:.1} ms/token, stall {:.1} ms/token",

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use strata_engine::{CacheBudget, DirectIo, Engine, EvictionPolicy, LoadOptions, PrefetchMode, StreamOptions};
+use strata_engine::{
+    CacheBudget, DirectIo, Engine, EvictionPolicy, LoadOptions, PrefetchMode, StreamOptions,
+};
 use strata_plan::{Plan, PlanRequest, Strategy, StreamMode};
 
 /// The plan says the model cannot run here: `main` prints the reason and exits with status 2.
@@ -116,7 +118,12 @@ impl ModelArgs {
     }
 
     /// [`Self::plan`] for files already open.
-    fn plan_for(&self, files: &strata_formats::ModelFiles, path: &std::path::Path, draft: Option<&std::path::Path>) -> Result<Plan> {
+    fn plan_for(
+        &self,
+        files: &strata_formats::ModelFiles,
+        path: &std::path::Path,
+        draft: Option<&std::path::Path>,
+    ) -> Result<Plan> {
         let facts = strata_plan::ModelFacts::read(files)?;
         let draft = match draft {
             Some(d) => Some(strata_plan::ModelFacts::read(&strata_formats::ModelFiles::open(d)?)?),
@@ -134,7 +141,12 @@ impl ModelArgs {
             gpu,
             gpu_expert_cache: self.gpu_expert_cache,
         };
-        Ok(strata_plan::make_plan(&facts, &strata_plan::SystemMemory::detect(self.ram), strata_plan::calibrate::load(path), &req))
+        Ok(strata_plan::make_plan(
+            &facts,
+            &strata_plan::SystemMemory::detect(self.ram),
+            strata_plan::calibrate::load(path),
+            &req,
+        ))
     }
 
     /// The GPU the plan is for: `--vram` (simulated), else the device's free VRAM when `--device`
@@ -143,13 +155,21 @@ impl ModelArgs {
     pub fn gpu_memory(&self) -> Result<Option<strata_plan::GpuMemory>> {
         let cuda = matches!(self.device, strata_engine::device::DeviceChoice::Cuda(_));
         if let (Some(v), true) = (self.vram, cuda) {
-            return Ok(Some(strata_plan::GpuMemory { vram_total: v, vram_free: v, simulated: true }));
+            return Ok(Some(strata_plan::GpuMemory {
+                vram_total: v,
+                vram_free: v,
+                simulated: true,
+            }));
         }
         if self.device == strata_engine::device::DeviceChoice::Cpu {
             return Ok(None);
         }
         let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
-        Ok(strata_engine::device::gpu_memory(&device).map(|(free, total)| strata_plan::GpuMemory { vram_total: total, vram_free: free, simulated: false }))
+        Ok(strata_engine::device::gpu_memory(&device).map(|(free, total)| strata_plan::GpuMemory {
+            vram_total: total,
+            vram_free: free,
+            simulated: false,
+        }))
     }
 
     /// Like [`Self::load`], also returning the plan. A TOO-LARGE plan is a [`PlanRefused`] error.
@@ -164,10 +184,19 @@ impl ModelArgs {
             eprintln!("warning: {w}");
         }
         if plan.strategy == Strategy::TooLarge {
-            return Err(PlanRefused(format!("{} does not fit: {} (see `strata info --model {}`)", path.display(), plan.reason, path.display())).into());
+            return Err(PlanRefused(format!(
+                "{} does not fit: {} (see `strata info --model {}`)",
+                path.display(),
+                plan.reason,
+                path.display()
+            ))
+            .into());
         }
         let bar = ProgressBar::new(1);
-        bar.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        bar.set_style(
+            ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
         bar.set_message(path.display().to_string());
         let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
         eprintln!("device: {}", strata_engine::device::device_name(&device));
@@ -219,7 +248,10 @@ impl ModelArgs {
                 prefetch: self.prefetch,
                 prefetch_min_precision: self.prefetch_min_precision,
                 read_chunk: self.read_chunk as usize,
-                gpu_expert_cache: match (self.gpu_expert_cache, plan.gpu.as_ref().and_then(|g| g.vram_expert_cache_bytes)) {
+                gpu_expert_cache: match (
+                    self.gpu_expert_cache,
+                    plan.gpu.as_ref().and_then(|g| g.vram_expert_cache_bytes),
+                ) {
                     (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),
                     (asked, _) => asked,
                 },
@@ -256,5 +288,9 @@ pub fn physical_cores() -> usize {
             }
         }
     }
-    if cores.is_empty() { logical } else { cores.len().min(logical) }
+    if cores.is_empty() {
+        logical
+    } else {
+        cores.len().min(logical)
+    }
 }

@@ -17,7 +17,12 @@ pub struct RepackArgs {
 
 pub fn run(a: RepackArgs) -> Result<()> {
     let bar = ProgressBar::new(1);
-    bar.set_style(ProgressStyle::with_template("repacking {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec})").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template(
+            "repacking {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     bar.set_message(a.output.display().to_string());
     let r = strata_formats::repack::repack_gguf(&a.input, &a.output, &mut |done, total| {
         bar.set_length(total);

@@ -54,7 +54,11 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).with_target(false)
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_target(false)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -80,7 +84,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let state = AppState::new(engine, config).map_err(|e| anyhow!(e))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(strata_server::serve(state, strata_server::shutdown_signal(), std::time::Duration::from_secs(4)))?;
+    rt.block_on(strata_server::serve(
+        state,
+        strata_server::shutdown_signal(),
+        std::time::Duration::from_secs(4),
+    ))?;
     tracing::info!("stopped");
     Ok(())
 }

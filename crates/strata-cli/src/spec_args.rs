@@ -70,7 +70,10 @@ impl SpecArgs {
     pub fn kind(&self) -> Result<Option<SpecKind>> {
         if self.dflash || self.spec == Some(SpecKind::Dflash) {
             if self.spec.is_some_and(|k| k != SpecKind::Dflash) {
-                bail!("--dflash cannot be combined with --spec {:?}", self.spec.unwrap_or(SpecKind::Off));
+                bail!(
+                    "--dflash cannot be combined with --spec {:?}",
+                    self.spec.unwrap_or(SpecKind::Off)
+                );
             }
             if self.draft_model.is_none() {
                 bail!("--dflash needs --draft-model DIR (a z-lab DFlash draft)");
@@ -83,8 +86,12 @@ impl SpecArgs {
         Ok(match (self.spec, &self.draft_model) {
             (None, None) | (Some(SpecKind::Off), None) => None,
             (None | Some(SpecKind::DraftModel), Some(_)) => Some(SpecKind::DraftModel),
-            (Some(SpecKind::DraftModel), None) => bail!("--spec draft-model needs --draft-model PATH"),
-            (Some(k), Some(_)) => bail!("--draft-model is used by --spec draft-model, not --spec {k:?}"),
+            (Some(SpecKind::DraftModel), None) => {
+                bail!("--spec draft-model needs --draft-model PATH")
+            }
+            (Some(k), Some(_)) => {
+                bail!("--draft-model is used by --spec draft-model, not --spec {k:?}")
+            }
             (Some(k), None) => Some(k),
         })
     }
@@ -116,8 +123,12 @@ impl SpecArgs {
                 eprintln!("draft model {} loaded ({:.2} GB)", path.display(), bytes as f64 / 1e9);
                 DraftSource::Model(model)
             }
-            SpecKind::Ngram => DraftSource::Ngram(NgramParams { max: self.ngram_max, min: self.ngram_min }),
-            SpecKind::SelfDraft => DraftSource::SelfDraft { layers: self.draft_layers.unwrap_or((engine.model.num_layers() / 4).max(1)) },
+            SpecKind::Ngram => {
+                DraftSource::Ngram(NgramParams { max: self.ngram_max, min: self.ngram_min })
+            }
+            SpecKind::SelfDraft => DraftSource::SelfDraft {
+                layers: self.draft_layers.unwrap_or((engine.model.num_layers() / 4).max(1)),
+            },
         };
         let fixed = (self.draft_policy == DraftPolicyKind::Fixed).then_some(max_draft);
         engine.set_speculation(Some(SpecConfig { source, max_draft, fixed }))?;

@@ -76,7 +76,12 @@ fn routing(a: &SynthArgs) -> Result<Option<strata_formats::SyntheticRouting>> {
     let r = match a.routing.as_str() {
         "local" => return Ok(None),
         "uniform" => SyntheticRouting::uniform(a.seed),
-        _ => SyntheticRouting { zipf: a.routing_zipf, reuse: a.routing_reuse, drift: a.routing_drift, ..SyntheticRouting::realistic(a.seed) },
+        _ => SyntheticRouting {
+            zipf: a.routing_zipf,
+            reuse: a.routing_reuse,
+            drift: a.routing_drift,
+            ..SyntheticRouting::realistic(a.seed)
+        },
     };
     if a.routing_skew.is_some() {
         anyhow::bail!("--routing-skew plants a bias in the random routers; it applies to --routing local only");
@@ -90,7 +95,14 @@ pub fn run(a: SynthArgs) -> Result<()> {
     if let Some(target) = &a.dflash_draft_for {
         let cfg = strata_formats::ModelFiles::open(target)?.config()?;
         let layers = a.layers.unwrap_or(2).max(1);
-        let bytes = strata_engine::synth_dflash::write_random_dflash_draft(&cfg, &a.out, layers, a.block_size, a.seed).map_err(anyhow::Error::msg)?;
+        let bytes = strata_engine::synth_dflash::write_random_dflash_draft(
+            &cfg,
+            &a.out,
+            layers,
+            a.block_size,
+            a.seed,
+        )
+        .map_err(anyhow::Error::msg)?;
         println!(
             "{}: random DFlash draft for {} ({layers} layers, block {}, target layers {:?}): {:.2} GB",
             a.out.display(),
@@ -102,16 +114,34 @@ pub fn run(a: SynthArgs) -> Result<()> {
         return Ok(());
     }
     let name = a.preset.as_deref().unwrap_or_default();
-    let mut preset = SynthPreset::by_name(name).ok_or_else(|| anyhow::anyhow!("unknown preset `{name}` (one of: {})", SynthPreset::NAMES.join(", ")))?;
+    let mut preset = SynthPreset::by_name(name).ok_or_else(|| {
+        anyhow::anyhow!("unknown preset `{name}` (one of: {})", SynthPreset::NAMES.join(", "))
+    })?;
     if let Some(l) = a.layers {
         preset.layers = l.max(1);
     }
     preset.experts = a.experts.unwrap_or(preset.experts);
     preset.top_k = a.top_k.unwrap_or(preset.top_k);
-    anyhow::ensure!(preset.experts >= 1 && (1..=preset.experts).contains(&preset.top_k), "top-{} of {} experts is not a valid routing", preset.top_k, preset.experts);
-    let opts = SynthOptions { preset, quant: parse_quant(&a.quant).map_err(anyhow::Error::msg)?, seed: a.seed, routing_skew: a.routing_skew, routing: routing(&a)? };
+    anyhow::ensure!(
+        preset.experts >= 1 && (1..=preset.experts).contains(&preset.top_k),
+        "top-{} of {} experts is not a valid routing",
+        preset.top_k,
+        preset.experts
+    );
+    let opts = SynthOptions {
+        preset,
+        quant: parse_quant(&a.quant).map_err(anyhow::Error::msg)?,
+        seed: a.seed,
+        routing_skew: a.routing_skew,
+        routing: routing(&a)?,
+    };
     let bar = ProgressBar::new(1);
-    bar.set_style(ProgressStyle::with_template("writing {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec})").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_style(
+        ProgressStyle::with_template(
+            "writing {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     bar.set_message(a.out.display().to_string());
     let r = synth(&a.out, &opts, &mut |done, total| {
         bar.set_length(total);
@@ -135,8 +165,13 @@ pub fn run(a: SynthArgs) -> Result<()> {
 /// The routing a synthetic file was written with, in words.
 fn routing_summary(o: &SynthOptions) -> String {
     match (&o.routing, o.routing_skew) {
-        (Some(r), _) if r.mode == strata_formats::RoutingMode::Uniform => format!("uniform override, pre-gating recall {}", r.pregate_recall),
-        (Some(r), _) => format!("realistic override: Zipf {}, reuse {}, drift {}, pre-gating recall {}", r.zipf, r.reuse, r.drift, r.pregate_recall),
+        (Some(r), _) if r.mode == strata_formats::RoutingMode::Uniform => {
+            format!("uniform override, pre-gating recall {}", r.pregate_recall)
+        }
+        (Some(r), _) => format!(
+            "realistic override: Zipf {}, reuse {}, drift {}, pre-gating recall {}",
+            r.zipf, r.reuse, r.drift, r.pregate_recall
+        ),
         (None, Some(s)) => format!("local (random routers) with a planted Zipf skew {s}"),
         (None, None) => "local (random routers)".to_string(),
     }

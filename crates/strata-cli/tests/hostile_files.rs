@@ -45,12 +45,30 @@ fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, u64, String) {
 fn check(model: &Path, file_bytes: u64, name: &str) -> bool {
     let m = model.as_os_str();
     let mut ok = true;
-    for args in [vec!["info".as_ref(), "--json".as_ref(), "-m".as_ref(), m], vec!["generate".as_ref(), "--prompt".as_ref(), "Hi".as_ref(), "-n".as_ref(), "2".as_ref(), "--ctx-size".as_ref(), "64".as_ref(), "-t".as_ref(), "1".as_ref(), "-m".as_ref(), m]] {
+    for args in [
+        vec!["info".as_ref(), "--json".as_ref(), "-m".as_ref(), m],
+        vec![
+            "generate".as_ref(),
+            "--prompt".as_ref(),
+            "Hi".as_ref(),
+            "-n".as_ref(),
+            "2".as_ref(),
+            "--ctx-size".as_ref(),
+            "64".as_ref(),
+            "-t".as_ref(),
+            "1".as_ref(),
+            "-m".as_ref(),
+            m,
+        ],
+    ] {
         let (code, rss, err) = run(&args);
         let limit = 2 * file_bytes + (64 << 20);
         let clean = matches!(code, Some(0..=2));
         if !clean || rss > limit {
-            eprintln!("{name}: `strata {}` → exit {code:?}, peak RSS {rss} (limit {limit})\n{err}", args[0].to_string_lossy());
+            eprintln!(
+                "{name}: `strata {}` → exit {code:?}, peak RSS {rss} (limit {limit})\n{err}",
+                args[0].to_string_lossy()
+            );
             ok = false;
         }
         if code == Some(1) && !err.contains("strata: error:") {
@@ -73,7 +91,8 @@ fn every_hostile_file_is_a_clean_error_or_a_clean_run() {
     // The unmutated models run: the corpus's failures are the mutations' doing.
     assert!(check(&repo().join("tests/fixtures/moe-tiny/qwen3_moe.gguf"), 1 << 21, "base GGUF"));
     assert!(check(&hf, 1 << 20, "base safetensors"));
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<PathBuf> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.sort();
     assert!(files.len() >= 200, "{} files in the corpus", files.len());
     let (mut bad, mut gguf, mut st) = (Vec::new(), 0, 0);
@@ -85,7 +104,13 @@ fn every_hostile_file_is_a_clean_error_or_a_clean_run() {
             // An HF directory: the fixture's config and tokenizer beside the mutated weights.
             let d = dir.join(format!("{name}.d"));
             std::fs::create_dir_all(&d).unwrap();
-            for other in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
+            for other in [
+                "config.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "generation_config.json",
+                "chat_template.jinja",
+            ] {
                 std::fs::copy(hf.join(other), d.join(other)).unwrap();
             }
             std::fs::rename(f, d.join("model.safetensors")).unwrap();

@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 
 fn model() -> std::path::PathBuf {
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let p = std::env::var_os("STRATA_MODELS_DIR").map(std::path::PathBuf::from).unwrap_or_else(|| root.join("models")).join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = std::env::var_os("STRATA_MODELS_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("models"))
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(p.exists(), "{} missing: run `strata fetch-default`", p.display());
     p
 }
@@ -20,7 +23,10 @@ fn free_port() -> u16 {
 
 /// Starts the server on SmolLM2 and waits for its "listening" log line.
 fn spawn(port: u16) -> Child {
-    spawn_with(port, &["--ctx-size", "2048", "-t", "2", "--temp", "0", "--model", &model().to_string_lossy()])
+    spawn_with(
+        port,
+        &["--ctx-size", "2048", "-t", "2", "--temp", "0", "--model", &model().to_string_lossy()],
+    )
 }
 
 /// Starts `strata serve --port PORT ARGS…` and waits for its "listening" log line.
@@ -79,7 +85,10 @@ fn sigterm_during_a_stream_exits_zero_within_5s() {
     // The stream that was cut says so: a server_shutting_down error event, then [DONE].
     let mut rest = String::new();
     let _ = c.read_to_string(&mut rest);
-    assert!(rest.contains("server_shutting_down") && rest.contains("[DONE]"), "stream did not end with the shutdown error and [DONE]: {rest}");
+    assert!(
+        rest.contains("server_shutting_down") && rest.contains("[DONE]"),
+        "stream did not end with the shutdown error and [DONE]: {rest}"
+    );
 }
 
 /// SIGTERM while two long prompts are still prefilling (one streamed, one not): the prefill stops
@@ -88,7 +97,23 @@ fn sigterm_during_a_stream_exits_zero_within_5s() {
 #[test]
 fn sigterm_during_prefill_ends_every_request_explicitly() {
     let port = free_port();
-    let mut child = spawn_with(port, &["--ctx-size", "2048", "-t", "2", "--temp", "0", "--parallel", "2", "--prefill-chunk", "2048", "--model", &model().to_string_lossy()]);
+    let mut child = spawn_with(
+        port,
+        &[
+            "--ctx-size",
+            "2048",
+            "-t",
+            "2",
+            "--temp",
+            "0",
+            "--parallel",
+            "2",
+            "--prefill-chunk",
+            "2048",
+            "--model",
+            &model().to_string_lossy(),
+        ],
+    );
     // ~1900 tokens: several seconds of prefill on two cores.
     let prompt = "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(140);
     let send = |stream: bool| {
@@ -101,29 +126,57 @@ fn sigterm_during_prefill_ends_every_request_explicitly() {
     let (mut streamed, mut plain) = (send(true), send(false));
     std::thread::sleep(Duration::from_millis(800));
     let t = Instant::now();
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
     let mut out = (String::new(), String::new());
     let _ = streamed.read_to_string(&mut out.0);
     let _ = plain.read_to_string(&mut out.1);
     let code = child.wait().unwrap();
     assert!(t.elapsed() < Duration::from_secs(5), "exit took {:?}", t.elapsed());
     assert_eq!(code.code(), Some(0));
-    assert!(out.0.contains(" 200 ") && out.0.contains("server_shutting_down") && out.0.contains("[DONE]"), "streamed client: {}", out.0);
-    assert!(!out.0.contains("\"finish_reason\":\"stop\""), "a cut stream must not claim to have finished: {}", out.0);
-    assert!(out.1.starts_with("HTTP/1.1 503") && out.1.contains("server_shutting_down"), "non-streamed client: {}", out.1);
+    assert!(
+        out.0.contains(" 200 ")
+            && out.0.contains("server_shutting_down")
+            && out.0.contains("[DONE]"),
+        "streamed client: {}",
+        out.0
+    );
+    assert!(
+        !out.0.contains("\"finish_reason\":\"stop\""),
+        "a cut stream must not claim to have finished: {}",
+        out.0
+    );
+    assert!(
+        out.1.starts_with("HTTP/1.1 503") && out.1.contains("server_shutting_down"),
+        "non-streamed client: {}",
+        out.1
+    );
 }
 
 #[test]
 fn official_openai_python_client() {
-    let has_openai = Command::new("python3").args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
+    let has_openai = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
     assert!(has_openai, "the `openai` Python package is not installed: `python3 -m pip install openai` (scripts/test.sh does)");
     let port = free_port();
     let mut child = spawn(port);
-    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/openai_client_check.py");
-    let out = Command::new("python3").arg(script).arg(format!("http://127.0.0.1:{port}/v1")).output().unwrap();
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../scripts/openai_client_check.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(format!("http://127.0.0.1:{port}/v1"))
+        .output()
+        .unwrap();
     let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
     let _ = child.wait();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "openai client check failed:\n{text}");
     assert!(text.contains("openai client check: ok"), "{text}");
 }
@@ -136,14 +189,16 @@ fn post(port: u16, path: &str, body: &str) -> (String, String) {
     write!(c, "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut out = String::new();
     c.read_to_string(&mut out).unwrap();
-    let (head, mut rest) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no header end: {out}"));
+    let (head, mut rest) =
+        out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no header end: {out}"));
     let status = head.lines().next().unwrap_or_default().to_string();
     if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
         return (status, rest.to_string());
     }
     let mut body = String::new();
     while let Some((size, tail)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or_else(|e| panic!("bad chunk size `{size}`: {e}"));
+        let n = usize::from_str_radix(size.trim(), 16)
+            .unwrap_or_else(|e| panic!("bad chunk size `{size}`: {e}"));
         if n == 0 {
             break;
         }
@@ -158,18 +213,37 @@ fn post(port: u16, path: &str, body: &str) -> (String, String) {
 /// ends with a finish_reason, usage and `[DONE]`.
 #[test]
 fn dflash_long_prompt_streams_to_a_finish_reason() {
-    let fx = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/dflash-tiny");
+    let fx = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/dflash-tiny");
     let (target, draft) = (fx.join("target"), fx.join("draft_memo"));
     let port = free_port();
-    let args = ["--ctx-size", "1024", "-t", "2", "--temp", "0", "--prefill-chunk", "16", "--dflash", "--draft-model", &draft.to_string_lossy(), "--model", &target.to_string_lossy()];
+    let args = [
+        "--ctx-size",
+        "1024",
+        "-t",
+        "2",
+        "--temp",
+        "0",
+        "--prefill-chunk",
+        "16",
+        "--dflash",
+        "--draft-model",
+        &draft.to_string_lossy(),
+        "--model",
+        &target.to_string_lossy(),
+    ];
     let mut child = spawn_with(port, &args);
     let prompt = "the quick brown fox jumps over the lazy dog while a random draft model proposes blocks of tokens. ".repeat(8);
     let body = serde_json::json!({"model": "target", "prompt": prompt, "max_tokens": 120, "ignore_eos": true}).to_string();
     let (status, plain) = post(port, "/v1/completions", &body);
     assert!(status.contains(" 200"), "{status}: {plain}");
-    let json: serde_json::Value = serde_json::from_str(&plain).unwrap_or_else(|e| panic!("{e}: {plain}"));
+    let json: serde_json::Value =
+        serde_json::from_str(&plain).unwrap_or_else(|e| panic!("{e}: {plain}"));
     let prompt_tokens = json["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!(prompt_tokens > 8 * 16, "the prompt must span several blocks and prefill chunks: {prompt_tokens} tokens");
+    assert!(
+        prompt_tokens > 8 * 16,
+        "the prompt must span several blocks and prefill chunks: {prompt_tokens} tokens"
+    );
     assert_eq!(json["usage"]["completion_tokens"].as_u64(), Some(120), "{json}");
     assert_eq!(json["choices"][0]["finish_reason"], "length", "{json}");
 
@@ -178,19 +252,40 @@ fn dflash_long_prompt_streams_to_a_finish_reason() {
     let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
     let _ = child.wait();
     assert!(status.contains(" 200"), "{status}: {sse}");
-    let chunks: Vec<serde_json::Value> =
-        sse.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}"))).collect();
-    let finishes: Vec<&serde_json::Value> = chunks.iter().filter_map(|c| c["choices"].get(0)).map(|c| &c["finish_reason"]).filter(|f| !f.is_null()).collect();
-    assert_eq!(finishes, [&serde_json::json!("length")], "exactly one chunk carries the finish_reason");
-    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
-    assert_eq!(text, json["choices"][0]["text"].as_str().unwrap(), "streamed text differs from the non-streamed response");
+    let chunks: Vec<serde_json::Value> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+        .collect();
+    let finishes: Vec<&serde_json::Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .map(|c| &c["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(
+        finishes,
+        [&serde_json::json!("length")],
+        "exactly one chunk carries the finish_reason"
+    );
+    let text: String =
+        chunks.iter().filter_map(|c| c["choices"].get(0)?["text"].as_str()).collect();
+    assert_eq!(
+        text,
+        json["choices"][0]["text"].as_str().unwrap(),
+        "streamed text differs from the non-streamed response"
+    );
     assert!(chunks.iter().any(|c| c["usage"]["completion_tokens"] == 120), "no usage chunk");
     assert!(sse.trim_end().ends_with("data: [DONE]"), "{sse}");
 }
 
 fn rss_kib(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0)
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn get_status(port: u16, path: &str) -> u16 {
@@ -213,10 +308,22 @@ fn huge_prompts_under_load_keep_health_fast_and_memory_returns() {
     let body = serde_json::json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "lorem ipsum dolor sit amet ".repeat(40_000), "max_tokens": 1}).to_string();
     assert!(body.len() > 1_000_000);
     let (status, one) = post(port, "/v1/completions", &body);
-    assert!(status.contains(" 400") && one.contains("context_length_exceeded") && one.contains("at least"), "{status}: {one}");
+    assert!(
+        status.contains(" 400")
+            && one.contains("context_length_exceeded")
+            && one.contains("at least"),
+        "{status}: {one}"
+    );
     // Warm-up (allocator arenas of the runtime and blocking threads), then the baseline.
-    let warm: Vec<_> = (0..8).map(|_| { let b = body.clone(); std::thread::spawn(move || post(port, "/v1/completions", &b)) }).collect();
-    warm.into_iter().for_each(|h| { h.join().unwrap(); });
+    let warm: Vec<_> = (0..8)
+        .map(|_| {
+            let b = body.clone();
+            std::thread::spawn(move || post(port, "/v1/completions", &b))
+        })
+        .collect();
+    warm.into_iter().for_each(|h| {
+        h.join().unwrap();
+    });
     std::thread::sleep(Duration::from_millis(300));
     let before = rss_kib(pid);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -233,7 +340,12 @@ fn huge_prompts_under_load_keep_health_fast_and_memory_returns() {
             lat
         })
     };
-    let clients: Vec<_> = (0..50).map(|_| { let b = body.clone(); std::thread::spawn(move || post(port, "/v1/completions", &b).0) }).collect();
+    let clients: Vec<_> = (0..50)
+        .map(|_| {
+            let b = body.clone();
+            std::thread::spawn(move || post(port, "/v1/completions", &b).0)
+        })
+        .collect();
     let statuses: Vec<String> = clients.into_iter().map(|h| h.join().unwrap()).collect();
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -246,16 +358,30 @@ fn huge_prompts_under_load_keep_health_fast_and_memory_returns() {
     eprintln!("/health p99 {p99:?} over {} probes; server RSS {before} → {after} KiB", lat.len());
     assert!(statuses.iter().all(|s| s.contains(" 400")), "{statuses:?}");
     assert!(p99 < Duration::from_millis(100), "/health p99 {p99:?}");
-    assert!(after as f64 <= before as f64 * 1.10, "server RSS grew from {before} KiB to {after} KiB");
+    assert!(
+        after as f64 <= before as f64 * 1.10,
+        "server RSS grew from {before} KiB to {after} KiB"
+    );
 }
 
 /// `--parallel 0` is refused by the argument parser; `serve --help` never prints the API key.
 #[test]
 fn serve_flags_are_checked_and_the_key_is_not_shown() {
-    let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(["serve", "--parallel", "0"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--parallel", "0"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--parallel"), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(["serve", "--help"]).env("STRATA_API_KEY", "hunter2-secret").output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--parallel"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--help"])
+        .env("STRATA_API_KEY", "hunter2-secret")
+        .output()
+        .unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(help.contains("STRATA_API_KEY") && !help.contains("hunter2-secret"), "{help}");
 }

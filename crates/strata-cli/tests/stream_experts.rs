@@ -25,7 +25,22 @@ fn synth(out: &Path, args: &[&str]) {
 
 fn generate(model: &Path, extra: &[&str]) -> Value {
     let out = strata()
-        .args(["generate", "--prompt", "The quick brown fox jumps over the lazy dog", "--max-tokens", "64", "--ignore-eos", "--temp", "0", "--ctx-size", "256", "--json", "-t", "2", "-m"])
+        .args([
+            "generate",
+            "--prompt",
+            "The quick brown fox jumps over the lazy dog",
+            "--max-tokens",
+            "64",
+            "--ignore-eos",
+            "--temp",
+            "0",
+            "--ctx-size",
+            "256",
+            "--json",
+            "-t",
+            "2",
+            "-m",
+        ])
         .arg(model)
         .args(extra)
         .output()
@@ -38,7 +53,19 @@ fn generate(model: &Path, extra: &[&str]) -> Value {
 fn tiny_moe_streamed_tokens_equal_resident() {
     for (quant, skew) in [("Q4_K", "1.0"), ("Q8_0", "0")] {
         let model = tmp(&format!("tiny-{quant}.gguf"));
-        synth(&model, &["--preset", "tiny-moe", "--quant", quant, "--routing", "local", "--routing-skew", skew]);
+        synth(
+            &model,
+            &[
+                "--preset",
+                "tiny-moe",
+                "--quant",
+                quant,
+                "--routing",
+                "local",
+                "--routing-skew",
+                skew,
+            ],
+        );
         let want = generate(&model, &[])["generated_token_ids"].clone();
         assert_eq!(want.as_array().unwrap().len(), 64);
         for budget in ["10%", "50%", "100%"] {
@@ -54,16 +81,34 @@ fn tiny_moe_streamed_tokens_equal_resident() {
 #[test]
 fn repacked_model_and_every_prefetch_predictor_keep_the_tokens() {
     let model = tmp("tiny-repack.gguf");
-    synth(&model, &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing", "local", "--routing-skew", "0.5"]);
+    synth(
+        &model,
+        &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing", "local", "--routing-skew", "0.5"],
+    );
     let bundled = tmp("tiny-repack-bundled.gguf");
     let r = strata().arg("repack").arg(&model).arg(&bundled).output().unwrap();
     assert!(r.status.success(), "repack: {}", String::from_utf8_lossy(&r.stderr));
-    assert!(String::from_utf8_lossy(&r.stdout).contains("experts of 4 MoE layers bundled"), "{}", String::from_utf8_lossy(&r.stdout));
+    assert!(
+        String::from_utf8_lossy(&r.stdout).contains("experts of 4 MoE layers bundled"),
+        "{}",
+        String::from_utf8_lossy(&r.stdout)
+    );
     let want = generate(&model, &[])["generated_token_ids"].clone();
     assert_eq!(generate(&bundled, &[])["generated_token_ids"], want, "bundled, resident");
     for p in ["off", "pregate", "previous", "union"] {
         for m in [&model, &bundled] {
-            let got = generate(m, &["--stream-experts", "--expert-cache", "10%", "--prefetch", p, "--prefetch-min-precision", "0"]);
+            let got = generate(
+                m,
+                &[
+                    "--stream-experts",
+                    "--expert-cache",
+                    "10%",
+                    "--prefetch",
+                    p,
+                    "--prefetch-min-precision",
+                    "0",
+                ],
+            );
             assert_eq!(got["generated_token_ids"], want, "{} --prefetch {p}", m.display());
             assert_eq!(got["prefetch"], p, "{got}");
             let (x, pd) = (&got["experts_decode"], &got["prefetch_decode"]);
@@ -76,10 +121,23 @@ fn repacked_model_and_every_prefetch_predictor_keep_the_tokens() {
     // Bad input: a dense model has nothing to bundle; an unknown predictor is refused by name.
     let dense = tmp("dense-out.gguf");
     let r = strata().arg("repack").arg(&bundled).arg(&dense).output().unwrap();
-    assert!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("already repacked"), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(
+        !r.status.success() && String::from_utf8_lossy(&r.stderr).contains("already repacked"),
+        "{}",
+        String::from_utf8_lossy(&r.stderr)
+    );
     assert!(!dense.exists());
-    let r = strata().args(["generate", "--prompt", "x", "--stream-experts", "--prefetch", "psychic", "-m"]).arg(&model).output().unwrap();
-    assert!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("unknown prefetch predictor `psychic`"), "{}", String::from_utf8_lossy(&r.stderr));
+    let r = strata()
+        .args(["generate", "--prompt", "x", "--stream-experts", "--prefetch", "psychic", "-m"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        !r.status.success()
+            && String::from_utf8_lossy(&r.stderr).contains("unknown prefetch predictor `psychic`"),
+        "{}",
+        String::from_utf8_lossy(&r.stderr)
+    );
 }
 
 #[test]
@@ -92,7 +150,10 @@ fn streamed_rss_stays_within_weights_kv_and_cache() {
     let field = |k: &str| m[k].as_u64().unwrap_or_else(|| panic!("{k} in {m}"));
     let bound = field("resident_weight_bytes") + field("experts_bytes") + field("kv_cache_bytes");
     let used = field("rss_peak_bytes") - field("rss_before_load_bytes");
-    eprintln!("peak RSS growth {used} bytes, bound {bound} bytes (+10%): {:.3}", used as f64 / bound as f64);
+    eprintln!(
+        "peak RSS growth {used} bytes, bound {bound} bytes (+10%): {:.3}",
+        used as f64 / bound as f64
+    );
     assert!(used as f64 <= bound as f64 * 1.1, "RSS grew by {used} bytes > 1.1 × {bound}");
     // And the model's experts are far larger than what was held.
     let file = std::fs::metadata(&model).unwrap().len();
@@ -100,12 +161,29 @@ fn streamed_rss_stays_within_weights_kv_and_cache() {
 
     // The memory plan decides: on a (simulated) machine with 1.3 GB the model does not fit resident,
     // so `--stream-experts auto` (the default) streams; with 200 MB nothing fits: exit status 2.
-    let out = strata().env("STRATA_RAM_BYTES", "1300MB").args(["info", "--json", "--ctx-size", "256", "-m"]).arg(&model).output().unwrap();
+    let out = strata()
+        .env("STRATA_RAM_BYTES", "1300MB")
+        .args(["info", "--json", "--ctx-size", "256", "-m"])
+        .arg(&model)
+        .output()
+        .unwrap();
     let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(plan["strategy"], "EXPERT-STREAMING", "{plan}");
     let auto = strata()
         .env("STRATA_RAM_BYTES", "1300MB")
-        .args(["generate", "--prompt", "hello", "--max-tokens", "4", "--temp", "0", "--ctx-size", "256", "--json", "-m"])
+        .args([
+            "generate",
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "4",
+            "--temp",
+            "0",
+            "--ctx-size",
+            "256",
+            "--json",
+            "-m",
+        ])
         .arg(&model)
         .output()
         .unwrap();
@@ -115,14 +193,29 @@ fn streamed_rss_stays_within_weights_kv_and_cache() {
     assert!(String::from_utf8_lossy(&auto.stderr).contains("plan: EXPERT-STREAMING"));
     // A plan for a (simulated) GPU with too little VRAM for the experts: GPU-OFFLOAD with a VRAM
     // expert cache, on any build (no GPU needed to plan).
-    let out = strata().env("STRATA_RAM_BYTES", "8GB").args(["info", "--json", "--ctx-size", "256", "--device", "cuda", "--vram", "2600MB", "-m"]).arg(&model).output().unwrap();
-    let plan: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let out = strata()
+        .env("STRATA_RAM_BYTES", "8GB")
+        .args(["info", "--json", "--ctx-size", "256", "--device", "cuda", "--vram", "2600MB", "-m"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let plan: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
     assert_eq!(plan["strategy"], "GPU-OFFLOAD", "{plan}");
     assert!(plan["gpu"]["vram_expert_cache_bytes"].as_u64().unwrap() > 0, "{plan}");
     assert!(plan["recommended_command"].as_str().unwrap().contains("--gpu-expert-cache"), "{plan}");
-    let refused = strata().env("STRATA_RAM_BYTES", "200MB").args(["generate", "--prompt", "hello", "--max-tokens", "4", "-m"]).arg(&model).output().unwrap();
+    let refused = strata()
+        .env("STRATA_RAM_BYTES", "200MB")
+        .args(["generate", "--prompt", "hello", "--max-tokens", "4", "-m"])
+        .arg(&model)
+        .output()
+        .unwrap();
     assert_eq!(refused.status.code(), Some(2), "{}", String::from_utf8_lossy(&refused.stderr));
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&refused.stderr));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("does not fit"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     let _ = std::fs::remove_file(&model);
 }
 
@@ -135,22 +228,58 @@ fn routing_overrides_route_as_configured_and_streaming_keeps_the_tokens() {
     let mut reports = Vec::new();
     for routing in ["uniform", "realistic"] {
         let model = tmp(&format!("tiny-routing-{routing}.gguf"));
-        synth(&model, &["--preset", "tiny-moe", "--experts", "128", "--top-k", "8", "--quant", "Q4_K", "--routing", routing]);
+        synth(
+            &model,
+            &[
+                "--preset",
+                "tiny-moe",
+                "--experts",
+                "128",
+                "--top-k",
+                "8",
+                "--quant",
+                "Q4_K",
+                "--routing",
+                routing,
+            ],
+        );
         let resident = generate(&model, &["--routing-report"]);
         let r = resident["routing"].clone();
         assert_eq!(r["tokens"], 63, "{r}");
         // Prefetch off: the hit rate is the cache's alone (pre-gating at recall 0.8 reads ahead
         // most of what the cache lacks).
-        let streamed = generate(&model, &["--stream-experts", "--expert-cache", "10%", "--prefetch", "off", "--routing-report"]);
-        assert_eq!(streamed["generated_token_ids"], resident["generated_token_ids"], "{routing}: streamed tokens");
-        assert_eq!(streamed["routing"]["reuse_per_layer"], r["reuse_per_layer"], "{routing}: streamed routing");
+        let streamed = generate(
+            &model,
+            &["--stream-experts", "--expert-cache", "10%", "--prefetch", "off", "--routing-report"],
+        );
+        assert_eq!(
+            streamed["generated_token_ids"], resident["generated_token_ids"],
+            "{routing}: streamed tokens"
+        );
+        assert_eq!(
+            streamed["routing"]["reuse_per_layer"], r["reuse_per_layer"],
+            "{routing}: streamed routing"
+        );
         let x = &streamed["experts_decode"];
-        let hit_rate = x["hits"].as_f64().unwrap() / (x["hits"].as_f64().unwrap() + x["misses"].as_f64().unwrap());
-        let lru = |f: f64| r["lru_per_layer"].as_array().unwrap().iter().find(|p| (p["fraction"].as_f64().unwrap() - f).abs() < 1e-9).unwrap()["hit_rate"].as_f64().unwrap();
+        let hit_rate = x["hits"].as_f64().unwrap()
+            / (x["hits"].as_f64().unwrap() + x["misses"].as_f64().unwrap());
+        let lru = |f: f64| {
+            r["lru_per_layer"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| (p["fraction"].as_f64().unwrap() - f).abs() < 1e-9)
+                .unwrap()["hit_rate"]
+                .as_f64()
+                .unwrap()
+        };
         let reuse = r["reuse"]["mean"].as_f64().unwrap();
         let pregate_recall = r["predictors"][0][1]["recall"].as_f64().unwrap();
         eprintln!("{routing}: reuse {reuse:.3}, LRU 10% {:.3} 25% {:.3} 50% {:.3}, zipf {}, pregate recall {pregate_recall:.3}, streamed hit rate at 10% {hit_rate:.3}", lru(0.1), lru(0.25), lru(0.5), r["zipf"]);
-        assert!((0.65..=0.95).contains(&pregate_recall), "{routing}: pre-gating recall {pregate_recall} (configured 0.8)");
+        assert!(
+            (0.65..=0.95).contains(&pregate_recall),
+            "{routing}: pre-gating recall {pregate_recall} (configured 0.8)"
+        );
         if routing == "uniform" {
             assert!(lru(0.10) <= 0.20, "uniform: simulated LRU hits at 10% {}", lru(0.10));
             assert!(hit_rate <= 0.20, "uniform: streamed hit rate at 10% {hit_rate}");
@@ -164,12 +293,25 @@ fn routing_overrides_route_as_configured_and_streaming_keeps_the_tokens() {
         reports.push(r);
     }
     let lru25 = |r: &Value| r["lru_per_layer"][3]["hit_rate"].as_f64().unwrap();
-    assert!(lru25(&reports[1]) > lru25(&reports[0]) + 0.2, "realistic routing must cache better than uniform: {} vs {}", lru25(&reports[1]), lru25(&reports[0]));
+    assert!(
+        lru25(&reports[1]) > lru25(&reports[0]) + 0.2,
+        "realistic routing must cache better than uniform: {} vs {}",
+        lru25(&reports[1]),
+        lru25(&reports[0])
+    );
     // A local-routing file (no override) keeps the random routers and reports the same way.
     let local = tmp("tiny-routing-local.gguf");
     synth(&local, &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing", "local"]);
     assert_eq!(generate(&local, &["--routing-report"])["routing"]["tokens"], 63);
     // Out-of-range parameters are refused by name.
-    let s = strata().args(["synth", "--preset", "tiny-moe", "--routing-reuse", "1.5", "--out"]).arg(tmp("bad.gguf")).output().unwrap();
-    assert!(!s.status.success() && String::from_utf8_lossy(&s.stderr).contains("reuse 1.5"), "{}", String::from_utf8_lossy(&s.stderr));
+    let s = strata()
+        .args(["synth", "--preset", "tiny-moe", "--routing-reuse", "1.5", "--out"])
+        .arg(tmp("bad.gguf"))
+        .output()
+        .unwrap();
+    assert!(
+        !s.status.success() && String::from_utf8_lossy(&s.stderr).contains("reuse 1.5"),
+        "{}",
+        String::from_utf8_lossy(&s.stderr)
+    );
 }

@@ -22,7 +22,11 @@ fn median(xs: &[f64]) -> f64 {
         return 0.0;
     }
     let m = v.len() / 2;
-    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 /// Prompt processing: `n` tokens in one forward pass (chunked by `chunk`), `reps` times.

@@ -45,7 +45,9 @@ pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 pub fn open_device(choice: DeviceChoice) -> Result<Device, String> {
     match choice {
         DeviceChoice::Cpu => Ok(Device::Cpu),
-        DeviceChoice::Auto if !CUDA_BUILT || !candle_core::utils::cuda_is_available() => Ok(Device::Cpu),
+        DeviceChoice::Auto if !CUDA_BUILT || !candle_core::utils::cuda_is_available() => {
+            Ok(Device::Cpu)
+        }
         DeviceChoice::Auto => open_cuda(0).or_else(|_| Ok(Device::Cpu)),
         DeviceChoice::Cuda(n) => open_cuda(n),
     }
@@ -65,17 +67,25 @@ fn open_cuda(n: usize) -> Result<Device, String> {
     // the H100 (docs/performance.md, "CUDA"): DMMV logits equal the CPU's f32 reference within
     // 1.2e-6 with identical greedy tokens on SmolLM2, and decode 12% faster there; MMVQ's Q8_1
     // activations moved SmolLM2's logits by up to 17% of their range.
-    candle_core::quantized::cuda::set_force_dmmv(!std::env::var("STRATA_CUDA_MMVQ").is_ok_and(|v| v == "1"));
+    candle_core::quantized::cuda::set_force_dmmv(
+        !std::env::var("STRATA_CUDA_MMVQ").is_ok_and(|v| v == "1"),
+    );
     if let Device::Cuda(d) = &device {
         let stream = d.cuda_stream();
         let cu_device = stream.context().cu_device();
         // SAFETY: plain driver calls on the device candle just opened; `threshold` outlives them.
         unsafe {
             let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
-            if sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), cu_device) == sys::CUresult::CUDA_SUCCESS {
+            if sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), cu_device)
+                == sys::CUresult::CUDA_SUCCESS
+            {
                 let mut threshold: u64 = u64::MAX;
                 let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-                let _ = sys::cuMemPoolSetAttribute(pool.assume_init(), attr, &mut threshold as *mut u64 as *mut std::ffi::c_void);
+                let _ = sys::cuMemPoolSetAttribute(
+                    pool.assume_init(),
+                    attr,
+                    &mut threshold as *mut u64 as *mut std::ffi::c_void,
+                );
             }
         }
     }

@@ -7,9 +7,13 @@ use std::time::Instant;
 
 use candle_core::Device;
 use serde::Serialize;
-use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer};
 use strata_expert_store::StreamOptions;
-use strata_models::{DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, PrefetchStats, Transformer};
+use strata_formats::{
+    ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer,
+};
+use strata_models::{
+    DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, PrefetchStats, Transformer,
+};
 
 use crate::routing_report::RoutingTrace;
 use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
@@ -78,12 +82,20 @@ impl LoadOptions {
 
 impl Engine {
     /// Opens and loads a model. `progress(done, total)` is called as layers load.
-    pub fn load(path: &std::path::Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+    pub fn load(
+        path: &std::path::Path,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         Self::from_files(&ModelFiles::open(path)?, opts, progress)
     }
 
     /// Loads a model whose files are already open (the CLI opened them to make the memory plan).
-    pub fn from_files(files: &ModelFiles, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+    pub fn from_files(
+        files: &ModelFiles,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         // Architecture and dimensions first: the most fundamental error is reported.
         let cfg = files.config()?;
         let tokenizer = files.tokenizer()?;
@@ -91,23 +103,36 @@ impl Engine {
         let mut resident_weight_bytes = files.total_tensor_bytes();
         let experts: Option<Arc<dyn ExpertProvider>> = match &opts.stream_experts {
             Some(so) => {
-                let (p, expert_bytes) = strata_expert_store::open_streaming(files, &cfg, &opts.device, so)?;
+                let (p, expert_bytes) =
+                    strata_expert_store::open_streaming(files, &cfg, &opts.device, so)?;
                 resident_weight_bytes -= expert_bytes;
                 Some(p)
             }
             None => None,
         };
-        let mut model = Transformer::load_with_experts(files, &opts.device, opts.ctx_size, experts, progress)?;
+        let mut model =
+            Transformer::load_with_experts(files, &opts.device, opts.ctx_size, experts, progress)?;
         model.set_moe_top_k(opts.moe_top_k);
         if let Some(so) = &opts.stream_experts {
             model.set_prefetch(so.prefetch);
         }
-        Ok(Self { model: Arc::new(model), tokenizer, chat_template, defaults: files.generation_defaults(), name: files.short_name(), resident_weight_bytes, spec: None })
+        Ok(Self {
+            model: Arc::new(model),
+            tokenizer,
+            chat_template,
+            defaults: files.generation_defaults(),
+            name: files.short_name(),
+            resident_weight_bytes,
+            spec: None,
+        })
     }
 
     /// Loads a draft model for speculative decoding (`--draft-model`): resident, on the target's
     /// device, RoPE tables for `opts.ctx_size`. Returns it with its weight bytes as stored.
-    pub fn load_draft_model(path: &std::path::Path, opts: &LoadOptions) -> Result<(Arc<Transformer>, u64)> {
+    pub fn load_draft_model(
+        path: &std::path::Path,
+        opts: &LoadOptions,
+    ) -> Result<(Arc<Transformer>, u64)> {
         let files = ModelFiles::open(path)?;
         let model = Transformer::load(&files, &opts.device, opts.ctx_size, &mut |_, _| {})?;
         Ok((Arc::new(model), files.total_tensor_bytes()))
@@ -116,9 +141,14 @@ impl Engine {
     /// Loads a DFlash draft (`--dflash --draft-model DIR`) for `target`: on the target's device,
     /// RoPE tables for `opts.ctx_size` plus the longest block. Returns it with its weight bytes
     /// as stored. Errors: see [`DFlashDraft::load`].
-    pub fn load_dflash_draft(path: &std::path::Path, opts: &LoadOptions, target: &Transformer) -> Result<(Arc<DFlashDraft>, u64)> {
+    pub fn load_dflash_draft(
+        path: &std::path::Path,
+        opts: &LoadOptions,
+        target: &Transformer,
+    ) -> Result<(Arc<DFlashDraft>, u64)> {
         let files = ModelFiles::open(path)?;
-        let draft = DFlashDraft::load(&files, target, opts.ctx_size + strata_models::EXACT_ROWS_MAX)?;
+        let draft =
+            DFlashDraft::load(&files, target, opts.ctx_size + strata_models::EXACT_ROWS_MAX)?;
         Ok((Arc::new(draft), files.total_tensor_bytes()))
     }
 
@@ -141,13 +171,15 @@ impl Engine {
     /// contents beyond trimming, so that Strata cannot tell where the content landed.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<(String, Vec<u32>)> {
         let tpl = self.chat_template.as_ref().ok_or(EngineError::NoChatTemplate)?;
-        let Some(special) = messages.iter().find_map(|m| self.tokenizer.find_special(&m.content)) else {
+        let Some(special) = messages.iter().find_map(|m| self.tokenizer.find_special(&m.content))
+        else {
             let text = tpl.render(messages, true)?;
             let ids = self.tokenizer.encode(&text, false)?;
             return Ok((text, ids));
         };
         let r = tpl.render_spans(messages, true)?;
-        let spans = r.spans.ok_or_else(|| EngineError::SpecialTokenInContent(special.to_string()))?;
+        let spans =
+            r.spans.ok_or_else(|| EngineError::SpecialTokenInContent(special.to_string()))?;
         let ids = self.tokenizer.encode_with_plain_spans(&r.text, &spans)?;
         Ok((r.text, ids))
     }
@@ -163,7 +195,12 @@ impl Engine {
 
     /// Runs one request to completion on `cache` (cleared first), calling `on_token` for each
     /// generated token; `on_token` returning `Break` cancels generation (finish reason `cancelled`).
-    pub fn generate(&self, cache: &mut KvCache, req: &GenerateRequest, on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>) -> Result<Generation> {
+    pub fn generate(
+        &self,
+        cache: &mut KvCache,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<Generation> {
         self.generate_with(cache, req, on_token, &|| false)
     }
 
@@ -171,7 +208,13 @@ impl Engine {
     /// before every decode step: when it returns true, generation ends at once with finish reason
     /// `cancelled` (no tokens if it was still prefilling). A server's shutdown uses it so that a
     /// long prompt does not outlive the grace period.
-    pub fn generate_with(&self, cache: &mut KvCache, req: &GenerateRequest, on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>, stop: &dyn Fn() -> bool) -> Result<Generation> {
+    pub fn generate_with(
+        &self,
+        cache: &mut KvCache,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Generation> {
         let prompt = &req.prompt;
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -184,7 +227,9 @@ impl Engine {
         let streaming = experts0.is_some();
         let chunk = req.prefill_chunk.max(1);
         let mut spec = match &self.spec {
-            Some(cfg) => Some(Speculator::new(&self.model, cfg, cache.capacity(), streaming, chunk)?),
+            Some(cfg) => {
+                Some(Speculator::new(&self.model, cfg, cache.capacity(), streaming, chunk)?)
+            }
             None => None,
         };
         let t0 = Instant::now();
@@ -213,7 +258,9 @@ impl Engine {
         let experts_prefilled = self.model.experts().stats();
         let prefetch_prefilled = self.model.prefetch_stats();
         // Speculative rounds route rejected drafts too: only plain decoding is traced.
-        let mut routing = (req.record_routing && spec.is_none()).then(|| RoutingTrace::new(self.model.config().moe.as_ref().map_or(0, |m| m.num_experts)));
+        let mut routing = (req.record_routing && spec.is_none()).then(|| {
+            RoutingTrace::new(self.model.config().moe.as_ref().map_or(0, |m| m.num_experts))
+        });
         let t1 = Instant::now();
         let mut ttft_ms = 0.0;
         let finish;
@@ -275,7 +322,12 @@ impl Engine {
                 break;
             }
             match spec.as_mut() {
-                Some(s) => ready.extend(s.round(cache, &history, &mut sampler, req.max_tokens - tokens.len())?),
+                Some(s) => ready.extend(s.round(
+                    cache,
+                    &history,
+                    &mut sampler,
+                    req.max_tokens - tokens.len(),
+                )?),
                 None => {
                     let out = self.model.forward(&[id], cache, Logits::Last, &[])?;
                     if let Some(t) = routing.as_mut() {
@@ -325,10 +377,18 @@ impl Engine {
 
 impl Engine {
     /// Chunked prefill of `prompt` into the empty `cache`; the last position's logits `[vocab]`.
-    fn prefill(&self, cache: &mut KvCache, prompt: &[u32], chunk: usize, stop: &dyn Fn() -> bool) -> Result<Vec<f32>> {
+    fn prefill(
+        &self,
+        cache: &mut KvCache,
+        prompt: &[u32],
+        chunk: usize,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Vec<f32>> {
         let mut logits = None;
         for part in prompt.chunks(chunk) {
-            logits = Some(self.model.forward_interruptible(part, cache, Logits::Last, &[], stop)?.logits);
+            logits = Some(
+                self.model.forward_interruptible(part, cache, Logits::Last, &[], stop)?.logits,
+            );
         }
         Ok(logits.ok_or(EngineError::EmptyPrompt)?.flatten_all()?.to_vec1()?)
     }
@@ -353,7 +413,16 @@ pub struct GenerateRequest {
 
 impl GenerateRequest {
     pub fn new(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Self {
-        Self { prompt, max_tokens, sampling, stop: Vec::new(), ignore_eos: false, logprobs: None, prefill_chunk: 512, record_routing: false }
+        Self {
+            prompt,
+            max_tokens,
+            sampling,
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            prefill_chunk: 512,
+            record_routing: false,
+        }
     }
 }
 

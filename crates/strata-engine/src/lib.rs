@@ -13,10 +13,13 @@ pub mod stop;
 pub mod synth;
 pub mod synth_dflash;
 
-pub use engine::{Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent, TokenLogprobs};
+pub use engine::{
+    Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent,
+    TokenLogprobs,
+};
 pub use routing_report::{RoutingReport, RoutingTrace};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{DraftSource, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator};
+pub use strata_expert_store as expert_store;
 pub use strata_expert_store::{CacheBudget, DirectIo, EvictionPolicy, StreamOptions};
 pub use strata_models::{ExpertStats, PrefetchMode, PrefetchStats};
-pub use strata_expert_store as expert_store;

@@ -43,7 +43,13 @@ fn dtype_name<S: serde::Serializer>(d: &GgmlDType, s: S) -> std::result::Result<
 impl MoeLayerShape {
     /// Qwen3-30B-A3B's MoE layer, Q4_K.
     pub fn qwen3_30b_a3b() -> Self {
-        Self { hidden: 2048, experts: 128, top_k: 8, expert_intermediate: 768, dtype: GgmlDType::Q4K }
+        Self {
+            hidden: 2048,
+            experts: 128,
+            top_k: 8,
+            expert_intermediate: 768,
+            dtype: GgmlDType::Q4K,
+        }
     }
 }
 
@@ -138,7 +144,11 @@ fn build_layer(shape: &MoeLayerShape) -> Result<(SparseMoe, ResidentExperts, usi
     let bytes = |t: &QTensor| -> Result<Vec<u8>> { Ok(t.data()?.into_owned()) };
     let (gb, ub, db) = (bytes(&gate)?, bytes(&up)?, bytes(&down)?);
     let copy = |b: &[u8], rows: usize, cols: usize| -> Result<Linear> {
-        let storage = candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(b.to_vec()), &Device::Cpu, shape.dtype)?;
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(b.to_vec()),
+            &Device::Cpu,
+            shape.dtype,
+        )?;
         Ok(Linear::for_expert(Weight::Quantized(QTensor::new(storage, (rows, cols))?))?)
     };
     let mut experts = Vec::with_capacity(shape.experts);
@@ -147,8 +157,14 @@ fn build_layer(shape: &MoeLayerShape) -> Result<(SparseMoe, ResidentExperts, usi
         experts.push(Arc::new(Expert { bytes: mlp.weight_bytes(), mlp }));
     }
     let expert_bytes = experts[0].bytes;
-    let router_w = (Tensor::randn(0f32, 1.0, (shape.experts, h), &Device::Cpu)? / (h as f64).sqrt())?;
-    let router = Router::new(Linear::new(Weight::Dense(router_w), None)?, shape.top_k, true, RouterScoring::Softmax);
+    let router_w =
+        (Tensor::randn(0f32, 1.0, (shape.experts, h), &Device::Cpu)? / (h as f64).sqrt())?;
+    let router = Router::new(
+        Linear::new(Weight::Dense(router_w), None)?,
+        shape.top_k,
+        true,
+        RouterScoring::Softmax,
+    );
     Ok((SparseMoe::new(0, router), ResidentExperts::from_layers(vec![experts]), expert_bytes))
 }
 
@@ -170,7 +186,12 @@ pub struct MoeLayerBench {
 /// Times the layer for each batch size in `tokens` (`reps` runs each). Every expert is used once
 /// before timing (see [`MoeLayerBench::first_use_ms_per_expert`]); every run gets a fresh random
 /// input, so decode runs route to different experts (no cache-hot repeats).
-pub fn bench_moe_layer(shape: &MoeLayerShape, tokens: &[usize], reps: usize, rates: &MachineRates) -> Result<MoeLayerBench> {
+pub fn bench_moe_layer(
+    shape: &MoeLayerShape,
+    tokens: &[usize],
+    reps: usize,
+    rates: &MachineRates,
+) -> Result<MoeLayerBench> {
     let (moe, experts, bytes_per_expert) = build_layer(shape)?;
     let one = Tensor::randn(0f32, 1.0, (1, shape.hidden), &Device::Cpu)?;
     let t = Instant::now();

@@ -24,7 +24,13 @@ pub struct PerplexityResult {
 }
 
 /// Scores `tokens` in chunks of `n_ctx`; `progress(chunk, n_chunks, running_ppl)` per chunk.
-pub fn perplexity(engine: &Engine, tokens: &[u32], n_ctx: usize, batch: usize, progress: &mut dyn FnMut(usize, usize, f64)) -> Result<PerplexityResult> {
+pub fn perplexity(
+    engine: &Engine,
+    tokens: &[u32],
+    n_ctx: usize,
+    batch: usize,
+    progress: &mut dyn FnMut(usize, usize, f64),
+) -> Result<PerplexityResult> {
     let t0 = std::time::Instant::now();
     let n_chunks = tokens.len() / n_ctx;
     let first = n_ctx / 2;
@@ -62,5 +68,13 @@ pub fn perplexity(engine: &Engine, tokens: &[u32], n_ctx: usize, batch: usize, p
     let ppl = mean.exp();
     let var = (nll2 / count.max(1) as f64 - mean * mean).max(0.0);
     let stderr = if count > 1 { (var / (count - 1) as f64).sqrt() * ppl } else { 0.0 };
-    Ok(PerplexityResult { ppl, ppl_stderr: stderr, chunks: n_chunks, scored_tokens: count, total_tokens: tokens.len(), running, seconds: t0.elapsed().as_secs_f64() })
+    Ok(PerplexityResult {
+        ppl,
+        ppl_stderr: stderr,
+        chunks: n_chunks,
+        scored_tokens: count,
+        total_tokens: tokens.len(),
+        running,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
 }

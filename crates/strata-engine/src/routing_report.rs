@@ -55,7 +55,11 @@ impl Spread {
             return Self::default();
         }
         let mean = v.iter().sum::<f64>() / v.len() as f64;
-        Self { mean, min: v.iter().copied().fold(f64::INFINITY, f64::min), max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max) }
+        Self {
+            mean,
+            min: v.iter().copied().fold(f64::INFINITY, f64::min),
+            max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        }
     }
 }
 
@@ -157,7 +161,8 @@ fn lru_per_layer(trace: &RoutingTrace, fraction: f64) -> LruPoint {
 }
 
 fn lru_shared(trace: &RoutingTrace, fraction: f64) -> LruPoint {
-    let capacity = ((fraction * (trace.experts * trace.layers.len()) as f64).round() as usize).max(1);
+    let capacity =
+        ((fraction * (trace.experts * trace.layers.len()) as f64).round() as usize).max(1);
     let mut cache = Lru::new(capacity);
     let (mut hits, mut lookups) = (0u64, 0u64);
     for tok in &trace.tokens {
@@ -174,12 +179,18 @@ fn lru_shared(trace: &RoutingTrace, fraction: f64) -> LruPoint {
 /// Least-squares slope of ln(count) on ln(rank), negated, over the experts used at least once.
 fn zipf_fit(mut counts: Vec<u64>) -> f64 {
     counts.sort_unstable_by(|a, b| b.cmp(a));
-    let pts: Vec<(f64, f64)> = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(r, &c)| (((r + 1) as f64).ln(), (c as f64).ln())).collect();
+    let pts: Vec<(f64, f64)> = counts
+        .iter()
+        .enumerate()
+        .filter(|(_, &c)| c > 0)
+        .map(|(r, &c)| (((r + 1) as f64).ln(), (c as f64).ln()))
+        .collect();
     if pts.len() < 2 {
         return 0.0;
     }
     let n = pts.len() as f64;
-    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+    let (mx, my) =
+        (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
     let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
     let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
     -sxy / sxx.max(1e-12)
@@ -191,8 +202,13 @@ pub fn report(trace: &RoutingTrace, predictors: Option<&PrefetchStats>) -> Routi
     let mut reuse_per_layer = Vec::with_capacity(n_layers);
     let (mut zipf, mut top, mut ninety) = (Vec::new(), Vec::new(), Vec::new());
     for l in 0..n_layers {
-        let kept: usize = trace.tokens.windows(2).map(|w| w[1][l].iter().filter(|x| w[0][l].contains(x)).count()).sum();
-        reuse_per_layer.push(kept as f64 / (trace.tokens.len().saturating_sub(1) * k).max(1) as f64);
+        let kept: usize = trace
+            .tokens
+            .windows(2)
+            .map(|w| w[1][l].iter().filter(|x| w[0][l].contains(x)).count())
+            .sum();
+        reuse_per_layer
+            .push(kept as f64 / (trace.tokens.len().saturating_sub(1) * k).max(1) as f64);
         let mut counts = vec![0u64; e];
         trace.tokens.iter().flat_map(|t| &t[l]).for_each(|&x| counts[x as usize % e] += 1);
         let total = counts.iter().sum::<u64>().max(1) as f64;
@@ -220,7 +236,13 @@ pub fn report(trace: &RoutingTrace, predictors: Option<&PrefetchStats>) -> Routi
         experts_for_90_percent: mean(&ninety),
         lru_per_layer: LRU_FRACTIONS.iter().map(|&f| lru_per_layer(trace, f)).collect(),
         lru_shared: LRU_FRACTIONS.iter().map(|&f| lru_shared(trace, f)).collect(),
-        predictors: predictors.map(|p| [("pregate".into(), (&p.pregate).into()), ("previous".into(), (&p.previous).into()), ("union".into(), (&p.union).into())]),
+        predictors: predictors.map(|p| {
+            [
+                ("pregate".into(), (&p.pregate).into()),
+                ("previous".into(), (&p.previous).into()),
+                ("union".into(), (&p.union).into()),
+            ]
+        }),
         reuse_per_layer,
     }
 }
@@ -245,9 +267,18 @@ impl RoutingReport {
             pct(self.reuse.max),
             pct(self.reuse_chance)
         );
-        s += &format!("| Zipf exponent per layer | {:.2} ({:.2}–{:.2}) | 0.45–0.84 OLMoE |\n", self.zipf.mean, self.zipf.min, self.zipf.max);
-        s += &format!("| most used expert's share | {} | 4–6% Qwen3-30B-A3B |\n", pct(self.top_expert_share));
-        s += &format!("| experts for 90% of the routing | {} | ~50% Qwen3-30B-A3B |\n", pct(self.experts_for_90_percent));
+        s += &format!(
+            "| Zipf exponent per layer | {:.2} ({:.2}–{:.2}) | 0.45–0.84 OLMoE |\n",
+            self.zipf.mean, self.zipf.min, self.zipf.max
+        );
+        s += &format!(
+            "| most used expert's share | {} | 4–6% Qwen3-30B-A3B |\n",
+            pct(self.top_expert_share)
+        );
+        s += &format!(
+            "| experts for 90% of the routing | {} | ~50% Qwen3-30B-A3B |\n",
+            pct(self.experts_for_90_percent)
+        );
         for (p, q) in self.lru_per_layer.iter().zip(&self.lru_shared) {
             let published = match (p.fraction * 1000.0).round() as u32 {
                 125 => "~67% (512 experts)",
@@ -265,7 +296,11 @@ impl RoutingReport {
         }
         if let Some(ps) = &self.predictors {
             for (name, f) in ps {
-                let published = if name == "pregate" { "recall 80–90% one layer ahead (Mixtral)" } else { "" };
+                let published = if name == "pregate" {
+                    "recall 80–90% one layer ahead (Mixtral)"
+                } else {
+                    ""
+                };
                 s += &format!("| prefetch predictor `{name}` precision / recall | {:.2} / {:.2} | {published} |\n", f.precision, f.recall);
             }
         }
@@ -280,7 +315,12 @@ mod tests {
     fn trace(tokens: &[&[u32]]) -> RoutingTrace {
         let mut t = RoutingTrace::new(8);
         for ids in tokens {
-            t.push(&[LayerRouting { layer: 2, top_k: 2, expert_ids: ids.to_vec(), weights: vec![0.5; ids.len()] }]);
+            t.push(&[LayerRouting {
+                layer: 2,
+                top_k: 2,
+                expert_ids: ids.to_vec(),
+                weights: vec![0.5; ids.len()],
+            }]);
         }
         t
     }
@@ -310,7 +350,8 @@ mod tests {
     /// The routing process alone (no weights) at Qwen3-30B-A3B's shape: 48 MoE layers, top-8 of
     /// 128, 256 decoded tokens.
     fn synthetic_30b(cfg: strata_formats::SyntheticRouting) -> RoutingReport {
-        let routers: Vec<_> = (0..48).map(|l| strata_models::SyntheticRouter::new(cfg, l, 128, 8)).collect();
+        let routers: Vec<_> =
+            (0..48).map(|l| strata_models::SyntheticRouter::new(cfg, l, 128, 8)).collect();
         let mut t = RoutingTrace::new(128);
         let mut prev: Vec<Option<Vec<u32>>> = vec![None; 48];
         for pos in 40..296 {
@@ -346,7 +387,12 @@ mod tests {
     #[test]
     fn a_pass_of_several_tokens_is_split_per_token() {
         let mut t = RoutingTrace::new(8);
-        t.push(&[LayerRouting { layer: 0, top_k: 2, expert_ids: vec![1, 2, 3, 4], weights: vec![0.5; 4] }]);
+        t.push(&[LayerRouting {
+            layer: 0,
+            top_k: 2,
+            expert_ids: vec![1, 2, 3, 4],
+            weights: vec![0.5; 4],
+        }]);
         assert_eq!(t.tokens, vec![vec![vec![1, 2]], vec![vec![3, 4]]]);
     }
 }

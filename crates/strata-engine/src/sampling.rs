@@ -96,7 +96,9 @@ pub fn top_logprobs(logprobs: &[f32], n: usize) -> Vec<(u32, f32)> {
     if n == 0 {
         return Vec::new();
     }
-    idx.select_nth_unstable_by(n - 1, |&a, &b| logprobs[b as usize].total_cmp(&logprobs[a as usize]));
+    idx.select_nth_unstable_by(n - 1, |&a, &b| {
+        logprobs[b as usize].total_cmp(&logprobs[a as usize])
+    });
     idx.truncate(n);
     idx.sort_by(|&a, &b| logprobs[b as usize].total_cmp(&logprobs[a as usize]));
     idx.into_iter().map(|i| (i, logprobs[i as usize])).collect()
@@ -211,7 +213,8 @@ mod tests {
         let logits = [1.0, 3.0, 2.0];
         let mut s = Sampler::new(SamplingParams::greedy());
         assert_eq!(s.sample(&logits, &[]), 1);
-        let mut s = Sampler::new(SamplingParams { repeat_penalty: 2.0, ..SamplingParams::greedy() });
+        let mut s =
+            Sampler::new(SamplingParams { repeat_penalty: 2.0, ..SamplingParams::greedy() });
         // 3.0 / 2 = 1.5 < 2.0
         assert_eq!(s.sample(&logits, &[1]), 2);
     }
@@ -219,13 +222,33 @@ mod tests {
     #[test]
     fn top_k_one_is_deterministic_and_seed_reproduces() {
         let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin()).collect();
-        let p = SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, min_p: 0.0, seed: Some(3), ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: Some(3),
+            ..Default::default()
+        };
         let mut s = Sampler::new(p.clone());
         let best = argmax(&logits);
         assert!((0..20).all(|_| s.sample(&logits, &[]) == best));
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(7), ..Default::default() };
-        let a: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..50).map(|_| s.sample(&logits, &[])).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p); (0..50).map(|_| s.sample(&logits, &[])).collect() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: Some(7),
+            ..Default::default()
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone());
+            (0..50).map(|_| s.sample(&logits, &[])).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p);
+            (0..50).map(|_| s.sample(&logits, &[])).collect()
+        };
         assert_eq!(a, b);
         assert!(a.iter().any(|&t| t != a[0]), "temperature 1 over 100 tokens should vary");
     }
@@ -234,10 +257,24 @@ mod tests {
     fn top_p_and_min_p_truncate() {
         // probs ∝ exp([4,3,0,0]) ≈ [0.72, 0.26, 0.013, 0.013]
         let logits = [4.0, 3.0, 0.0, 0.0];
-        let s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.9, min_p: 0.0, seed: Some(1), ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.9,
+            min_p: 0.0,
+            seed: Some(1),
+            ..Default::default()
+        });
         let d = s.distribution(&logits, &[]);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
-        let s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.5, seed: Some(1), ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.5,
+            seed: Some(1),
+            ..Default::default()
+        });
         assert_eq!(s.distribution(&logits, &[]).len(), 1);
         let total: f32 = d.iter().map(|x| x.1).sum();
         assert!((total - 1.0).abs() < 1e-5);

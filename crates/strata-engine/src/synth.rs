@@ -64,9 +64,9 @@ pub struct LinearPreset {
     pub full_attention_interval: usize,
 }
 
-
 impl SynthPreset {
-    pub const NAMES: [&'static str; 5] = ["qwen3-30b-a3b", "mixtral-8x7b", "qwen3.5-122b-a10b", "tiny-moe", "tiny-hybrid"];
+    pub const NAMES: [&'static str; 5] =
+        ["qwen3-30b-a3b", "mixtral-8x7b", "qwen3.5-122b-a10b", "tiny-moe", "tiny-hybrid"];
 
     /// Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B), Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1),
     /// Qwen3.5-122B-A10B (the `text_config` of Qwen/Qwen3.5-122B-A10B: 48 layers, 3 of 4 Gated
@@ -147,7 +147,14 @@ impl SynthPreset {
                 context: 262_144,
                 qk_norm: true,
                 shared_expert_ffn: 1024,
-                linear: Some(LinearPreset { k_heads: 16, v_heads: 64, k_dim: 128, v_dim: 128, conv_kernel: 4, full_attention_interval: 4 }),
+                linear: Some(LinearPreset {
+                    k_heads: 16,
+                    v_heads: 64,
+                    k_dim: 128,
+                    v_dim: 128,
+                    conv_kernel: 4,
+                    full_attention_interval: 4,
+                }),
             },
             // The qwen3.5-122b-a10b layout at test size.
             "tiny-hybrid" => Self {
@@ -162,7 +169,14 @@ impl SynthPreset {
                 vocab: 512,
                 context: 4096,
                 shared_expert_ffn: 256,
-                linear: Some(LinearPreset { k_heads: 2, v_heads: 4, k_dim: 64, v_dim: 64, conv_kernel: 4, full_attention_interval: 4 }),
+                linear: Some(LinearPreset {
+                    k_heads: 2,
+                    v_heads: 4,
+                    k_dim: 64,
+                    v_dim: 64,
+                    conv_kernel: 4,
+                    full_attention_interval: 4,
+                }),
                 ..Self::by_name("qwen3.5-122b-a10b")?
             },
             _ => return None,
@@ -261,26 +275,44 @@ fn vocab(size: usize) -> (Vec<String>, Vec<i32>, [u32; 3]) {
     (toks, types, [s, s + 1, s + 2])
 }
 
-fn metadata(p: &SynthPreset, quant: GgmlDType, routing: Option<&SyntheticRouting>) -> Vec<(String, MetaValue)> {
+fn metadata(
+    p: &SynthPreset,
+    quant: GgmlDType,
+    routing: Option<&SyntheticRouting>,
+) -> Vec<(String, MetaValue)> {
     let a = p.arch;
     let k = |s: &str| format!("{a}.{s}");
     let (toks, types, [eot, _, im_end]) = vocab(p.vocab);
     let mut m = vec![
         ("general.architecture".into(), MetaValue::Str(a.into())),
-        ("general.name".into(), MetaValue::Str(format!("{} synthetic ({quant:?}, random weights, {} layers)", p.name, p.layers))),
+        (
+            "general.name".into(),
+            MetaValue::Str(format!(
+                "{} synthetic ({quant:?}, random weights, {} layers)",
+                p.name, p.layers
+            )),
+        ),
         ("general.alignment".into(), MetaValue::U32(strata_formats::gguf_write::ALIGNMENT as u32)),
         (k("block_count"), MetaValue::U32(p.layers as u32)),
         (k("context_length"), MetaValue::U32(p.context as u32)),
         (k("embedding_length"), MetaValue::U32(p.hidden as u32)),
         // qwen3moe: the dense FFN size (unused: every layer is MoE); llama (Mixtral): the expert FFN.
-        (k("feed_forward_length"), MetaValue::U32((if a == "qwen3moe" { p.expert_ffn * p.top_k } else { p.expert_ffn }) as u32)),
+        (
+            k("feed_forward_length"),
+            MetaValue::U32(
+                (if a == "qwen3moe" { p.expert_ffn * p.top_k } else { p.expert_ffn }) as u32,
+            ),
+        ),
         (k("attention.head_count"), MetaValue::U32(p.heads as u32)),
         (k("attention.head_count_kv"), MetaValue::U32(p.kv_heads as u32)),
         (k("attention.key_length"), MetaValue::U32(p.head_dim as u32)),
         (k("attention.value_length"), MetaValue::U32(p.head_dim as u32)),
         (k("rope.freq_base"), MetaValue::F32(p.rope_theta)),
         // Qwen3.5 rotates a quarter of each head (`partial_rotary_factor` 0.25).
-        (k("rope.dimension_count"), MetaValue::U32((if p.linear.is_some() { p.head_dim / 4 } else { p.head_dim }) as u32)),
+        (
+            k("rope.dimension_count"),
+            MetaValue::U32((if p.linear.is_some() { p.head_dim / 4 } else { p.head_dim }) as u32),
+        ),
         (k("attention.layer_norm_rms_epsilon"), MetaValue::F32(p.rms_eps)),
         (k("expert_count"), MetaValue::U32(p.experts as u32)),
         (k("expert_used_count"), MetaValue::U32(p.top_k as u32)),
@@ -297,7 +329,10 @@ fn metadata(p: &SynthPreset, quant: GgmlDType, routing: Option<&SyntheticRouting
         m.push((k("expert_feed_forward_length"), MetaValue::U32(p.expert_ffn as u32)));
     }
     if p.shared_expert_ffn > 0 {
-        m.push((k("expert_shared_feed_forward_length"), MetaValue::U32(p.shared_expert_ffn as u32)));
+        m.push((
+            k("expert_shared_feed_forward_length"),
+            MetaValue::U32(p.shared_expert_ffn as u32),
+        ));
     }
     if let Some(r) = routing {
         m.extend(r.to_metadata());
@@ -321,7 +356,12 @@ fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
     let mut rng = Rng::new(o.seed ^ 0x5EED);
     let mut v = vec![(t("token_embd.weight".into(), vec![p.vocab, h], q), Fill::Random)];
     // The layout readers derive from `full_attention_interval` (written in the metadata).
-    let recurrent = p.linear.map_or_else(|| vec![false; p.layers], |la| strata_formats::LinearAttnConfig::interval_layout(p.layers, la.full_attention_interval));
+    let recurrent = p.linear.map_or_else(
+        || vec![false; p.layers],
+        |la| {
+            strata_formats::LinearAttnConfig::interval_layout(p.layers, la.full_attention_interval)
+        },
+    );
     for l in 0..p.layers {
         let b = |s: &str| format!("blk.{l}.{s}");
         v.push((t(b("attn_norm.weight"), vec![h], GgmlDType::F32), Fill::Ones));
@@ -333,7 +373,10 @@ fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
                 v.push((t(b("attn_gate.weight"), vec![vw, h], q), Fill::Random));
                 v.push((t(b("ssm_beta.weight"), vec![nv, h], q), Fill::Random));
                 v.push((t(b("ssm_alpha.weight"), vec![nv, h], q), Fill::Random));
-                v.push((t(b("ssm_conv1d.weight"), vec![2 * kw + vw, la.conv_kernel], f32), Fill::Random));
+                v.push((
+                    t(b("ssm_conv1d.weight"), vec![2 * kw + vw, la.conv_kernel], f32),
+                    Fill::Random,
+                ));
                 // Decay exp(−0.5·softplus(a)) ≈ 0.7 per token.
                 v.push((t(b("ssm_a"), vec![nv], f32), Fill::Values(vec![-0.5; nv])));
                 v.push((t(b("ssm_dt.bias"), vec![nv], f32), Fill::Values(vec![0.0; nv])));
@@ -353,7 +396,8 @@ fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
                 }
             }
         }
-        let ffn_norm = if p.linear.is_some() { "post_attention_norm.weight" } else { "ffn_norm.weight" };
+        let ffn_norm =
+            if p.linear.is_some() { "post_attention_norm.weight" } else { "ffn_norm.weight" };
         v.push((t(b(ffn_norm), vec![h], GgmlDType::F32), Fill::Ones));
         if p.shared_expert_ffn > 0 {
             let sf = p.shared_expert_ffn;
@@ -387,7 +431,9 @@ fn fill_random(dtype: GgmlDType, buf: &mut [u8], rng: &mut Rng) {
         let r = rng.next().to_le_bytes();
         c.copy_from_slice(&r[..c.len()]);
     }
-    let put = |b: &mut [u8], at: usize, v: f32| b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+    let put = |b: &mut [u8], at: usize, v: f32| {
+        b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes())
+    };
     match dtype {
         GgmlDType::Q4K => buf.chunks_exact_mut(144).for_each(|b| {
             put(b, 0, 2.5e-4);
@@ -398,14 +444,20 @@ fn fill_random(dtype: GgmlDType, buf: &mut [u8], rng: &mut Rng) {
             put(b, 2, -0.0675);
         }),
         GgmlDType::Q8_0 => buf.chunks_exact_mut(34).for_each(|b| put(b, 0, 2.7e-4)),
-        _ => buf.chunks_exact_mut(4).for_each(|b| b.copy_from_slice(&(0.0346 * rng.unit()).to_le_bytes())),
+        _ => buf
+            .chunks_exact_mut(4)
+            .for_each(|b| b.copy_from_slice(&(0.0346 * rng.unit()).to_le_bytes())),
     }
 }
 
 /// Writes the synthetic model to `out`. `progress(done, total)` in bytes.
 ///
 /// Errors: I/O, or dimensions that do not fit the block type (Q4_K needs multiples of 256).
-pub fn synth(out: &Path, o: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<SynthReport, String> {
+pub fn synth(
+    out: &Path,
+    o: &SynthOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<SynthReport, String> {
     let ts = tensors(o);
     let meta = metadata(&o.preset, o.quant, o.routing.as_ref());
     let specs: Vec<TensorSpec> = ts.iter().map(|(s, _)| s.clone()).collect();
@@ -420,10 +472,14 @@ pub fn synth(out: &Path, o: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -
         let (spec, how) = &ts[i];
         match how {
             Fill::Random => {
-                let mut rng = Rng::new(seed ^ (i as u64).wrapping_mul(0x1000_0000_01B3) ^ offset.rotate_left(17));
+                let mut rng = Rng::new(
+                    seed ^ (i as u64).wrapping_mul(0x1000_0000_01B3) ^ offset.rotate_left(17),
+                );
                 fill_random(spec.dtype, buf, &mut rng);
             }
-            Fill::Ones => buf.chunks_exact_mut(4).for_each(|b| b.copy_from_slice(&1f32.to_le_bytes())),
+            Fill::Ones => {
+                buf.chunks_exact_mut(4).for_each(|b| b.copy_from_slice(&1f32.to_le_bytes()))
+            }
             Fill::Values(v) => {
                 let start = offset as usize / 4;
                 for (b, x) in buf.chunks_exact_mut(4).zip(&v[start..]) {
@@ -458,18 +514,38 @@ mod tests {
 
     #[test]
     fn qwen35_122b_preset_has_the_published_size() {
-        let o = SynthOptions { preset: SynthPreset::by_name("qwen3.5-122b-a10b").unwrap(), quant: GgmlDType::Q4K, seed: 0, routing_skew: None, routing: None };
+        let o = SynthOptions {
+            preset: SynthPreset::by_name("qwen3.5-122b-a10b").unwrap(),
+            quant: GgmlDType::Q4K,
+            seed: 0,
+            routing_skew: None,
+            routing: None,
+        };
         let ts = tensors(&o);
-        let count = |pred: &dyn Fn(&str) -> bool| ts.iter().filter(|(s, _)| pred(&s.name)).map(|(s, _)| s.shape.iter().product::<usize>()).sum::<usize>() as f64;
+        let count = |pred: &dyn Fn(&str) -> bool| {
+            ts.iter()
+                .filter(|(s, _)| pred(&s.name))
+                .map(|(s, _)| s.shape.iter().product::<usize>())
+                .sum::<usize>() as f64
+        };
         let total = count(&|_| true);
         let experts = count(&|n: &str| n.contains("_exps."));
         // Active per token: everything but the routed experts and the embedding table, plus top-8 of 256.
-        let active = total - experts - count(&|n: &str| n == "token_embd.weight") + experts * 8.0 / 256.0;
-        eprintln!("qwen3.5-122b-a10b preset: {:.1}B parameters, {:.1}B active", total / 1e9, active / 1e9);
+        let active =
+            total - experts - count(&|n: &str| n == "token_embd.weight") + experts * 8.0 / 256.0;
+        eprintln!(
+            "qwen3.5-122b-a10b preset: {:.1}B parameters, {:.1}B active",
+            total / 1e9,
+            active / 1e9
+        );
         // Qwen's published figures: 122B total (with a vision tower and MTP layer we do not write), 10B active.
         assert!((118e9..123e9).contains(&total), "{total}");
         assert!((9e9..11e9).contains(&active), "{active}");
-        assert_eq!(ts.iter().filter(|(s, _)| s.name.ends_with("ssm_out.weight")).count(), 36, "3 of 4 layers are Gated DeltaNet");
+        assert_eq!(
+            ts.iter().filter(|(s, _)| s.name.ends_with("ssm_out.weight")).count(),
+            36,
+            "3 of 4 layers are Gated DeltaNet"
+        );
     }
 
     #[test]

@@ -22,14 +22,31 @@ pub fn target_layer_ids(target_layers: usize, draft_layers: usize) -> Vec<usize>
         return vec![target_layers / 2];
     }
     let (start, end) = (1.0, target_layers.saturating_sub(3) as f64);
-    (0..draft_layers).map(|i| (start + i as f64 * (end - start) / (draft_layers - 1) as f64).round_ties_even() as usize).collect()
+    (0..draft_layers)
+        .map(|i| {
+            (start + i as f64 * (end - start) / (draft_layers - 1) as f64).round_ties_even()
+                as usize
+        })
+        .collect()
 }
 
 /// Writes `out/config.json` and `out/model.safetensors`: `draft_layers` Qwen3 layers with the
 /// target's hidden size, heads and dense FFN size, `block_size`, mask token = the target's last
 /// vocabulary id. Weights uniform in ±0.02 (norms 1), from `seed`. Returns the bytes written.
-pub fn write_random_dflash_draft(target: &ModelConfig, out: &Path, draft_layers: usize, block_size: usize, seed: u64) -> Result<u64, String> {
-    let (h, hd, nh, nkv, inter) = (target.hidden_size, target.head_dim, target.num_heads, target.num_kv_heads, target.intermediate_size.max(1));
+pub fn write_random_dflash_draft(
+    target: &ModelConfig,
+    out: &Path,
+    draft_layers: usize,
+    block_size: usize,
+    seed: u64,
+) -> Result<u64, String> {
+    let (h, hd, nh, nkv, inter) = (
+        target.hidden_size,
+        target.head_dim,
+        target.num_heads,
+        target.num_kv_heads,
+        target.intermediate_size.max(1),
+    );
     let ids = target_layer_ids(target.num_layers, draft_layers);
     std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
     let config = serde_json::json!({
@@ -46,13 +63,17 @@ pub fn write_random_dflash_draft(target: &ModelConfig, out: &Path, draft_layers:
         "note": "synthetic: random weights (strata synth --dflash-draft-for)"
     });
     let cfg_text = serde_json::to_string_pretty(&config).map_err(|e| e.to_string())?;
-    std::fs::write(out.join("config.json"), cfg_text).map_err(|e| format!("{}: {e}", out.display()))?;
+    std::fs::write(out.join("config.json"), cfg_text)
+        .map_err(|e| format!("{}: {e}", out.display()))?;
     let mut rng = Rng::new(seed);
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let mut add = |name: String, shape: &[usize], ones: bool| -> Result<(), String> {
         let n: usize = shape.iter().product();
-        let v: Vec<f32> = if ones { vec![1.0; n] } else { (0..n).map(|_| 0.02 * rng.unit()).collect() };
-        let t = Tensor::from_vec(v, shape, &Device::Cpu).and_then(|t| t.to_dtype(DType::BF16)).map_err(|e| e.to_string())?;
+        let v: Vec<f32> =
+            if ones { vec![1.0; n] } else { (0..n).map(|_| 0.02 * rng.unit()).collect() };
+        let t = Tensor::from_vec(v, shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .map_err(|e| e.to_string())?;
         tensors.insert(name, t);
         Ok(())
     };
@@ -74,7 +95,8 @@ pub fn write_random_dflash_draft(target: &ModelConfig, out: &Path, draft_layers:
         add(p("mlp.down_proj.weight"), &[h, inter], false)?;
     }
     let path = out.join("model.safetensors");
-    candle_core::safetensors::save(&tensors, &path).map_err(|e| format!("{}: {e}", path.display()))?;
+    candle_core::safetensors::save(&tensors, &path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     std::fs::metadata(&path).map(|m| m.len()).map_err(|e| e.to_string())
 }
 

@@ -9,9 +9,15 @@ pub fn repo_root() -> PathBuf {
 
 /// The SmolLM2 GGUF (fetched by `strata fetch-default`, which `.ci/run` runs first).
 pub fn smollm2_path() -> PathBuf {
-    let dir = std::env::var_os("STRATA_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("models"));
+    let dir = std::env::var_os("STRATA_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("models"));
     let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "{} is missing: run `cargo run --release -- fetch-default` (or .ci/run) first", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo run --release -- fetch-default` (or .ci/run) first",
+        p.display()
+    );
     p
 }
 
@@ -36,5 +42,6 @@ pub fn tiny_qwen3_dir() -> PathBuf {
 
 pub fn load(path: &std::path::Path, ctx: usize) -> strata_engine::Engine {
     let opts = strata_engine::LoadOptions::new(ctx, candle_core::Device::Cpu);
-    strata_engine::Engine::load(path, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
+    strata_engine::Engine::load(path, &opts, &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
 }

@@ -8,7 +8,10 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use strata_engine::{DraftSource, Engine, GenerateRequest, LoadOptions, Sampler, SamplingParams, SpecConfig, Speculator};
+use strata_engine::{
+    DraftSource, Engine, GenerateRequest, LoadOptions, Sampler, SamplingParams, SpecConfig,
+    Speculator,
+};
 
 fn fixture(rel: &str) -> PathBuf {
     common::repo_root().join("tests/fixtures/dflash-tiny").join(rel)
@@ -19,14 +22,22 @@ fn reference() -> serde_json::Value {
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap_or_else(|| panic!("not an array: {v}")).iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an array: {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn dflash(engine: &Engine, draft: &str, fixed: bool) -> SpecConfig {
     let opts = LoadOptions::new(256, candle_core::Device::Cpu);
     let (draft, _) = Engine::load_dflash_draft(&fixture(draft), &opts, &engine.model).unwrap();
     assert_eq!((draft.block_size(), draft.mask_token_id()), (8, 511));
-    SpecConfig { source: DraftSource::DFlash { draft: Arc::clone(&draft), block_size: 8 }, max_draft: 7, fixed: fixed.then_some(7) }
+    SpecConfig {
+        source: DraftSource::DFlash { draft: Arc::clone(&draft), block_size: 8 },
+        max_draft: 7,
+        fixed: fixed.then_some(7),
+    }
 }
 
 /// Every round of both drafts equals z-lab's: block start, the draft's tokens at all 7 block
@@ -56,13 +67,19 @@ fn rounds_equal_zlab_reference() {
         // z-lab's loop runs until its output holds more than the 48 tokens asked for (49 here) and
         // drafts full blocks to the end; ask for a block more so that no round of ours is cut short.
         while out.len() <= greedy.len() {
-            let emitted = spec.round(&mut cache, &history, &mut sampler, greedy.len() + 8 - out.len()).unwrap();
+            let emitted = spec
+                .round(&mut cache, &history, &mut sampler, greedy.len() + 8 - out.len())
+                .unwrap();
             for (t, _) in emitted {
                 out.push(t);
                 history.push(t);
             }
         }
-        assert_eq!(&out[..greedy.len()], &greedy[..], "{name}: output differs from the target's greedy ids");
+        assert_eq!(
+            &out[..greedy.len()],
+            &greedy[..],
+            "{name}: output differs from the target's greedy ids"
+        );
         assert_eq!(&out[..greedy.len()], &ids(&want["output_ids"])[..], "{name}");
         let rounds = want["rounds"].as_array().unwrap();
         let trace = spec.trace.as_ref().unwrap();
@@ -72,9 +89,21 @@ fn rounds_equal_zlab_reference() {
             assert_eq!(got.start as u64, w["start"].as_u64().unwrap(), "{name} round {i}: start");
             assert_eq!(got.block_argmax, ids(&w["draft_tokens"]), "{name} round {i}: draft tokens");
             assert_eq!(got.drafts, ids(&w["draft_tokens"]), "{name} round {i}: verified drafts");
-            assert_eq!(got.accepted as u64, w["accepted"].as_u64().unwrap(), "{name} round {i}: accepted");
-            assert_eq!(got.emitted, ids(&w["committed"]), "{name} round {i}: committed (accepted + bonus)");
-            assert_eq!(*got.emitted.last().unwrap() as u64, w["bonus"].as_u64().unwrap(), "{name} round {i}: bonus");
+            assert_eq!(
+                got.accepted as u64,
+                w["accepted"].as_u64().unwrap(),
+                "{name} round {i}: accepted"
+            );
+            assert_eq!(
+                got.emitted,
+                ids(&w["committed"]),
+                "{name} round {i}: committed (accepted + bonus)"
+            );
+            assert_eq!(
+                *got.emitted.last().unwrap() as u64,
+                w["bonus"].as_u64().unwrap(),
+                "{name} round {i}: bonus"
+            );
         }
         for d in want["round_detail"].as_array().unwrap() {
             let i = d["round"].as_u64().unwrap() as usize;
@@ -107,7 +136,8 @@ fn generate_with_dflash_equals_plain_greedy() {
     for (name, fixed) in [("draft_memo", true), ("draft_memo", false), ("draft_random", false)] {
         let cfg = dflash(&engine, name, fixed);
         engine.set_speculation(Some(cfg)).unwrap();
-        let mut req = GenerateRequest::new(ids(&r["input_ids"]), greedy.len(), SamplingParams::greedy());
+        let mut req =
+            GenerateRequest::new(ids(&r["input_ids"]), greedy.len(), SamplingParams::greedy());
         req.ignore_eos = true;
         req.prefill_chunk = 7;
         let mut cache = engine.new_cache(256).unwrap();
@@ -117,7 +147,10 @@ fn generate_with_dflash_equals_plain_greedy() {
         eprintln!("{name} fixed={fixed}: {} rounds, {} drafted, {} accepted, mean acceptance length {:.2}", s.rounds, s.drafted, s.accepted, s.mean_accepted_length());
         assert_eq!(s.source, "dflash");
         if fixed {
-            assert_eq!(s.accepted, 36, "draft_memo accepts [7,0,3,7,7,7,0,5,0,...] in the reference");
+            assert_eq!(
+                s.accepted, 36,
+                "draft_memo accepts [7,0,3,7,7,7,0,5,0,...] in the reference"
+            );
         }
     }
 }
@@ -127,12 +160,16 @@ fn mismatched_drafts_are_load_errors() {
     let opts = LoadOptions::new(64, candle_core::Device::Cpu);
     // A normal model is not a DFlash draft.
     let engine = common::load(&fixture("target"), 64);
-    let e = Engine::load_dflash_draft(&fixture("target"), &opts, &engine.model).unwrap_err().to_string();
+    let e = Engine::load_dflash_draft(&fixture("target"), &opts, &engine.model)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("not a DFlash draft"), "{e}");
     // The draft reads target layers 1 and 2 of a 5-layer, hidden-64 target: the tiny qwen3_moe
     // fixture does not fit.
     let moe = common::load(&common::repo_root().join("tests/fixtures/moe-tiny/qwen3_moe"), 64);
-    let e = Engine::load_dflash_draft(&fixture("draft_memo"), &opts, &moe.model).unwrap_err().to_string();
+    let e = Engine::load_dflash_draft(&fixture("draft_memo"), &opts, &moe.model)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("hidden size") || e.contains("layers"), "{e}");
     // A bad block size is refused by the speculation settings.
     let mut cfg = dflash(&engine, "draft_memo", false);

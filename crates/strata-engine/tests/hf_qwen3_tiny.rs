@@ -21,12 +21,16 @@ fn greedy_ids_equal_transformers_through_kv_cache() {
     let r = reference();
     let engine = common::load(&common::tiny_qwen3_dir(), 256);
     let cfg = engine.model.config();
-    assert_eq!((cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), (5, 64, 4, 2, 16));
+    assert_eq!(
+        (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+        (5, 64, 4, 2, 16)
+    );
     assert!(cfg.qk_norm == strata_formats::QkNorm::PerHead && !cfg.tie_word_embeddings);
     let want = ids(&r["target_greedy_ids"]);
     // Chunked prefill (chunk 7 < 24 prompt tokens) must not change anything.
     for chunk in [512, 7] {
-        let mut req = GenerateRequest::new(ids(&r["input_ids"]), want.len(), SamplingParams::greedy());
+        let mut req =
+            GenerateRequest::new(ids(&r["input_ids"]), want.len(), SamplingParams::greedy());
         req.ignore_eos = true;
         req.prefill_chunk = chunk;
         let mut cache = engine.new_cache(256).unwrap();

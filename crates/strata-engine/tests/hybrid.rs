@@ -10,7 +10,10 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use strata_engine::expert_store::CacheBudget;
-use strata_engine::{DraftSource, Engine, GenerateRequest, LoadOptions, NgramParams, SamplingParams, SpecConfig, StreamOptions};
+use strata_engine::{
+    DraftSource, Engine, GenerateRequest, LoadOptions, NgramParams, SamplingParams, SpecConfig,
+    StreamOptions,
+};
 use strata_models::{Logits, ModelError};
 
 const ARCHS: [&str; 2] = ["qwen3_next", "qwen3_5_moe"];
@@ -31,7 +34,10 @@ fn prompt(arch: &str) -> Vec<u32> {
 
 fn load(path: &Path, stream: Option<&str>) -> Engine {
     let mut opts = LoadOptions::new(512, candle_core::Device::Cpu);
-    opts.stream_experts = stream.map(|b| StreamOptions { budget: b.parse::<CacheBudget>().unwrap(), ..StreamOptions::default() });
+    opts.stream_experts = stream.map(|b| StreamOptions {
+        budget: b.parse::<CacheBudget>().unwrap(),
+        ..StreamOptions::default()
+    });
     Engine::load(path, &opts, &mut |_, _| {}).unwrap()
 }
 
@@ -56,20 +62,35 @@ fn prefill_equals_token_by_token_decode() {
             let prompt = prompt(arch).repeat(3);
             assert!(prompt.len() > strata_models::EXACT_ROWS_MAX);
             let mut cache = engine.new_cache(256).unwrap();
-            let all = engine.model.forward(&prompt, &mut cache, Logits::All, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
+            let all = engine
+                .model
+                .forward(&prompt, &mut cache, Logits::All, &[])
+                .unwrap()
+                .logits
+                .to_vec2::<f32>()
+                .unwrap();
             // One token per forward (the decode path), and prefill chunks of 8 then decode.
             for chunk in [1, 8] {
                 let mut cache = engine.new_cache(256).unwrap();
                 let mut worst = 0f32;
                 let mut pos = 0;
                 for part in prompt.chunks(chunk) {
-                    let rows = engine.model.forward(part, &mut cache, Logits::All, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
+                    let rows = engine
+                        .model
+                        .forward(part, &mut cache, Logits::All, &[])
+                        .unwrap()
+                        .logits
+                        .to_vec2::<f32>()
+                        .unwrap();
                     for (i, row) in rows.iter().enumerate() {
                         worst = worst.max(max_diff(row, &all[pos + i]));
                     }
                     pos += part.len();
                 }
-                eprintln!("{}: chunks of {chunk} vs one prefill: max |Δlogit| = {worst:.2e}", path.display());
+                eprintln!(
+                    "{}: chunks of {chunk} vs one prefill: max |Δlogit| = {worst:.2e}",
+                    path.display()
+                );
                 assert!(worst <= 1e-4, "{}: chunks of {chunk} differ by {worst}", path.display());
             }
         }
@@ -87,12 +108,28 @@ fn rollback_before_the_checkpoint_is_an_error() {
     assert!(matches!(err, ModelError::Rollback { to: 2, checkpoint: Some(3) }), "{err}");
     assert_eq!(cache.len(), 5, "a refused rollback leaves the state as it was");
     // Rolling back to the checkpoint and decoding again reproduces the logits.
-    let want = engine.model.forward(&[6], &mut cache, Logits::Last, &[]).unwrap().logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want = engine
+        .model
+        .forward(&[6], &mut cache, Logits::Last, &[])
+        .unwrap()
+        .logits
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     engine.model.rollback(&mut cache, 3).unwrap();
     engine.model.forward(&[9, 9, 9], &mut cache, Logits::Last, &[]).unwrap();
     engine.model.rollback(&mut cache, 3).unwrap();
     engine.model.forward(&[4, 5], &mut cache, Logits::Last, &[]).unwrap();
-    let got = engine.model.forward(&[6], &mut cache, Logits::Last, &[]).unwrap().logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let got = engine
+        .model
+        .forward(&[6], &mut cache, Logits::Last, &[])
+        .unwrap()
+        .logits
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     assert_eq!(got, want, "restored state decodes bit-identically");
     // While the checkpoint is held every token logs its update; once released, nothing grows.
     let logging = cache.bytes();
@@ -114,26 +151,58 @@ fn greedy_speculation_equals_plain_decoding() {
     // A prompt that repeats itself gives the n-gram drafter something to propose.
     for arch in ARCHS {
         let gguf = fixtures().join(format!("{arch}.gguf"));
-        let other = fixtures().join(format!("{}.gguf", if arch == "qwen3_next" { "qwen3_5_moe" } else { "qwen3_next" }));
-        let draft = Engine::load_draft_model(&other, &LoadOptions::new(512, candle_core::Device::Cpu)).unwrap().0;
+        let other = fixtures().join(format!(
+            "{}.gguf",
+            if arch == "qwen3_next" { "qwen3_5_moe" } else { "qwen3_next" }
+        ));
+        let draft =
+            Engine::load_draft_model(&other, &LoadOptions::new(512, candle_core::Device::Cpu))
+                .unwrap()
+                .0;
         let mut p = prompt(arch);
         p.extend(prompt(arch));
         let resident = load(&gguf, None);
         let want = generate(&resident, &p, 64).tokens;
         // A random DFlash draft for this target (z-lab's format; it reads the target's hidden states).
         let dir = std::env::temp_dir().join(format!("strata-dflash-{arch}-{}", std::process::id()));
-        strata_engine::synth_dflash::write_random_dflash_draft(resident.model.config(), &dir, 2, 6, 7).unwrap();
-        let dflash = Engine::load_dflash_draft(&dir, &LoadOptions::new(512, candle_core::Device::Cpu), &resident.model).unwrap().0;
+        strata_engine::synth_dflash::write_random_dflash_draft(
+            resident.model.config(),
+            &dir,
+            2,
+            6,
+            7,
+        )
+        .unwrap();
+        let dflash = Engine::load_dflash_draft(
+            &dir,
+            &LoadOptions::new(512, candle_core::Device::Cpu),
+            &resident.model,
+        )
+        .unwrap()
+        .0;
         let _ = std::fs::remove_dir_all(&dir);
         for stream in [None, Some("50%")] {
             let mut engine = load(&gguf, stream);
-            assert_eq!(generate(&engine, &p, 64).tokens, want, "{arch}: streamed experts ({stream:?})");
+            assert_eq!(
+                generate(&engine, &p, 64).tokens,
+                want,
+                "{arch}: streamed experts ({stream:?})"
+            );
             for (name, cfg) in [
-                ("ngram fixed 4", spec(DraftSource::Ngram(NgramParams { max: 3, min: 1 }), 4, true)),
-                ("ngram adaptive", spec(DraftSource::Ngram(NgramParams { max: 3, min: 1 }), 6, false)),
+                (
+                    "ngram fixed 4",
+                    spec(DraftSource::Ngram(NgramParams { max: 3, min: 1 }), 4, true),
+                ),
+                (
+                    "ngram adaptive",
+                    spec(DraftSource::Ngram(NgramParams { max: 3, min: 1 }), 6, false),
+                ),
                 ("self 2 layers fixed 3", spec(DraftSource::SelfDraft { layers: 2 }, 3, true)),
                 ("hybrid draft model fixed 3", spec(DraftSource::Model(draft.clone()), 3, true)),
-                ("dflash block 6 fixed 5", spec(DraftSource::DFlash { draft: dflash.clone(), block_size: 6 }, 5, true)),
+                (
+                    "dflash block 6 fixed 5",
+                    spec(DraftSource::DFlash { draft: dflash.clone(), block_size: 6 }, 5, true),
+                ),
             ] {
                 engine.set_speculation(Some(cfg)).unwrap();
                 let g = generate(&engine, &p, 64);
@@ -141,7 +210,10 @@ fn greedy_speculation_equals_plain_decoding() {
                 eprintln!("{arch} {name} (stream {stream:?}): {}", s.summary());
                 assert_eq!(g.tokens, want, "{arch}: {name}, stream {stream:?}");
                 if name != "ngram adaptive" {
-                    assert!(s.drafted > s.accepted, "{arch} {name}: no draft was rejected, so no rollback was exercised");
+                    assert!(
+                        s.drafted > s.accepted,
+                        "{arch} {name}: no draft was rejected, so no rollback was exercised"
+                    );
                 }
             }
         }
@@ -155,13 +227,21 @@ fn synthetic_hybrid_streams_and_speculates_like_resident() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiny-hybrid.gguf");
     let preset = strata_engine::synth::SynthPreset::by_name("tiny-hybrid").unwrap();
-    let o = strata_engine::synth::SynthOptions { preset, quant: strata_engine::synth::parse_quant("Q4_K").unwrap(), seed: 7, routing_skew: Some(1.0), routing: None };
+    let o = strata_engine::synth::SynthOptions {
+        preset,
+        quant: strata_engine::synth::parse_quant("Q4_K").unwrap(),
+        seed: 7,
+        routing_skew: Some(1.0),
+        routing: None,
+    };
     strata_engine::synth::synth(&path, &o, &mut |_, _| {}).unwrap();
     let cfg = strata_formats::ModelFiles::open(&path).unwrap().config().unwrap();
     assert_eq!(cfg.arch, strata_formats::Architecture::Qwen35Moe);
     assert_eq!(cfg.attention_layers(), 1);
     let resident = load(&path, None);
-    let p = resident.text_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox").unwrap();
+    let p = resident
+        .text_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox")
+        .unwrap();
     let want = generate(&resident, &p, 32).tokens;
     let mut streamed = load(&path, Some("25%"));
     let g = generate(&streamed, &p, 32);
@@ -180,26 +260,38 @@ fn image_text_checkpoint_layout_loads_the_text_model() {
     let dir = std::env::temp_dir().join(format!("strata-qwen35-vl-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
+    for f in
+        ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]
+    {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
-    let text: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let cfg = serde_json::json!({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     // Rename every tensor in the safetensors header; the data section is unchanged.
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let renamed: serde_json::Map<String, serde_json::Value> =
-        header.into_iter().map(|(k, v)| (k.strip_prefix("model.").map_or(k.clone(), |r| format!("model.language_model.{r}")), v)).collect();
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let renamed: serde_json::Map<String, serde_json::Value> = header
+        .into_iter()
+        .map(|(k, v)| {
+            (k.strip_prefix("model.").map_or(k.clone(), |r| format!("model.language_model.{r}")), v)
+        })
+        .collect();
     let h = serde_json::to_vec(&renamed).unwrap();
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
     out.extend(h);
     out.extend_from_slice(&bytes[8 + n..]);
     std::fs::write(dir.join("model.safetensors"), out).unwrap();
 
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("qwen3_5_moe.reference.json")).unwrap()).unwrap();
-    let want: Vec<u32> = r["greedy_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("qwen3_5_moe.reference.json")).unwrap(),
+    )
+    .unwrap();
+    let want: Vec<u32> =
+        r["greedy_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
     let engine = common::load(&dir, 256);
     assert_eq!(generate(&engine, &prompt("qwen3_5_moe"), want.len()).tokens, want);
     let _ = std::fs::remove_dir_all(&dir);

@@ -97,7 +97,9 @@ fn truncated_gguf_names_the_tensor() {
     std::fs::write(&p, &src[..src.len() / 2]).unwrap();
     let e = load_err(&p);
     match &e {
-        FormatError::Truncated { tensor, .. } => assert!(tensor.starts_with("blk.") || tensor.contains("weight"), "{e}"),
+        FormatError::Truncated { tensor, .. } => {
+            assert!(tensor.starts_with("blk.") || tensor.contains("weight"), "{e}")
+        }
         _ => panic!("expected Truncated, got {e}"),
     }
     assert!(e.to_string().contains("half.gguf"), "{e}");
@@ -112,7 +114,14 @@ fn truncated_gguf_names_the_tensor() {
 fn unknown_architecture_is_named() {
     let d = scratch("arch");
     let p = d.join("mamba.gguf");
-    write_gguf(&p, &[("general.architecture", GgufVal::Str("mamba9")), ("mamba9.block_count", GgufVal::U32(1))], &[("token_embd.weight", &[4, 32], 0, 4 * 32 * 4)]);
+    write_gguf(
+        &p,
+        &[
+            ("general.architecture", GgufVal::Str("mamba9")),
+            ("mamba9.block_count", GgufVal::U32(1)),
+        ],
+        &[("token_embd.weight", &[4, 32], 0, 4 * 32 * 4)],
+    );
     let e = load_err(&p);
     assert!(matches!(&e, FormatError::UnknownArchitecture { arch, .. } if arch == "mamba9"), "{e}");
 }
@@ -122,7 +131,11 @@ fn unsupported_tensor_type_is_named() {
     let d = scratch("dtype");
     let p = d.join("iq.gguf");
     // ggml type 16 = IQ2_XXS, which candle has no kernels for.
-    write_gguf(&p, &[("general.architecture", GgufVal::Str("llama"))], &[("blk.0.attn_q.weight", &[256, 256], 16, 256 * 256)]);
+    write_gguf(
+        &p,
+        &[("general.architecture", GgufVal::Str("llama"))],
+        &[("blk.0.attn_q.weight", &[256, 256], 16, 256 * 256)],
+    );
     let e = load_err(&p);
     match &e {
         FormatError::UnsupportedTensorType { tensor, dtype, .. } => {
@@ -145,13 +158,18 @@ fn shape_mismatch_names_the_tensor() {
     let d = scratch("shape");
     copy_tiny_qwen3(&d);
     let cfg_path = d.join("config.json");
-    let cfg = std::fs::read_to_string(&cfg_path).unwrap().replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
+    let cfg = std::fs::read_to_string(&cfg_path)
+        .unwrap()
+        .replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
     std::fs::write(&cfg_path, cfg).unwrap();
     let e = load_err(&d);
     match &e {
         FormatError::ShapeMismatch { tensor, expected, actual, .. } => {
             assert_eq!(tensor, "model.layers.0.mlp.gate_proj.weight");
-            assert_eq!((expected.as_slice(), actual.as_slice()), (&[96usize, 64][..], &[128usize, 64][..]));
+            assert_eq!(
+                (expected.as_slice(), actual.as_slice()),
+                (&[96usize, 64][..], &[128usize, 64][..])
+            );
         }
         _ => panic!("expected ShapeMismatch, got {e}"),
     }
@@ -192,18 +210,32 @@ fn missing_metadata_key_is_named() {
 }
 
 /// Copies a GGUF with extra metadata `extra` (tensors byte for byte).
-fn copy_gguf_with(src: &Path, dst: &Path, extra: Vec<(String, strata_formats::gguf_write::MetaValue)>) {
+fn copy_gguf_with(
+    src: &Path,
+    dst: &Path,
+    extra: Vec<(String, strata_formats::gguf_write::MetaValue)>,
+) {
     use std::io::{Read, Seek, SeekFrom};
     use strata_formats::gguf_write::{write_gguf, MetaValue, TensorSpec};
     let g = strata_formats::gguf::GgufFile::open(src).unwrap();
-    let mut meta: Vec<(String, MetaValue)> = g.metadata.iter().map(|(k, v)| (k.clone(), MetaValue::Gguf(v.clone()))).collect();
+    let mut meta: Vec<(String, MetaValue)> =
+        g.metadata.iter().map(|(k, v)| (k.clone(), MetaValue::Gguf(v.clone()))).collect();
     meta.sort_by(|a, b| a.0.cmp(&b.0));
     meta.extend(extra);
-    let specs: Vec<TensorSpec> =
-        g.tensor_order.iter().map(|n| TensorSpec { name: n.clone(), shape: g.tensors[n].shape.clone(), dtype: g.tensors[n].dtype, align: 0 }).collect();
+    let specs: Vec<TensorSpec> = g
+        .tensor_order
+        .iter()
+        .map(|n| TensorSpec {
+            name: n.clone(),
+            shape: g.tensors[n].shape.clone(),
+            dtype: g.tensors[n].dtype,
+            align: 0,
+        })
+        .collect();
     let mut f = std::fs::File::open(src).unwrap();
     let mut fill = |i: usize, offset: u64, buf: &mut [u8]| {
-        f.seek(SeekFrom::Start(g.tensors[&g.tensor_order[i]].offset + offset)).map_err(|e| e.to_string())?;
+        f.seek(SeekFrom::Start(g.tensors[&g.tensor_order[i]].offset + offset))
+            .map_err(|e| e.to_string())?;
         f.read_exact(buf).map_err(|e| e.to_string())
     };
     write_gguf(dst, &meta, &specs, 1 << 20, &mut fill, &mut |_, _| {}).unwrap();
@@ -220,5 +252,9 @@ fn a_routing_override_in_a_model_strata_synth_did_not_write_is_refused() {
     let forged = d.join("forged.gguf");
     copy_gguf_with(&src, &forged, strata_formats::SyntheticRouting::uniform(1).to_metadata());
     let msg = load_err(&forged).to_string();
-    assert!(msg.contains("strata.synthetic.routing") && msg.contains("only models written by `strata synth`"), "{msg}");
+    assert!(
+        msg.contains("strata.synthetic.routing")
+            && msg.contains("only models written by `strata synth`"),
+        "{msg}"
+    );
 }

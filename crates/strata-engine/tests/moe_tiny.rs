@@ -23,7 +23,10 @@ fn fixtures() -> PathBuf {
 
 fn json(name: &str) -> Value {
     let p = fixtures().join(name);
-    serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+    )
+    .unwrap()
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
@@ -62,15 +65,29 @@ fn check(arch: &str, path: PathBuf) {
     let layers = routing["layers"].as_array().unwrap();
     assert_eq!(out.routing.len(), layers.len(), "{what}: number of MoE layers");
     for (ours, theirs) in out.routing.iter().zip(layers) {
-        assert_eq!(ours.layer, theirs["layer"].as_u64().unwrap() as usize, "{what}: MoE layer index");
+        assert_eq!(
+            ours.layer,
+            theirs["layer"].as_u64().unwrap() as usize,
+            "{what}: MoE layer index"
+        );
         let ids = theirs["expert_ids"].as_array().unwrap();
         let ws = theirs["expert_weights"].as_array().unwrap();
         assert_eq!(ours.num_tokens(), ids.len());
         for t in 0..ids.len() {
             let (our_ids, our_w) = ours.token(t);
-            assert_eq!(our_ids, u32s(&ids[t]).as_slice(), "{what}: layer {} token {t} experts", ours.layer);
+            assert_eq!(
+                our_ids,
+                u32s(&ids[t]).as_slice(),
+                "{what}: layer {} token {t} experts",
+                ours.layer
+            );
             for (a, b) in our_w.iter().zip(f32s(&ws[t])) {
-                assert!((a - b).abs() <= WEIGHT_TOL, "{what}: layer {} token {t} weights {our_w:?} vs {:?}", ours.layer, ws[t]);
+                assert!(
+                    (a - b).abs() <= WEIGHT_TOL,
+                    "{what}: layer {} token {t} weights {our_w:?} vs {:?}",
+                    ours.layer,
+                    ws[t]
+                );
             }
         }
     }
@@ -102,8 +119,14 @@ fn qwen3_moe_gguf() {
 #[test]
 fn qwen3_moe_with_dense_layers_hf() {
     // decoder_sparse_step 2 and mlp_only_layers [3]: only layer 1 is sparse.
-    let cfg = strata_formats::ModelFiles::open(fixtures().join("qwen3_moe_dense")).unwrap().config().unwrap();
-    assert_eq!((0..4).map(|i| cfg.is_moe_layer(i)).collect::<Vec<_>>(), [false, true, false, false]);
+    let cfg = strata_formats::ModelFiles::open(fixtures().join("qwen3_moe_dense"))
+        .unwrap()
+        .config()
+        .unwrap();
+    assert_eq!(
+        (0..4).map(|i| cfg.is_moe_layer(i)).collect::<Vec<_>>(),
+        [false, true, false, false]
+    );
     check("qwen3_moe_dense", fixtures().join("qwen3_moe_dense"));
 }
 
@@ -155,7 +178,10 @@ fn qwen3_5_moe_hf() {
 #[test]
 fn qwen3_5_moe_gguf() {
     // llama.cpp's converter reorders qwen35moe value heads (grouped → tiled): read as such.
-    let cfg = strata_formats::ModelFiles::open(fixtures().join("qwen3_5_moe.gguf")).unwrap().config().unwrap();
+    let cfg = strata_formats::ModelFiles::open(fixtures().join("qwen3_5_moe.gguf"))
+        .unwrap()
+        .config()
+        .unwrap();
     assert_eq!(cfg.linear_attn.as_ref().unwrap().head_order, strata_formats::HeadOrder::Tiled);
     check("qwen3_5_moe", fixtures().join("qwen3_5_moe.gguf"));
 }
@@ -164,7 +190,8 @@ fn qwen3_5_moe_gguf() {
 fn generate_and_chat_work_on_moe_models() {
     // The same Engine path `strata generate` / `strata serve` use: chat template from the model dir.
     let engine = common::load(&fixtures().join("qwen3_moe"), 128);
-    let (_, prompt) = engine.chat_prompt(&[strata_formats::ChatMessage::new("user", "Hello")]).unwrap();
+    let (_, prompt) =
+        engine.chat_prompt(&[strata_formats::ChatMessage::new("user", "Hello")]).unwrap();
     let mut req = GenerateRequest::new(prompt, 8, SamplingParams::greedy());
     req.ignore_eos = true;
     let mut cache = engine.new_cache(128).unwrap();
@@ -190,7 +217,12 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(String, String, Vec<usi
 }
 
 /// A copy of the qwen3_moe HF dir whose `model.safetensors` is rewritten by `edit`.
-fn edited_qwen3_moe(tag: &str, edit: impl Fn(Vec<(String, String, Vec<usize>, Vec<u8>)>) -> Vec<(String, String, Vec<usize>, Vec<u8>)>) -> PathBuf {
+fn edited_qwen3_moe(
+    tag: &str,
+    edit: impl Fn(
+        Vec<(String, String, Vec<usize>, Vec<u8>)>,
+    ) -> Vec<(String, String, Vec<usize>, Vec<u8>)>,
+) -> PathBuf {
     let src = fixtures().join("qwen3_moe");
     let dir = std::env::temp_dir().join(format!("strata-moe-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -201,7 +233,9 @@ fn edited_qwen3_moe(tag: &str, edit: impl Fn(Vec<(String, String, Vec<usize>, Ve
             std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
         }
     }
-    let set = strata_formats::safetensors::SafetensorsSet::open(vec![src.join("model.safetensors")]).unwrap();
+    let set =
+        strata_formats::safetensors::SafetensorsSet::open(vec![src.join("model.safetensors")])
+            .unwrap();
     let mut names: Vec<&String> = set.tensors.keys().collect();
     names.sort();
     let tensors = names
@@ -219,24 +253,42 @@ fn edited_qwen3_moe(tag: &str, edit: impl Fn(Vec<(String, String, Vec<usize>, Ve
 fn qwen3_moe_hf_fused_expert_layout() {
     // transformers 5's fused layout: mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I].
     let dir = edited_qwen3_moe("fused", |tensors| {
-        let (experts, mut rest): (Vec<_>, Vec<_>) = tensors.into_iter().partition(|t| t.0.contains(".mlp.experts."));
-        let get = |name: &str| experts.iter().find(|t| t.0 == name).unwrap_or_else(|| panic!("{name}")).clone();
+        let (experts, mut rest): (Vec<_>, Vec<_>) =
+            tensors.into_iter().partition(|t| t.0.contains(".mlp.experts."));
+        let get = |name: &str| {
+            experts.iter().find(|t| t.0 == name).unwrap_or_else(|| panic!("{name}")).clone()
+        };
         for layer in 0..4 {
-            let p = |e: usize, proj: &str| format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight");
+            let p = |e: usize, proj: &str| {
+                format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+            };
             let (mut gate_up, mut down) = (Vec::new(), Vec::new());
             for e in 0..8 {
                 gate_up.extend(get(&p(e, "gate_proj")).3);
                 gate_up.extend(get(&p(e, "up_proj")).3);
                 down.extend(get(&p(e, "down_proj")).3);
             }
-            rest.push((format!("model.layers.{layer}.mlp.experts.gate_up_proj"), "BF16".into(), vec![8, 64, 64], gate_up));
-            rest.push((format!("model.layers.{layer}.mlp.experts.down_proj"), "BF16".into(), vec![8, 64, 32], down));
+            rest.push((
+                format!("model.layers.{layer}.mlp.experts.gate_up_proj"),
+                "BF16".into(),
+                vec![8, 64, 64],
+                gate_up,
+            ));
+            rest.push((
+                format!("model.layers.{layer}.mlp.experts.down_proj"),
+                "BF16".into(),
+                vec![8, 64, 32],
+                down,
+            ));
         }
         rest
     });
     let layout = strata_formats::ModelFiles::open(&dir)
         .unwrap()
-        .expert_layout(0, strata_formats::ExpertDims { num_experts: 8, hidden: 64, intermediate: 32 })
+        .expert_layout(
+            0,
+            strata_formats::ExpertDims { num_experts: 8, hidden: 64, intermediate: 32 },
+        )
         .unwrap();
     assert!(matches!(layout, strata_formats::ExpertLayout::HfFused { .. }), "{layout:?}");
     check("qwen3_moe", dir.clone());
@@ -267,13 +319,16 @@ fn inconsistent_expert_shapes_are_a_load_error_naming_the_tensor() {
     // GGUF: blk.1.ffn_up_exps.weight's two inner dims swapped in the tensor table (same byte count).
     let mut bytes = std::fs::read(fixtures().join("qwen3_moe.gguf")).unwrap();
     let name = b"blk.1.ffn_up_exps.weight";
-    let at = bytes.windows(name.len()).position(|w| w == name).expect("tensor name in the GGUF header") + name.len();
+    let at =
+        bytes.windows(name.len()).position(|w| w == name).expect("tensor name in the GGUF header")
+            + name.len();
     assert_eq!(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), 3, "3-D expert tensor");
     let dims = at + 4; // ne[0] = hidden (64), ne[1] = expert intermediate (32), ne[2] = experts
     let (ne0, ne1) = (bytes[dims..dims + 8].to_vec(), bytes[dims + 8..dims + 16].to_vec());
     bytes[dims..dims + 8].copy_from_slice(&ne1);
     bytes[dims + 8..dims + 16].copy_from_slice(&ne0);
-    let path = std::env::temp_dir().join(format!("strata-moe-badshape-{}.gguf", std::process::id()));
+    let path =
+        std::env::temp_dir().join(format!("strata-moe-badshape-{}.gguf", std::process::id()));
     std::fs::write(&path, bytes).unwrap();
     let msg = load_error(&path);
     assert!(msg.contains("blk.1.ffn_up_exps.weight"), "{msg}");

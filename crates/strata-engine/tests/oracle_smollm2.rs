@@ -52,7 +52,12 @@ fn first_token_logprobs_track_llama_cpp() {
         let best = top5[0]["id"].as_u64().unwrap() as usize;
         assert_eq!(strata_engine::sampling::argmax(&lp) as usize, best, "prompt {}", p["name"]);
         let want = top5[0]["logprob"].as_f64().unwrap() as f32;
-        assert!((lp[best] - want).abs() < 0.1, "prompt {} top-1 {best}: ours {} llama.cpp {want}", p["name"], lp[best]);
+        assert!(
+            (lp[best] - want).abs() < 0.1,
+            "prompt {} top-1 {best}: ours {} llama.cpp {want}",
+            p["name"],
+            lp[best]
+        );
         for t in top5 {
             let id = t["id"].as_u64().unwrap() as usize;
             worst_alt = worst_alt.max((lp[id] - t["logprob"].as_f64().unwrap() as f32).abs());
@@ -82,7 +87,11 @@ fn teacher_forced_logprobs_track_llama_cpp() {
             let lp = log_softmax(&rows[prompt.len() - 1 + step]);
             if top2_gap(t) >= NEAR_TIE {
                 let ours = strata_engine::sampling::argmax(&lp);
-                assert_eq!(ours, gen[step], "prompt {} step {step}: llama.cpp top5 {} ; ours: {ours} {} vs {} {}", p["name"], t["top5"], lp[ours as usize], gen[step], lp[gen[step] as usize]);
+                assert_eq!(
+                    ours, gen[step],
+                    "prompt {} step {step}: llama.cpp top5 {} ; ours: {ours} {} vs {} {}",
+                    p["name"], t["top5"], lp[ours as usize], gen[step], lp[gen[step] as usize]
+                );
             }
             let mut step_worst = 0f32;
             for alt in t["top5"].as_array().unwrap() {
@@ -94,7 +103,13 @@ fn teacher_forced_logprobs_track_llama_cpp() {
             worst = worst.max(step_worst);
         }
         devs.sort_by(f32::total_cmp);
-        eprintln!("{}: per-step top-5 logprob deviation median {:.4}, p90 {:.4}, max {:.4}", p["name"], devs[devs.len() / 2], devs[devs.len() * 9 / 10], devs[devs.len() - 1]);
+        eprintln!(
+            "{}: per-step top-5 logprob deviation median {:.4}, p90 {:.4}, max {:.4}",
+            p["name"],
+            devs[devs.len() / 2],
+            devs[devs.len() * 9 / 10],
+            devs[devs.len() - 1]
+        );
     }
     assert!(worst < 1.0, "largest logprob deviation {worst}");
 }
@@ -109,7 +124,8 @@ fn greedy_generation_matches_llama_cpp() {
     for p in o["prompts"].as_array().unwrap() {
         let want = ids(&p["greedy"]["generated_token_ids"]);
         let steps = p["greedy"]["per_token_top5"].as_array().unwrap();
-        let mut req = GenerateRequest::new(ids(&p["prompt_token_ids"]), want.len(), SamplingParams::greedy());
+        let mut req =
+            GenerateRequest::new(ids(&p["prompt_token_ids"]), want.len(), SamplingParams::greedy());
         req.prefill_chunk = 512;
         let mut cache = engine.new_cache(1024).unwrap();
         let gen = engine.generate(&mut cache, &req, &mut |_| ControlFlow::Continue(())).unwrap();
@@ -118,7 +134,12 @@ fn greedy_generation_matches_llama_cpp() {
         let gap = steps.get(same).map(top2_gap).unwrap_or(f64::NAN);
         report.push(format!("{}: {same}/{} tokens match (first llama.cpp near-tie at step {first_tie}; its top-2 gap where we differ: {gap:.3})", p["name"], want.len()));
         let need = first_tie.min(want.len()).max(8.min(want.len()));
-        assert!(same >= need, "prompt {}: {same} tokens match, need {need}; ours {:?}", p["name"], gen.tokens);
+        assert!(
+            same >= need,
+            "prompt {}: {same} tokens match, need {need}; ours {:?}",
+            p["name"],
+            gen.tokens
+        );
     }
     eprintln!("{}", report.join("\n"));
 }

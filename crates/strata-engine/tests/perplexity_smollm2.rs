@@ -6,17 +6,35 @@ mod common;
 #[test]
 fn perplexity_within_one_percent_of_llama_cpp() {
     let (text, res) = (common::oracle("ppl.txt"), common::oracle("ppl_result.json"));
-    let res: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(res).unwrap()).unwrap();
+    let res: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(res).unwrap()).unwrap();
     let want = res["final_ppl"].as_f64().unwrap();
-    let running: Vec<f64> = res["per_chunk_running_ppl"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let running: Vec<f64> = res["per_chunk_running_ppl"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
     let engine = common::load_smollm2(512);
     let tokens = engine.text_prompt(&std::fs::read_to_string(text).unwrap()).unwrap();
-    assert_eq!(tokens.len(), res["tokens"].as_u64().unwrap() as usize, "token count differs from llama.cpp");
-    let r = strata_engine::perplexity::perplexity(&engine, &tokens, 512, 512, &mut |_, _, _| {}).unwrap();
+    assert_eq!(
+        tokens.len(),
+        res["tokens"].as_u64().unwrap() as usize,
+        "token count differs from llama.cpp"
+    );
+    let r = strata_engine::perplexity::perplexity(&engine, &tokens, 512, 512, &mut |_, _, _| {})
+        .unwrap();
     assert_eq!(r.chunks, 55);
     assert_eq!(r.scored_tokens, 55 * 255);
-    let worst_chunk = r.running.iter().zip(&running).map(|(a, b)| (a / b - 1.0).abs()).fold(0.0, f64::max);
-    eprintln!("PPL {:.4} ± {:.4} (llama.cpp {want}); largest running-PPL deviation {:.3}%; {:.0} s", r.ppl, r.ppl_stderr, worst_chunk * 100.0, r.seconds);
+    let worst_chunk =
+        r.running.iter().zip(&running).map(|(a, b)| (a / b - 1.0).abs()).fold(0.0, f64::max);
+    eprintln!(
+        "PPL {:.4} ± {:.4} (llama.cpp {want}); largest running-PPL deviation {:.3}%; {:.0} s",
+        r.ppl,
+        r.ppl_stderr,
+        worst_chunk * 100.0,
+        r.seconds
+    );
     assert!((r.ppl / want - 1.0).abs() < 0.01, "PPL {} vs llama.cpp {want}", r.ppl);
     assert!(worst_chunk < 0.01, "running PPL deviates by {:.3}%", worst_chunk * 100.0);
 }

@@ -9,7 +9,9 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use strata_engine::{CacheBudget, Engine, GenerateRequest, LoadOptions, PrefetchMode, SamplingParams, StreamOptions};
+use strata_engine::{
+    CacheBudget, Engine, GenerateRequest, LoadOptions, PrefetchMode, SamplingParams, StreamOptions,
+};
 use strata_formats::repack::{repack_gguf, BUNDLE_ALIGN};
 use strata_formats::{ExpertDims, ExpertLayout, ModelFiles};
 use strata_models::Logits;
@@ -25,13 +27,20 @@ fn tmp_dir(tag: &str) -> PathBuf {
 fn load(path: &Path, stream: Option<StreamOptions>) -> Engine {
     let mut opts = LoadOptions::new(128, candle_core::Device::Cpu);
     opts.stream_experts = stream;
-    Engine::load(path, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
+    Engine::load(path, &opts, &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
 }
 
 /// Logits at every prompt position and 16 greedy tokens.
 fn run(engine: &Engine) -> (Vec<Vec<u32>>, Vec<u32>) {
     let mut cache = engine.new_cache(128).unwrap();
-    let logits = engine.model.forward(&PROMPT, &mut cache, Logits::All, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
+    let logits = engine
+        .model
+        .forward(&PROMPT, &mut cache, Logits::All, &[])
+        .unwrap()
+        .logits
+        .to_vec2::<f32>()
+        .unwrap();
     let mut req = GenerateRequest::new(PROMPT.to_vec(), 16, SamplingParams::greedy());
     req.ignore_eos = true;
     req.prefill_chunk = 4;
@@ -42,11 +51,22 @@ fn run(engine: &Engine) -> (Vec<Vec<u32>>, Vec<u32>) {
 /// Prefetch off: both layouts then read the same experts. With the whole model cached no expert
 /// is evicted before use, so each is read exactly once.
 fn streamed(percent: f64) -> Option<StreamOptions> {
-    Some(StreamOptions { budget: CacheBudget::Percent(percent), io_threads: 2, prefetch: PrefetchMode::Off, ..StreamOptions::default() })
+    Some(StreamOptions {
+        budget: CacheBudget::Percent(percent),
+        io_threads: 2,
+        prefetch: PrefetchMode::Off,
+        ..StreamOptions::default()
+    })
 }
 
 fn routed_expert_bytes(path: &Path) -> u64 {
-    ModelFiles::open(path).unwrap().tensor_table().iter().filter(|t| t.is_routed_expert()).map(|t| t.bytes).sum()
+    ModelFiles::open(path)
+        .unwrap()
+        .tensor_table()
+        .iter()
+        .filter(|t| t.is_routed_expert())
+        .map(|t| t.bytes)
+        .sum()
 }
 
 fn check(name: &str) {
@@ -59,7 +79,11 @@ fn check(name: &str) {
     let files = ModelFiles::open(&out).unwrap();
     let cfg = files.config().unwrap();
     let moe = cfg.moe.clone().unwrap();
-    let dims = ExpertDims { num_experts: moe.num_experts, hidden: cfg.hidden_size, intermediate: moe.expert_intermediate_size };
+    let dims = ExpertDims {
+        num_experts: moe.num_experts,
+        hidden: cfg.hidden_size,
+        intermediate: moe.expert_intermediate_size,
+    };
     let layer = (0..cfg.num_layers).find(|&l| cfg.is_moe_layer(l)).unwrap();
     let layout = files.expert_layout(layer, dims).unwrap();
     assert_eq!(layout, ExpertLayout::GgufPerExpert { layer });
@@ -71,7 +95,11 @@ fn check(name: &str) {
             assert!(gap < 32, "{name}: expert {e} part {k} is {gap} bytes after the previous one");
         }
     }
-    assert_eq!(routed_expert_bytes(&out), routed_expert_bytes(&src), "{name}: the plan sees different expert bytes");
+    assert_eq!(
+        routed_expert_bytes(&out),
+        routed_expert_bytes(&src),
+        "{name}: the plan sees different expert bytes"
+    );
 
     let (want_logits, want_tokens) = run(&load(&src, None));
     let (logits, tokens) = run(&load(&out, None));
@@ -82,17 +110,40 @@ fn check(name: &str) {
         let (orig, packed) = (load(&src, streamed(percent)), load(&out, streamed(percent)));
         let (l1, t1) = run(&orig);
         let (l2, t2) = run(&packed);
-        assert_eq!((&l1, &t1), (&want_logits, &want_tokens), "{name}: streamed original at {percent}%");
-        assert_eq!((&l2, &t2), (&want_logits, &want_tokens), "{name}: streamed repacked at {percent}%");
+        assert_eq!(
+            (&l1, &t1),
+            (&want_logits, &want_tokens),
+            "{name}: streamed original at {percent}%"
+        );
+        assert_eq!(
+            (&l2, &t2),
+            (&want_logits, &want_tokens),
+            "{name}: streamed repacked at {percent}%"
+        );
         if percent == 100.0 {
-            let (a, b) = (orig.model.experts().stats().unwrap(), packed.model.experts().stats().unwrap());
+            let (a, b) =
+                (orig.model.experts().stats().unwrap(), packed.model.experts().stats().unwrap());
             assert_eq!(a.misses, b.misses, "{name}: the layouts read different experts");
-            assert_eq!(a.reads, 3 * b.reads, "{name}: original {} reads, repacked {} (want one per expert)", a.reads, b.reads);
+            assert_eq!(
+                a.reads,
+                3 * b.reads,
+                "{name}: original {} reads, repacked {} (want one per expert)",
+                a.reads,
+                b.reads
+            );
             assert_eq!(b.reads, b.misses, "{name}: not one read per expert");
             // One read per expert never reads more than three (with O_DIRECT the original's three
             // reads are each rounded out to the block size, so it may read less).
-            assert!(b.bytes_read < a.bytes_read + 64 * b.reads, "{name}: {} vs {} bytes", b.bytes_read, a.bytes_read);
-            eprintln!("{name}: {} experts bundled; streamed reads {} -> {}, bytes {} -> {}", report.experts, a.reads, b.reads, a.bytes_read, b.bytes_read);
+            assert!(
+                b.bytes_read < a.bytes_read + 64 * b.reads,
+                "{name}: {} vs {} bytes",
+                b.bytes_read,
+                a.bytes_read
+            );
+            eprintln!(
+                "{name}: {} experts bundled; streamed reads {} -> {}, bytes {} -> {}",
+                report.experts, a.reads, b.reads, a.bytes_read, b.bytes_read
+            );
         }
     }
 
@@ -135,7 +186,8 @@ fn repack_refuses_bad_inputs_and_keeps_the_input() {
     assert!(err.contains("different file"), "{err}");
     assert_eq!(std::fs::read(&copy).unwrap(), before, "the input was changed");
     // A dense model has nothing to bundle.
-    let err = repack_gguf(&common::smollm2_path(), &dir.join("dense.gguf"), &mut |_, _| {}).unwrap_err();
+    let err =
+        repack_gguf(&common::smollm2_path(), &dir.join("dense.gguf"), &mut |_, _| {}).unwrap_err();
     assert!(err.contains("no `blk.L.ffn_*_exps.weight`"), "{err}");
     // A truncated input fails cleanly and leaves no output.
     std::fs::write(&copy, &before[..before.len() / 2]).unwrap();

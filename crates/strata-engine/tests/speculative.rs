@@ -13,9 +13,17 @@ use std::sync::Arc;
 
 use strata_engine::expert_store::CacheBudget;
 use strata_engine::synth::{synth, SynthOptions, SynthPreset};
-use strata_engine::{DraftSource, Engine, GenerateRequest, LoadOptions, NgramParams, SamplingParams, SpecConfig, StreamOptions};
+use strata_engine::{
+    DraftSource, Engine, GenerateRequest, LoadOptions, NgramParams, SamplingParams, SpecConfig,
+    StreamOptions,
+};
 
-fn generate(engine: &Engine, prompt: &[u32], n: usize, sampling: SamplingParams) -> strata_engine::Generation {
+fn generate(
+    engine: &Engine,
+    prompt: &[u32],
+    n: usize,
+    sampling: SamplingParams,
+) -> strata_engine::Generation {
     let mut cache = engine.new_cache(1024).unwrap();
     let mut req = GenerateRequest::new(prompt.to_vec(), n, sampling);
     req.ignore_eos = true;
@@ -29,15 +37,33 @@ fn spec(source: DraftSource, max_draft: usize, fixed: bool) -> SpecConfig {
 fn smollm2_prompts(engine: &Engine) -> Vec<(String, Vec<u32>)> {
     let p = common::repo_root().join("tests/fixtures/spec/smollm2_prompts.json");
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-    v["prompts"].as_array().unwrap().iter().map(|p| (p["name"].as_str().unwrap().to_string(), engine.text_prompt(p["prompt"].as_str().unwrap()).unwrap())).collect()
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_string(),
+                engine.text_prompt(p["prompt"].as_str().unwrap()).unwrap(),
+            )
+        })
+        .collect()
 }
 
 #[test]
 fn smollm2_greedy_speculation_equals_plain_decoding() {
     let mut engine = common::load_smollm2(1024);
     let prompts = smollm2_prompts(&engine);
-    let plain: Vec<Vec<u32>> = prompts.iter().map(|(_, p)| generate(&engine, p, 200, SamplingParams::greedy()).tokens).collect();
-    let draft = Engine::load_draft_model(&common::smollm2_path(), &LoadOptions::new(1024, candle_core::Device::Cpu)).unwrap().0;
+    let plain: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|(_, p)| generate(&engine, p, 200, SamplingParams::greedy()).tokens)
+        .collect();
+    let draft = Engine::load_draft_model(
+        &common::smollm2_path(),
+        &LoadOptions::new(1024, candle_core::Device::Cpu),
+    )
+    .unwrap()
+    .0;
     let ngram = DraftSource::Ngram(NgramParams { max: 3, min: 1 });
     let configs = [
         ("ngram fixed 4", spec(ngram.clone(), 4, true)),
@@ -61,12 +87,23 @@ fn tiny_moe(name: &str, seed: u64, skew: Option<f64>) -> PathBuf {
     tiny_moe_routed(name, seed, skew, None)
 }
 
-fn tiny_moe_routed(name: &str, seed: u64, skew: Option<f64>, routing: Option<strata_formats::SyntheticRouting>) -> PathBuf {
+fn tiny_moe_routed(
+    name: &str,
+    seed: u64,
+    skew: Option<f64>,
+    routing: Option<strata_formats::SyntheticRouting>,
+) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("strata-spec-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join(name);
     if !out.exists() {
-        let o = SynthOptions { preset: SynthPreset::by_name("tiny-moe").unwrap(), quant: strata_engine::synth::parse_quant("Q4_K").unwrap(), seed, routing_skew: skew, routing };
+        let o = SynthOptions {
+            preset: SynthPreset::by_name("tiny-moe").unwrap(),
+            quant: strata_engine::synth::parse_quant("Q4_K").unwrap(),
+            seed,
+            routing_skew: skew,
+            routing,
+        };
         synth(&out, &o, &mut |_, _| {}).unwrap();
     }
     out
@@ -74,7 +111,10 @@ fn tiny_moe_routed(name: &str, seed: u64, skew: Option<f64>, routing: Option<str
 
 fn load(path: &Path, stream: Option<&str>) -> Engine {
     let mut opts = LoadOptions::new(512, candle_core::Device::Cpu);
-    opts.stream_experts = stream.map(|b| StreamOptions { budget: b.parse::<CacheBudget>().unwrap(), ..StreamOptions::default() });
+    opts.stream_experts = stream.map(|b| StreamOptions {
+        budget: b.parse::<CacheBudget>().unwrap(),
+        ..StreamOptions::default()
+    });
     Engine::load(path, &opts, &mut |_, _| {}).unwrap()
 }
 
@@ -84,14 +124,24 @@ fn tiny_moe_streamed_greedy_speculation_equals_plain_decoding() {
     // on each token's position and the previous token's experts: verify passes must route as
     // token-by-token decoding does).
     check_streamed_speculation(&tiny_moe("target.gguf", 1, Some(1.0)));
-    check_streamed_speculation(&tiny_moe_routed("target-realistic.gguf", 1, None, Some(strata_formats::SyntheticRouting::realistic(1))));
+    check_streamed_speculation(&tiny_moe_routed(
+        "target-realistic.gguf",
+        1,
+        None,
+        Some(strata_formats::SyntheticRouting::realistic(1)),
+    ));
 }
 
 fn check_streamed_speculation(target: &Path) {
     let draft_path = tiny_moe("draft.gguf", 2, None);
-    let draft = Engine::load_draft_model(&draft_path, &LoadOptions::new(512, candle_core::Device::Cpu)).unwrap().0;
+    let draft =
+        Engine::load_draft_model(&draft_path, &LoadOptions::new(512, candle_core::Device::Cpu))
+            .unwrap()
+            .0;
     let resident = load(target, None);
-    let prompt = resident.text_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox").unwrap();
+    let prompt = resident
+        .text_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox")
+        .unwrap();
     let want = generate(&resident, &prompt, 64, SamplingParams::greedy()).tokens;
     for budget in ["25%", "100%"] {
         let mut engine = load(target, Some(budget));
@@ -117,10 +167,21 @@ fn check_streamed_speculation(target: &Path) {
 #[test]
 fn a_draft_model_with_another_vocabulary_is_refused() {
     let mut engine = common::load_smollm2(256);
-    let draft: Arc<_> = Engine::load_draft_model(&tiny_moe("vocab-draft.gguf", 3, None), &LoadOptions::new(256, candle_core::Device::Cpu)).unwrap().0;
-    let err = engine.set_speculation(Some(spec(DraftSource::Model(draft), 4, false))).unwrap_err().to_string();
+    let draft: Arc<_> = Engine::load_draft_model(
+        &tiny_moe("vocab-draft.gguf", 3, None),
+        &LoadOptions::new(256, candle_core::Device::Cpu),
+    )
+    .unwrap()
+    .0;
+    let err = engine
+        .set_speculation(Some(spec(DraftSource::Model(draft), 4, false)))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("512") && err.contains("49152"), "{err}");
     assert!(engine.spec.is_none());
-    let err = engine.set_speculation(Some(spec(DraftSource::SelfDraft { layers: 30 }, 4, false))).unwrap_err().to_string();
+    let err = engine
+        .set_speculation(Some(spec(DraftSource::SelfDraft { layers: 30 }, 4, false)))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("1..30"), "{err}");
 }

@@ -9,7 +9,10 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use strata_engine::{CacheBudget, Engine, EvictionPolicy, GenerateRequest, LoadOptions, PrefetchMode, SamplingParams, StreamOptions};
+use strata_engine::{
+    CacheBudget, Engine, EvictionPolicy, GenerateRequest, LoadOptions, PrefetchMode,
+    SamplingParams, StreamOptions,
+};
 use strata_models::Logits;
 
 fn fixture(name: &str) -> PathBuf {
@@ -19,14 +22,24 @@ fn fixture(name: &str) -> PathBuf {
 fn load(path: &Path, stream: Option<StreamOptions>) -> Engine {
     let mut opts = LoadOptions::new(128, candle_core::Device::Cpu);
     opts.stream_experts = stream;
-    Engine::load(path, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
+    Engine::load(path, &opts, &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("load {}: {e}", path.display()))
 }
 
 fn stream(percent: f64, policy: EvictionPolicy, direct: bool) -> StreamOptions {
     let direct_io = if direct { strata_engine::DirectIo::On } else { strata_engine::DirectIo::Off };
     // Prefetch gate open: predictions are always read, so the prefetch path is exercised; reads
     // split into 4 KiB pieces (the fixtures' experts are 8–25 KB), so piece splitting is too.
-    StreamOptions { budget: CacheBudget::Percent(percent), direct_io, io_threads: 4, policy, prefetch: PrefetchMode::default(), prefetch_min_precision: 0.0, read_chunk: 4096, gpu_expert_cache: CacheBudget::Auto }
+    StreamOptions {
+        budget: CacheBudget::Percent(percent),
+        direct_io,
+        io_threads: 4,
+        policy,
+        prefetch: PrefetchMode::default(),
+        prefetch_min_precision: 0.0,
+        read_chunk: 4096,
+        gpu_expert_cache: CacheBudget::Auto,
+    }
 }
 
 const PROMPT: [u32; 12] = [3, 17, 92, 5, 41, 7, 64, 11, 250, 33, 8, 19];
@@ -59,22 +72,47 @@ fn check_model(name: &str) {
         (10.0, EvictionPolicy::Lfu, PrefetchMode::PreGate),
     ];
     for (percent, policy, prefetch) in cases {
-        let engine = load(&path, Some(StreamOptions { prefetch, ..stream(percent, policy, false) }));
-        let gated = load(&path, Some(StreamOptions { prefetch, prefetch_min_precision: strata_engine::expert_store::DEFAULT_PREFETCH_MIN_PRECISION, ..stream(percent, policy, false) }));
-        assert_eq!(run(&gated).1, want_tokens, "{name} at {percent}% (prefetch {prefetch:?}, gated): greedy tokens");
+        let engine =
+            load(&path, Some(StreamOptions { prefetch, ..stream(percent, policy, false) }));
+        let gated = load(
+            &path,
+            Some(StreamOptions {
+                prefetch,
+                prefetch_min_precision: strata_engine::expert_store::DEFAULT_PREFETCH_MIN_PRECISION,
+                ..stream(percent, policy, false)
+            }),
+        );
+        assert_eq!(
+            run(&gated).1,
+            want_tokens,
+            "{name} at {percent}% (prefetch {prefetch:?}, gated): greedy tokens"
+        );
         let g = gated.model.experts().stats().unwrap();
         if percent < 100.0 && prefetch != PrefetchMode::Off {
-            assert!(g.prefetch_candidates > 0 && g.prefetch_candidates_used <= g.prefetch_candidates, "{name}: the gate measured nothing: {g:?}");
+            assert!(
+                g.prefetch_candidates > 0 && g.prefetch_candidates_used <= g.prefetch_candidates,
+                "{name}: the gate measured nothing: {g:?}"
+            );
         }
         let (logits, tokens) = run(&engine);
-        assert_eq!(bits(&logits), bits(&want_logits), "{name} at {percent}% ({policy:?}, prefetch {prefetch:?}): logits");
-        assert_eq!(tokens, want_tokens, "{name} at {percent}% ({policy:?}, prefetch {prefetch:?}): greedy tokens");
+        assert_eq!(
+            bits(&logits),
+            bits(&want_logits),
+            "{name} at {percent}% ({policy:?}, prefetch {prefetch:?}): logits"
+        );
+        assert_eq!(
+            tokens, want_tokens,
+            "{name} at {percent}% ({policy:?}, prefetch {prefetch:?}): greedy tokens"
+        );
         let s = engine.model.experts().stats().expect("streaming stats");
         assert!(s.misses > 0 && s.bytes_read > 0 && s.reads > 0, "{name}: nothing was read: {s:?}");
         assert!(s.touched_bytes >= s.bytes_read / 2, "{name}: {s:?}");
         assert_eq!(engine.model.prefetch_mode(), Some(prefetch));
         let p = engine.model.prefetch_stats().expect("prefetch stats");
-        assert!(p.pregate.actual > 0 && p.pregate.correct <= p.pregate.predicted, "{name}: predictors not scored: {p:?}");
+        assert!(
+            p.pregate.actual > 0 && p.pregate.correct <= p.pregate.predicted,
+            "{name}: predictors not scored: {p:?}"
+        );
         assert!(s.prefetch_used <= s.prefetch_reads);
         if prefetch == PrefetchMode::Off {
             assert_eq!(s.prefetch_reads, 0, "{name}: --prefetch off read ahead");
@@ -161,13 +199,21 @@ fn truncated_file_under_a_running_engine_fails_the_request_cleanly() {
     let len = std::fs::metadata(&copy).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&copy).unwrap().set_len(len / 2).unwrap();
     let mut cache = engine.new_cache(128).unwrap();
-    let req = GenerateRequest::new(vec![9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 101, 102], 8, SamplingParams::greedy());
-    let err = engine.generate(&mut cache, &req, &mut |_| ControlFlow::Continue(())).expect_err("reads past the new end must fail");
+    let req = GenerateRequest::new(
+        vec![9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 101, 102],
+        8,
+        SamplingParams::greedy(),
+    );
+    let err = engine
+        .generate(&mut cache, &req, &mut |_| ControlFlow::Continue(()))
+        .expect_err("reads past the new end must fail");
     let msg = err.to_string();
     assert!(msg.contains("changed size") || msg.contains("short read"), "{msg}");
     // Restored, the same engine serves again.
     std::fs::copy(fixture("qwen3_moe.gguf"), &copy).unwrap();
-    engine.generate(&mut cache, &req, &mut |_| ControlFlow::Continue(())).expect("serves again once the file is back");
+    engine
+        .generate(&mut cache, &req, &mut |_| ControlFlow::Continue(()))
+        .expect("serves again once the file is back");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -217,7 +263,13 @@ fn moe_top_k_quality_cost_is_measured() {
         let top_k = full.model.config().moe.as_ref().unwrap().experts_per_token;
         let logits = |engine: &Engine| {
             let mut cache = engine.new_cache(128).unwrap();
-            engine.model.forward(&PROMPT, &mut cache, Logits::All, &[]).unwrap().logits.to_vec2::<f32>().unwrap()
+            engine
+                .model
+                .forward(&PROMPT, &mut cache, Logits::All, &[])
+                .unwrap()
+                .logits
+                .to_vec2::<f32>()
+                .unwrap()
         };
         let want = logits(&full);
         let mut line = format!("{name} (top-{top_k}):");
@@ -246,9 +298,19 @@ fn expert_bytes_are_the_stored_bytes_in_gate_up_down_order() {
         let files = strata_formats::ModelFiles::open(&fixture(name)).unwrap();
         let cfg = files.config().unwrap();
         let moe = cfg.moe.clone().unwrap();
-        let host = strata_engine::expert_store::StreamingExperts::open(&files, &cfg, &candle_core::Device::Cpu, &stream(50.0, EvictionPolicy::Lru, false)).unwrap();
+        let host = strata_engine::expert_store::StreamingExperts::open(
+            &files,
+            &cfg,
+            &candle_core::Device::Cpu,
+            &stream(50.0, EvictionPolicy::Lru, false),
+        )
+        .unwrap();
         let paths = files.weight_files();
-        let dims = strata_formats::ExpertDims { num_experts: moe.num_experts, hidden: cfg.hidden_size, intermediate: moe.expert_intermediate_size };
+        let dims = strata_formats::ExpertDims {
+            num_experts: moe.num_experts,
+            hidden: cfg.hidden_size,
+            intermediate: moe.expert_intermediate_size,
+        };
         let layer = (0..cfg.num_layers).find(|&l| cfg.is_moe_layer(l)).unwrap();
         let layout = files.expert_layout(layer, dims).unwrap();
         for e in [0, moe.num_experts - 1] {
@@ -258,11 +320,25 @@ fn expert_bytes_are_the_stored_bytes_in_gate_up_down_order() {
             let slot: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
             for (k, part) in extent.parts.iter().enumerate() {
                 let mut want = vec![0u8; part.len as usize];
-                std::fs::File::open(&paths[part.file]).unwrap().read_exact_at(&mut want, part.offset).unwrap();
-                assert_eq!(&slot[b.ranges[k].clone()], want.as_slice(), "{name}: expert {e} part {k}");
+                std::fs::File::open(&paths[part.file])
+                    .unwrap()
+                    .read_exact_at(&mut want, part.offset)
+                    .unwrap();
+                assert_eq!(
+                    &slot[b.ranges[k].clone()],
+                    want.as_slice(),
+                    "{name}: expert {e} part {k}"
+                );
             }
             assert_eq!(b.bytes as u64, extent.bytes());
-            assert_eq!(b.shapes, [[dims.intermediate, dims.hidden], [dims.intermediate, dims.hidden], [dims.hidden, dims.intermediate]]);
+            assert_eq!(
+                b.shapes,
+                [
+                    [dims.intermediate, dims.hidden],
+                    [dims.intermediate, dims.hidden],
+                    [dims.hidden, dims.intermediate]
+                ]
+            );
             let again = host.ready_bytes(layer, e).expect("cached after expert_bytes");
             assert!(std::sync::Arc::ptr_eq(&again.slot, &b.slot), "{name}: same slot");
         }

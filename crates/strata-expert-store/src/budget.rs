@@ -42,14 +42,17 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().map_err(|_| format!("bad size `{s}` (examples: 6GiB, 512MiB, 10%)"))?;
+    let v: f64 =
+        num.parse().map_err(|_| format!("bad size `{s}` (examples: 6GiB, 512MiB, 10%)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(format!("bad size unit `{other}` in `{s}` (examples: 6GiB, 512MiB, 10%)")),
+        other => {
+            return Err(format!("bad size unit `{other}` in `{s}` (examples: 6GiB, 512MiB, 10%)"))
+        }
     };
     Ok((v * mult as f64) as u64)
 }
@@ -99,16 +102,26 @@ fn cgroup_memory() -> Option<(u64, u64)> {
     let mut candidates = Vec::new();
     for line in groups.lines() {
         let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
+        let (_, controllers, path) =
+            (parts.next(), parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
         if controllers.split(',').any(|c| c == "memory") {
-            candidates.push((format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"), format!("/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")));
+            candidates.push((
+                format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"),
+                format!("/sys/fs/cgroup/memory{path}/memory.usage_in_bytes"),
+            ));
         } else if controllers.is_empty() {
-            candidates.push((format!("/sys/fs/cgroup{path}/memory.max"), format!("/sys/fs/cgroup{path}/memory.current")));
+            candidates.push((
+                format!("/sys/fs/cgroup{path}/memory.max"),
+                format!("/sys/fs/cgroup{path}/memory.current"),
+            ));
         }
     }
     // Inside a container the paths above may not exist: its own cgroup is mounted at the root.
     candidates.push(("/sys/fs/cgroup/memory.max".into(), "/sys/fs/cgroup/memory.current".into()));
-    candidates.push(("/sys/fs/cgroup/memory/memory.limit_in_bytes".into(), "/sys/fs/cgroup/memory/memory.usage_in_bytes".into()));
+    candidates.push((
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes".into(),
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes".into(),
+    ));
     candidates.into_iter().find_map(|(limit, usage)| {
         let (limit, usage) = (read(&limit)?, read(&usage)?);
         // "no limit" reads as a huge number (v1) or fails to parse ("max", v2).
@@ -119,7 +132,10 @@ fn cgroup_memory() -> Option<(u64, u64)> {
 /// A `Key:   1234 kB` line of a `/proc` file (`/proc/meminfo`, `/proc/self/status`), in bytes.
 pub fn proc_kb_field(file: &str, key: &str) -> Option<u64> {
     let text = std::fs::read_to_string(file).ok()?;
-    text.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024)
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|v| v * 1024)
 }
 
 #[cfg(test)]
@@ -138,12 +154,18 @@ mod tests {
             assert!(bad.parse::<CacheBudget>().is_err(), "{bad}");
         }
         assert_eq!(CacheBudget::Percent(10.0).resolve(1000, 0, 0), 100);
-        assert_eq!(CacheBudget::Auto.resolve(1 << 40, 1 << 30, 4 << 30), (2u64 << 30) - (2u64 << 30) / 10);
+        assert_eq!(
+            CacheBudget::Auto.resolve(1 << 40, 1 << 30, 4 << 30),
+            (2u64 << 30) - (2u64 << 30) / 10
+        );
     }
 }
 
 /// This process's resident set size now and at its peak (`VmRSS`, `VmHWM` of `/proc/self/status`),
 /// bytes.
 pub fn process_rss() -> Option<(u64, u64)> {
-    Some((proc_kb_field("/proc/self/status", "VmRSS:")?, proc_kb_field("/proc/self/status", "VmHWM:")?))
+    Some((
+        proc_kb_field("/proc/self/status", "VmRSS:")?,
+        proc_kb_field("/proc/self/status", "VmHWM:")?,
+    ))
 }

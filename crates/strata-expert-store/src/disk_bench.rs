@@ -36,11 +36,20 @@ pub fn drop_file_cache(path: &Path) -> Result<(), String> {
 
 /// Runs every configuration for about `per_config` each. Errors: the file is smaller than 8 MiB,
 /// cannot be opened, or a read fails.
-pub fn bench_disk(path: &Path, block_sizes: &[usize], depths: &[usize], direct_modes: &[bool], per_config: Duration) -> Result<Vec<DiskResult>, String> {
+pub fn bench_disk(
+    path: &Path,
+    block_sizes: &[usize],
+    depths: &[usize],
+    direct_modes: &[bool],
+    per_config: Duration,
+) -> Result<Vec<DiskResult>, String> {
     let len = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?.len();
     let max_block = block_sizes.iter().copied().max().unwrap_or(1 << 20);
     if len < (8 << 20).max(2 * max_block as u64) {
-        return Err(format!("{}: {len} bytes is too small to measure a drive (use a file of a few GB)", path.display()));
+        return Err(format!(
+            "{}: {len} bytes is too small to measure a drive (use a file of a few GB)",
+            path.display()
+        ));
     }
     let max_qd = depths.iter().copied().max().unwrap_or(1);
     let slab = Slab::new(max_qd * 4, max_block)?;
@@ -60,7 +69,8 @@ pub fn bench_disk(path: &Path, block_sizes: &[usize], depths: &[usize], direct_m
                             rng ^= rng << 13;
                             rng ^= rng >> 7;
                             rng ^= rng << 17;
-                            let offset = rng % ((len - bs as u64) / DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64;
+                            let offset = rng % ((len - bs as u64) / DIRECT_ALIGN as u64)
+                                * DIRECT_ALIGN as u64;
                             ReadJob { file: 0, offset, len: bs, need: bs, dst: s.as_mut_ptr() }
                         })
                         .collect();
@@ -68,7 +78,14 @@ pub fn bench_disk(path: &Path, block_sizes: &[usize], depths: &[usize], direct_m
                     bytes += (qd * 4 * bs) as u64;
                 }
                 let seconds = t0.elapsed().as_secs_f64();
-                results.push(DiskResult { direct, block_bytes: bs, queue_depth: qd, bytes, seconds, gbps: bytes as f64 / seconds / 1e9 });
+                results.push(DiskResult {
+                    direct,
+                    block_bytes: bs,
+                    queue_depth: qd,
+                    bytes,
+                    seconds,
+                    gbps: bytes as f64 / seconds / 1e9,
+                });
             }
         }
     }

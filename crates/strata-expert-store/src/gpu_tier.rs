@@ -142,7 +142,14 @@ pub struct GpuExperts {
 
 impl std::fmt::Debug for GpuExperts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GpuExperts({} experts in VRAM at most, pooled: {}, pinned host: {}, host: {:?})", self.capacity, self.pooled(), self.pinned.is_some(), self.host)
+        write!(
+            f,
+            "GpuExperts({} experts in VRAM at most, pooled: {}, pinned host: {}, host: {:?})",
+            self.capacity,
+            self.pooled(),
+            self.pinned.is_some(),
+            self.host
+        )
     }
 }
 
@@ -157,51 +164,76 @@ impl GpuExperts {
     ///
     /// Errors: `device` is not a CUDA device, the host tier's errors, a CUDA driver error (the
     /// pool does not fit in VRAM).
-    pub fn open(files: &ModelFiles, cfg: &ModelConfig, device: &Device, opts: &StreamOptions) -> Result<Self, ModelError> {
+    pub fn open(
+        files: &ModelFiles,
+        cfg: &ModelConfig,
+        device: &Device,
+        opts: &StreamOptions,
+    ) -> Result<Self, ModelError> {
         let err = |message: String| ModelError::ExpertRead { layer: 0, expert: 0, message };
-        let Device::Cuda(dev) = device else { return Err(err("the GPU expert tier needs a CUDA device".into())) };
-        let moe = cfg.moe.as_ref().ok_or_else(|| err("--stream-experts needs an MoE model".into()))?;
+        let Device::Cuda(dev) = device else {
+            return Err(err("the GPU expert tier needs a CUDA device".into()));
+        };
+        let moe =
+            cfg.moe.as_ref().ok_or_else(|| err("--stream-experts needs an MoE model".into()))?;
         let host = StreamingExperts::open(files, cfg, &Device::Cpu, opts)?;
         let ctx = dev.cuda_stream().context().clone();
         ctx.bind_to_thread().map_err(|e| err(format!("cuda: {e}")))?;
         // SAFETY: candle issues all its work on one stream; the only other stream is ours, and we
         // order it against candle's with events ourselves (see the module docs).
         unsafe { dev.disable_event_tracking() };
-        let copy = ctx.new_stream().map_err(|e| err(format!("cuda: cannot create the copy stream: {e}")))?;
+        let copy = ctx
+            .new_stream()
+            .map_err(|e| err(format!("cuda: cannot create the copy stream: {e}")))?;
 
-        let experts = (0..cfg.num_layers).filter(|&l| cfg.is_moe_layer(l)).count() * moe.num_experts;
+        let experts =
+            (0..cfg.num_layers).filter(|&l| cfg.is_moe_layer(l)).count() * moe.num_experts;
         let total = host.expert_bytes_total();
         let pool_dtypes = match host.uniform_encodings() {
             Some(enc) if !std::env::var("STRATA_FUSED_MOE").is_ok_and(|v| v == "0") => {
-                let d: Vec<GgmlDType> = enc.iter().filter_map(|e| match e {
-                    ExpertEncoding::Ggml(dt) if FusedExperts::supports(*dt) => Some(*dt),
-                    _ => None,
-                }).collect();
+                let d: Vec<GgmlDType> = enc
+                    .iter()
+                    .filter_map(|e| match e {
+                        ExpertEncoding::Ggml(dt) if FusedExperts::supports(*dt) => Some(*dt),
+                        _ => None,
+                    })
+                    .collect();
                 (d.len() == 3).then(|| [d[0], d[1], d[2]])
             }
             _ => None,
         };
         let per_expert = total.div_ceil(experts.max(1) as u64);
-        let entry_bytes = if pool_dtypes.is_some() { per_expert } else { per_expert + PER_EXPERT_SLACK };
+        let entry_bytes =
+            if pool_dtypes.is_some() { per_expert } else { per_expert + PER_EXPERT_SLACK };
         let dense = files.total_tensor_bytes().saturating_sub(total);
         let free = result::mem_get_info().map(|(free, _)| free as u64).unwrap_or(0);
         let wanted = match opts.gpu_expert_cache {
             CacheBudget::Percent(p) => (experts as f64 * p / 100.0).ceil() as usize,
             CacheBudget::Bytes(b) => (b / entry_bytes) as usize,
-            CacheBudget::Auto => (free.saturating_sub(dense).saturating_sub(VRAM_RESERVE) / entry_bytes) as usize,
+            CacheBudget::Auto => {
+                (free.saturating_sub(dense).saturating_sub(VRAM_RESERVE) / entry_bytes) as usize
+            }
         };
         let capacity = wanted.clamp((moe.experts_per_token + 1).min(experts), experts.max(1));
         let vram = match pool_dtypes {
             Some(dtypes) => {
                 let d = host.dims();
-                let shapes = [[d.intermediate, d.hidden], [d.intermediate, d.hidden], [d.hidden, d.intermediate]];
-                let tensor = |e: candle_core::Error| err(format!("VRAM expert pool of {capacity} experts: {e}"));
+                let shapes = [
+                    [d.intermediate, d.hidden],
+                    [d.intermediate, d.hidden],
+                    [d.hidden, d.intermediate],
+                ];
+                let tensor = |e: candle_core::Error| {
+                    err(format!("VRAM expert pool of {capacity} experts: {e}"))
+                };
                 let mut t = Vec::with_capacity(3);
                 let (mut base, mut row_bytes) = ([0; 3], [0; 3]);
                 for k in 0..3 {
                     let [rows, cols] = shapes[k];
-                    let storage = QCudaStorage::zeros(dev, capacity * rows * cols, dtypes[k]).map_err(tensor)?;
-                    let q = QTensor::new(QStorage::Cuda(storage), (capacity, rows, cols)).map_err(tensor)?;
+                    let storage = QCudaStorage::zeros(dev, capacity * rows * cols, dtypes[k])
+                        .map_err(tensor)?;
+                    let q = QTensor::new(QStorage::Cuda(storage), (capacity, rows, cols))
+                        .map_err(tensor)?;
                     base[k] = q.device_ptr().map_err(tensor)? as sys::CUdeviceptr;
                     row_bytes[k] = rows * cols / dtypes[k].block_size() * dtypes[k].type_size();
                     t.push(q);
@@ -209,7 +241,8 @@ impl GpuExperts {
                 // The pool was zeroed on this thread's stream; forward passes may run on another.
                 ctx.synchronize().map_err(|e| err(format!("cuda: {e}")))?;
                 let mut t = t.into_iter();
-                let fused = FusedExperts::new(t.next().unwrap(), t.next().unwrap(), t.next().unwrap());
+                let fused =
+                    FusedExperts::new(t.next().unwrap(), t.next().unwrap(), t.next().unwrap());
                 Vram::Pool { fused, base, row_bytes }
             }
             None => Vram::PerExpert,
@@ -281,7 +314,9 @@ impl GpuExperts {
     /// Makes the compute stream (the calling thread's candle stream) wait for a copy.
     fn wait_copied(&self, ev: &Option<Arc<CudaEvent>>) -> Result<(), ModelError> {
         match ev {
-            Some(e) if !e.is_complete() => self.dev.cuda_stream().wait(e).map_err(|e| cuda_err(0, 0)(e.to_string())),
+            Some(e) if !e.is_complete() => {
+                self.dev.cuda_stream().wait(e).map_err(|e| cuda_err(0, 0)(e.to_string()))
+            }
             _ => Ok(()),
         }
     }
@@ -296,14 +331,28 @@ impl GpuExperts {
 
     /// Queues the copies of `b`'s parts to `dst[k]` on the copy stream; returns the event that
     /// completes with them. The host slot is held until then.
-    fn copy_parts(&self, st: &mut TierState, layer: usize, expert: usize, b: &ExpertBytes, dst: [sys::CUdeviceptr; 3]) -> Result<Arc<CudaEvent>, ModelError> {
+    fn copy_parts(
+        &self,
+        st: &mut TierState,
+        layer: usize,
+        expert: usize,
+        b: &ExpertBytes,
+        dst: [sys::CUdeviceptr; 3],
+    ) -> Result<Arc<CudaEvent>, ModelError> {
         let e = cuda_err(layer, expert);
         self.copy_after_compute(layer, expert)?;
         let bytes: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
         for k in 0..3 {
             // SAFETY: `dst[k]` holds at least `ranges[k].len()` bytes (checked by the callers); the
             // source slot stays alive until the copy's event completes (`inflight`).
-            unsafe { result::memcpy_htod_async(dst[k], &bytes[b.ranges[k].clone()], self.copy.cu_stream()) }.map_err(|x| e(x.to_string()))?;
+            unsafe {
+                result::memcpy_htod_async(
+                    dst[k],
+                    &bytes[b.ranges[k].clone()],
+                    self.copy.cu_stream(),
+                )
+            }
+            .map_err(|x| e(x.to_string()))?;
         }
         let copied = Arc::new(self.copy.record_event(None).map_err(|x| e(x.to_string()))?);
         st.inflight.retain(|(ev, _)| !ev.is_complete());
@@ -314,13 +363,23 @@ impl GpuExperts {
     }
 
     /// Copies an expert's bytes into freshly allocated device tensors and builds it there.
-    fn upload_tensors(&self, st: &mut TierState, layer: usize, expert: usize, b: &ExpertBytes) -> Result<(Arc<Expert>, Option<Arc<CudaEvent>>), ModelError> {
+    fn upload_tensors(
+        &self,
+        st: &mut TierState,
+        layer: usize,
+        expert: usize,
+        b: &ExpertBytes,
+    ) -> Result<(Arc<Expert>, Option<Arc<CudaEvent>>), ModelError> {
         let name = format!("blk.{layer}.ffn_exps[{expert}]");
         let tensor = |e: candle_core::Error| ModelError::Tensor { name: name.clone(), source: e };
-        let quantized: Option<Vec<GgmlDType>> = b.encodings.iter().map(|e| match e {
-            ExpertEncoding::Ggml(dt) => Some(*dt),
-            ExpertEncoding::Float(_) => None,
-        }).collect();
+        let quantized: Option<Vec<GgmlDType>> = b
+            .encodings
+            .iter()
+            .map(|e| match e {
+                ExpertEncoding::Ggml(dt) => Some(*dt),
+                ExpertEncoding::Float(_) => None,
+            })
+            .collect();
         let Some(dtypes) = quantized else {
             // Float experts: candle copies them (synchronously) and converts to f32 on the way.
             let lin = |k: usize| b.decoded(k, &name, &self.device);
@@ -336,12 +395,16 @@ impl GpuExperts {
             let [rows, cols] = b.shapes[k];
             let storage = QCudaStorage::zeros(&self.dev, rows * cols, dtypes[k]).map_err(tensor)?;
             let q = QTensor::new(QStorage::Cuda(storage), (rows, cols)).map_err(tensor)?;
-            assert!(q.storage_size_in_bytes() >= b.ranges[k].len(), "{name}: device tensor smaller than the stored part");
+            assert!(
+                q.storage_size_in_bytes() >= b.ranges[k].len(),
+                "{name}: device tensor smaller than the stored part"
+            );
             dst[k] = q.device_ptr().map_err(tensor)? as sys::CUdeviceptr;
             parts.push(q);
         }
         let copied = self.copy_parts(st, layer, expert, b, dst)?;
-        let mut lin = parts.into_iter().map(|q| Linear::for_expert(Weight::Quantized(q)).map_err(tensor));
+        let mut lin =
+            parts.into_iter().map(|q| Linear::for_expert(Weight::Quantized(q)).map_err(tensor));
         let (g, u, d) = (lin.next().unwrap()?, lin.next().unwrap()?, lin.next().unwrap()?);
         let mlp = Mlp::new(g, u, d)?;
         Ok((Arc::new(Expert::new(mlp, b.bytes)), Some(copied)))
@@ -359,7 +422,11 @@ impl GpuExperts {
                     .min_by_key(|(_, e)| e.last)
                     .map(|(k, _)| *k)
             };
-            let found = if prefetch_layer.is_some() { victim(false) } else { victim(false).or_else(|| victim(true)) };
+            let found = if prefetch_layer.is_some() {
+                victim(false)
+            } else {
+                victim(false).or_else(|| victim(true))
+            };
             let Some(k) = found else { return false };
             let gone = st.map.remove(&k).expect("victim is in the map");
             match self.vram {
@@ -378,7 +445,14 @@ impl GpuExperts {
 
     /// Makes `key` resident in VRAM from its host bytes `b` (state locked), evicting for it (not
     /// `keep`). Returns false when a prefetch finds no room it may take.
-    fn fill(&self, st: &mut TierState, key: Key, b: &ExpertBytes, origin: Origin, keep: &[Key]) -> Result<bool, ModelError> {
+    fn fill(
+        &self,
+        st: &mut TierState,
+        key: Key,
+        b: &ExpertBytes,
+        origin: Origin,
+        keep: &[Key],
+    ) -> Result<bool, ModelError> {
         if st.map.contains_key(&key) {
             return Ok(true); // another caller copied it meanwhile
         }
@@ -393,7 +467,11 @@ impl GpuExperts {
             }
             Vram::Pool { base, row_bytes, .. } => {
                 for k in 0..3 {
-                    assert_eq!(b.ranges[k].len(), row_bytes[k], "expert {key:?} part {k}: stored size differs from the pool's rows");
+                    assert_eq!(
+                        b.ranges[k].len(),
+                        row_bytes[k],
+                        "expert {key:?} part {k}: stored size differs from the pool's rows"
+                    );
                 }
                 let slot = st.free.pop().expect("make_room leaves a free row");
                 let dst = [0, 1, 2].map(|k| base[k] + (slot * row_bytes[k]) as sys::CUdeviceptr);
@@ -408,7 +486,15 @@ impl GpuExperts {
         };
         st.tick += 1;
         let last = st.tick;
-        let entry = TierEntry { expert, slot, copied, last, prefetched: origin == Origin::Prefetch, fresh: origin == Origin::Routed, bytes: b.bytes };
+        let entry = TierEntry {
+            expert,
+            slot,
+            copied,
+            last,
+            prefetched: origin == Origin::Prefetch,
+            fresh: origin == Origin::Routed,
+            bytes: b.bytes,
+        };
         st.map.insert(key, entry);
         if origin == Origin::Prefetch {
             self.counters.prefetch_uploads.fetch_add(1, Ordering::Relaxed);
@@ -418,7 +504,11 @@ impl GpuExperts {
 
     /// A lookup of `key`: counts it and returns its entry's expert, row and copy event, making it
     /// resident first on a miss (reading the host tier, which may wait for the drive).
-    fn lookup(&self, key: Key, keep: &[Key]) -> Result<(Option<Arc<Expert>>, usize, Option<Arc<CudaEvent>>), ModelError> {
+    fn lookup(
+        &self,
+        key: Key,
+        keep: &[Key],
+    ) -> Result<(Option<Arc<Expert>>, usize, Option<Arc<CudaEvent>>), ModelError> {
         fn found(st: &mut TierState, key: Key) -> Option<&mut TierEntry> {
             st.tick += 1;
             let tick = st.tick;
@@ -430,7 +520,11 @@ impl GpuExperts {
             let mut st = self.lock();
             if let Some(e) = found(&mut st, key) {
                 self.counters.touched_bytes.fetch_add(e.bytes as u64, Ordering::Relaxed);
-                let counter = if std::mem::take(&mut e.fresh) { &self.counters.misses } else { &self.counters.hits };
+                let counter = if std::mem::take(&mut e.fresh) {
+                    &self.counters.misses
+                } else {
+                    &self.counters.hits
+                };
                 counter.fetch_add(1, Ordering::Relaxed);
                 if std::mem::take(&mut e.prefetched) {
                     self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
@@ -444,7 +538,14 @@ impl GpuExperts {
         let mut st = self.lock();
         if !self.fill(&mut st, key, &b, Origin::Demand, keep)? {
             // Only when everything cached is in `keep`, which callers keep below the capacity.
-            return Err(ModelError::ExpertRead { layer: key.0, expert: key.1, message: format!("VRAM expert cache full ({} experts) with experts this launch needs", self.capacity) });
+            return Err(ModelError::ExpertRead {
+                layer: key.0,
+                expert: key.1,
+                message: format!(
+                    "VRAM expert cache full ({} experts) with experts this launch needs",
+                    self.capacity
+                ),
+            });
         }
         self.counters.stall_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.counters.touched_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);
@@ -532,7 +633,12 @@ impl ExpertProvider for GpuExperts {
         self.host.prefetch(layer, experts);
         let missing: Vec<usize> = {
             let mut st = self.lock();
-            let missing: Vec<usize> = experts.iter().take(self.prefetch_limit).map(|&e| e as usize).filter(|&e| !st.map.contains_key(&(layer, e))).collect();
+            let missing: Vec<usize> = experts
+                .iter()
+                .take(self.prefetch_limit)
+                .map(|&e| e as usize)
+                .filter(|&e| !st.map.contains_key(&(layer, e)))
+                .collect();
             st.candidates.insert(layer, missing.clone());
             if !st.gate.open() {
                 return; // measured in the shadow only

@@ -7,11 +7,11 @@
 //! (predictions), so a wrong prediction never delays a read the forward pass waits for; a
 //! prefetch that turns out to be needed is promoted ([`IoEngine::promote`]).
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -142,7 +142,14 @@ impl Shared {
                 Ok(0) => break,
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("{}: read of {} bytes at offset {} failed: {e}", path.display(), job.len, job.offset)),
+                Err(e) => {
+                    return Err(format!(
+                        "{}: read of {} bytes at offset {} failed: {e}",
+                        path.display(),
+                        job.len,
+                        job.offset
+                    ))
+                }
             }
         }
         self.counters.bytes.fetch_add(done as u64, Ordering::Relaxed);
@@ -169,7 +176,13 @@ pub struct IoEngine {
 
 impl std::fmt::Debug for IoEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "IoEngine({} files, {} threads, direct: {})", self.shared.files.len(), self.workers.len(), self.direct)
+        write!(
+            f,
+            "IoEngine({} files, {} threads, direct: {})",
+            self.shared.files.len(),
+            self.workers.len(),
+            self.direct
+        )
     }
 }
 
@@ -203,7 +216,9 @@ impl DirectIo {
         match self {
             Self::On => true,
             Self::Off => false,
-            Self::Auto => files.iter().all(|p| std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(p).is_ok()),
+            Self::Auto => files.iter().all(|p| {
+                std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(p).is_ok()
+            }),
         }
     }
 
@@ -246,7 +261,10 @@ impl IoEngine {
         let workers = (0..threads.max(1))
             .map(|i| {
                 let shared = shared.clone();
-                std::thread::Builder::new().name(format!("strata-io-{i}")).spawn(move || worker(&shared)).expect("spawn I/O thread")
+                std::thread::Builder::new()
+                    .name(format!("strata-io-{i}"))
+                    .spawn(move || worker(&shared))
+                    .expect("spawn I/O thread")
             })
             .collect();
         Ok(Self { shared, workers, direct })
@@ -266,7 +284,10 @@ impl IoEngine {
         for (p, f, len) in &self.shared.files {
             let now = f.metadata().map_err(|e| format!("{}: {e}", p.display()))?.len();
             if now != *len {
-                return Err(format!("{}: model file changed size while in use ({len} bytes at start, {now} now)", p.display()));
+                return Err(format!(
+                    "{}: model file changed size while in use ({len} bytes at start, {now} now)",
+                    p.display()
+                ));
             }
         }
         Ok(())
@@ -302,7 +323,8 @@ impl IoEngine {
     /// out to be needed). Returns how many moved.
     pub fn promote(&self, ticket: &Arc<Ticket>) -> usize {
         let mut q = self.shared.queues.lock().unwrap_or_else(|e| e.into_inner());
-        let (mine, rest): (VecDeque<Queued>, VecDeque<Queued>) = q.prefetch.drain(..).partition(|(_, t)| Arc::ptr_eq(t, ticket));
+        let (mine, rest): (VecDeque<Queued>, VecDeque<Queued>) =
+            q.prefetch.drain(..).partition(|(_, t)| Arc::ptr_eq(t, ticket));
         q.prefetch = rest;
         let n = mine.len();
         q.demand.extend(mine);

@@ -26,4 +26,7 @@ pub mod slab;
 pub use budget::{available_memory, parse_bytes, process_rss, CacheBudget};
 pub use io::DirectIo;
 pub use policy::EvictionPolicy;
-pub use provider::{open_streaming, ExpertBytes, StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION, DEFAULT_READ_CHUNK};
+pub use provider::{
+    open_streaming, ExpertBytes, StreamOptions, StreamingExperts, DEFAULT_PREFETCH_MIN_PRECISION,
+    DEFAULT_READ_CHUNK,
+};

@@ -45,7 +45,12 @@ impl PrefetchGate {
     /// Resolves the prediction made for `layer` (its candidates, taken out of `pending`) against
     /// the experts the layer then routed to (`routed`: `(layer, expert)`, sorted) and observes it.
     /// Returns `(candidates, used)` for the caller's counters (zeros when there was none).
-    pub fn resolve(&mut self, pending: &mut std::collections::HashMap<usize, Vec<usize>>, layer: usize, routed: &[(usize, usize)]) -> (u64, u64) {
+    pub fn resolve(
+        &mut self,
+        pending: &mut std::collections::HashMap<usize, Vec<usize>>,
+        layer: usize,
+        routed: &[(usize, usize)],
+    ) -> (u64, u64) {
         let Some(c) = pending.remove(&layer) else { return (0, 0) };
         let used = c.iter().filter(|&&e| routed.binary_search(&(layer, e)).is_ok()).count();
         self.observe(c.len(), used);

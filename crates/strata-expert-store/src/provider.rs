@@ -28,9 +28,9 @@ use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError, PrefetchMod
 
 use crate::budget::{available_memory, CacheBudget};
 use crate::io::{DirectIo, IoEngine, Priority, ReadJob, Ticket, DIRECT_ALIGN};
-use crate::protect::Protected;
 use crate::policy::{EvictionPolicy, Usage};
 use crate::prefetch_gate::PrefetchGate;
+use crate::protect::Protected;
 use crate::slab::{Slab, Slot};
 
 /// Options of `--stream-experts`.
@@ -76,7 +76,12 @@ impl Default for StreamOptions {
 /// elsewhere the host cache alone. Returns it with the model's routed-expert bytes (stored).
 ///
 /// Errors: those of [`StreamingExperts::open`] (and CUDA driver errors).
-pub fn open_streaming(files: &ModelFiles, cfg: &ModelConfig, device: &Device, opts: &StreamOptions) -> Result<(Arc<dyn ExpertProvider>, u64), ModelError> {
+pub fn open_streaming(
+    files: &ModelFiles,
+    cfg: &ModelConfig,
+    device: &Device,
+    opts: &StreamOptions,
+) -> Result<(Arc<dyn ExpertProvider>, u64), ModelError> {
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         let tier = crate::gpu_tier::GpuExperts::open(files, cfg, device, opts)?;
@@ -96,14 +101,23 @@ pub const DEFAULT_READ_CHUNK: usize = 0;
 
 /// Splits the read `(offset, len, need, slot offset)` into pieces of at most `chunk` bytes
 /// (`chunk` 0: one piece). Each piece's `need` is the part of the original `need` it covers.
-fn pieces(offset: u64, len: usize, need: usize, at: usize, chunk: usize) -> Vec<(u64, usize, usize, usize)> {
+fn pieces(
+    offset: u64,
+    len: usize,
+    need: usize,
+    at: usize,
+    chunk: usize,
+) -> Vec<(u64, usize, usize, usize)> {
     if chunk == 0 || len <= chunk {
         return vec![(offset, len, need, at)];
     }
-    (0..len).step_by(chunk).map(|s| {
-        let l = chunk.min(len - s);
-        (offset + s as u64, l, need.saturating_sub(s).min(l), at + s)
-    }).collect()
+    (0..len)
+        .step_by(chunk)
+        .map(|s| {
+            let l = chunk.min(len - s);
+            (offset + s as u64, l, need.saturating_sub(s).min(l), at + s)
+        })
+        .collect()
 }
 
 /// Default `--prefetch-min-precision` (see [`crate::prefetch_gate`]).
@@ -153,13 +167,19 @@ impl ReadPlan {
                     r.end = offset + len as u64;
                     r.parts.push((offset, len, at));
                 }
-                _ => runs.push(Run { file, start: offset, end: offset + len as u64, parts: vec![(offset, len, at)] }),
+                _ => runs.push(Run {
+                    file,
+                    start: offset,
+                    end: offset + len as u64,
+                    parts: vec![(offset, len, at)],
+                }),
             }
         }
         let mut plan = ReadPlan::default();
         let mut cursor = 0usize;
         for r in runs {
-            let start = if direct { r.start / DIRECT_ALIGN as u64 * DIRECT_ALIGN as u64 } else { r.start };
+            let start =
+                if direct { r.start / DIRECT_ALIGN as u64 * DIRECT_ALIGN as u64 } else { r.start };
             let need = (r.end - start) as usize;
             let len = if direct { need.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN } else { need };
             plan.jobs.push((r.file, start, len, need, cursor));
@@ -219,7 +239,13 @@ impl ExpertBytes {
     /// kernels do not run from the slot, float weights widened to f32); `name` names it in errors.
     pub fn decoded(&self, k: usize, name: &str, device: &Device) -> Result<Linear, ModelError> {
         let bytes = &AsRef::<[u8]>::as_ref(self.slot.as_ref())[self.ranges[k].clone()];
-        let w = strata_formats::weight_from_bytes(self.encodings[k], self.shapes[k], bytes, name, device)?;
+        let w = strata_formats::weight_from_bytes(
+            self.encodings[k],
+            self.shapes[k],
+            bytes,
+            name,
+            device,
+        )?;
         Linear::for_expert(w).map_err(|e| ModelError::Tensor { name: name.to_string(), source: e })
     }
 }
@@ -302,7 +328,11 @@ pub struct StreamingExperts {
 
 impl std::fmt::Debug for StreamingExperts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StreamingExperts({} experts cached at most, {:?}, {:?})", self.capacity, self.slab, self.io)
+        write!(
+            f,
+            "StreamingExperts({} experts cached at most, {:?}, {:?})",
+            self.capacity, self.slab, self.io
+        )
     }
 }
 
@@ -315,10 +345,21 @@ impl StreamingExperts {
     ///
     /// Errors: the model has no MoE layers, a bad expert tensor (named), a file that cannot be
     /// opened (with `O_DIRECT` on a filesystem without it).
-    pub fn open(files: &ModelFiles, cfg: &ModelConfig, device: &Device, opts: &StreamOptions) -> Result<Self, ModelError> {
+    pub fn open(
+        files: &ModelFiles,
+        cfg: &ModelConfig,
+        device: &Device,
+        opts: &StreamOptions,
+    ) -> Result<Self, ModelError> {
         let err = |message: String| ModelError::ExpertRead { layer: 0, expert: 0, message };
-        let moe = cfg.moe.as_ref().ok_or_else(|| err(format!("{}: --stream-experts needs an MoE model", files.path().display())))?;
-        let dims = ExpertDims { num_experts: moe.num_experts, hidden: cfg.hidden_size, intermediate: moe.expert_intermediate_size };
+        let moe = cfg.moe.as_ref().ok_or_else(|| {
+            err(format!("{}: --stream-experts needs an MoE model", files.path().display()))
+        })?;
+        let dims = ExpertDims {
+            num_experts: moe.num_experts,
+            hidden: cfg.hidden_size,
+            intermediate: moe.expert_intermediate_size,
+        };
         let mut extents = vec![Vec::new(); cfg.num_layers];
         let (mut slot_bytes, mut extra, mut total) = (0usize, 0u64, 0u64);
         let direct = opts.direct_io.resolve(&files.weight_files());
@@ -449,7 +490,11 @@ impl StreamingExperts {
             let extent = self.extent(layer, expert)?;
             // Once per batch, before its first read.
             if !files_checked {
-                self.io.check_files().map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
+                self.io.check_files().map_err(|message| ModelError::ExpertRead {
+                    layer,
+                    expert,
+                    message,
+                })?;
                 files_checked = true;
             }
             while st.map.len() >= self.capacity {
@@ -465,10 +510,15 @@ impl StreamingExperts {
                 Some(s) => s,
                 None if need == Need::Wait => {
                     drop(st);
-                    let s = self.slab.acquire_timeout(SLOT_WAIT).ok_or_else(|| ModelError::ExpertRead {
-                        layer,
-                        expert,
-                        message: format!("expert cache exhausted: all {} slots held for {SLOT_WAIT:?}", self.slab.slots()),
+                    let s = self.slab.acquire_timeout(SLOT_WAIT).ok_or_else(|| {
+                        ModelError::ExpertRead {
+                            layer,
+                            expert,
+                            message: format!(
+                                "expert cache exhausted: all {} slots held for {SLOT_WAIT:?}",
+                                self.slab.slots()
+                            ),
+                        }
                     })?;
                     st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                     if st.map.contains_key(&(layer, expert)) {
@@ -488,11 +538,22 @@ impl StreamingExperts {
                     jobs.push(ReadJob { file, offset, len, need, dst: unsafe { base.add(at) } });
                 }
             }
-            let ticket = self.io.submit(jobs.split_off(first), if prefetch { Priority::Prefetch } else { Priority::Demand });
+            let ticket = self.io.submit(
+                jobs.split_off(first),
+                if prefetch { Priority::Prefetch } else { Priority::Demand },
+            );
             if prefetch {
                 self.counters.prefetch_reads.fetch_add(1, Ordering::Relaxed);
             }
-            st.map.insert((layer, expert), Entry { state: State::Pending { slot, ticket }, usage: Usage::default(), prefetched: prefetch, demand_read: !prefetch });
+            st.map.insert(
+                (layer, expert),
+                Entry {
+                    state: State::Pending { slot, ticket },
+                    usage: Usage::default(),
+                    prefetched: prefetch,
+                    demand_read: !prefetch,
+                },
+            );
         }
         Ok(())
     }
@@ -504,7 +565,12 @@ impl StreamingExperts {
     }
 
     /// Where gate, up and down lie in a placed slot, with their encodings and shapes.
-    fn layout_of(&self, layer: usize, expert: usize, slot: &Arc<Slot>) -> Result<ExpertBytes, ModelError> {
+    fn layout_of(
+        &self,
+        layer: usize,
+        expert: usize,
+        slot: &Arc<Slot>,
+    ) -> Result<ExpertBytes, ModelError> {
         let extent = self.extent(layer, expert)?;
         let (h, i) = (self.dims.hidden, self.dims.intermediate);
         let lens = extent.parts.map(|p| p.len as usize);
@@ -528,10 +594,11 @@ impl StreamingExperts {
             _ => None,
         };
         let bad = |e: String| ModelError::ExpertRead { layer, expert, message: e };
-        let on_kernel = |format, range: std::ops::Range<usize>, rows, cols| -> Result<Linear, ModelError> {
-            let bytes = WeightBytes::new(owner.clone(), range).map_err(bad)?;
-            Ok(Linear::from_kernel(QuantMatrix::new(format, bytes, rows, cols).map_err(bad)?))
-        };
+        let on_kernel =
+            |format, range: std::ops::Range<usize>, rows, cols| -> Result<Linear, ModelError> {
+                let bytes = WeightBytes::new(owner.clone(), range).map_err(bad)?;
+                Ok(Linear::from_kernel(QuantMatrix::new(format, bytes, rows, cols).map_err(bad)?))
+            };
         let part = |k: usize| -> Result<Linear, ModelError> {
             match kernel(b.encodings[k]) {
                 Some(f) => on_kernel(f, b.ranges[k].clone(), b.shapes[k][0], b.shapes[k][1]),
@@ -540,7 +607,15 @@ impl StreamingExperts {
         };
         let mlp = match kernel(b.encodings[0]) {
             // gate and up are adjacent in the slot: one [2I, H] matrix, as the resident path fuses them.
-            Some(f) if b.encodings[1] == b.encodings[0] => Mlp::from_fused(on_kernel(f, b.ranges[0].start..b.ranges[1].end, 2 * b.shapes[0][0], b.shapes[0][1])?, part(2)?),
+            Some(f) if b.encodings[1] == b.encodings[0] => Mlp::from_fused(
+                on_kernel(
+                    f,
+                    b.ranges[0].start..b.ranges[1].end,
+                    2 * b.shapes[0][0],
+                    b.shapes[0][1],
+                )?,
+                part(2)?,
+            ),
             _ => Mlp::new(part(0)?, part(1)?, part(2)?)?,
         };
         Ok(Expert::new(mlp, b.bytes))
@@ -570,7 +645,12 @@ fn decoded_bytes(x: &ExpertExtent, dims: ExpertDims) -> u64 {
 impl StreamingExperts {
     /// Expert `expert` of `layer` from the cache, waiting for its read (and starting it when no
     /// `will_need` did): its placed slot, and the expert built on it when `build`.
-    fn fetch(&self, layer: usize, expert: usize, build: bool) -> Result<(Arc<Slot>, Option<Arc<Expert>>), ModelError> {
+    fn fetch(
+        &self,
+        layer: usize,
+        expert: usize,
+        build: bool,
+    ) -> Result<(Arc<Slot>, Option<Arc<Expert>>), ModelError> {
         let key = (layer, expert);
         let bytes = self.extent(layer, expert)?.bytes();
         self.counters.touched_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -580,7 +660,12 @@ impl StreamingExperts {
             st.tick += 1;
             let tick = st.tick;
             let ticket = match st.map.get_mut(&key) {
-                Some(Entry { state: State::Ready { slot, expert: x }, usage, prefetched, demand_read }) => {
+                Some(Entry {
+                    state: State::Ready { slot, expert: x },
+                    usage,
+                    prefetched,
+                    demand_read,
+                }) => {
                     usage.touch(tick);
                     if std::mem::take(prefetched) {
                         self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
@@ -589,7 +674,8 @@ impl StreamingExperts {
                     // was not in the cache when its layer routed.
                     let missed = std::mem::take(demand_read);
                     if !counted {
-                        let counter = if missed { &self.counters.misses } else { &self.counters.hits };
+                        let counter =
+                            if missed { &self.counters.misses } else { &self.counters.hits };
                         counter.fetch_add(1, Ordering::Relaxed);
                     }
                     if build && x.is_none() {
@@ -597,7 +683,12 @@ impl StreamingExperts {
                     }
                     return Ok((slot.clone(), x.clone()));
                 }
-                Some(Entry { state: State::Pending { ticket, .. }, prefetched, demand_read, .. }) => {
+                Some(Entry {
+                    state: State::Pending { ticket, .. },
+                    prefetched,
+                    demand_read,
+                    ..
+                }) => {
                     // A prediction read in time counts as a hit: the expert was in memory when asked.
                     if *prefetched && ticket.is_done() && !counted {
                         self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -632,7 +723,11 @@ impl StreamingExperts {
                 result.map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
                 continue;
             }
-            let Some(Entry { state: State::Pending { slot, .. }, mut usage, prefetched, .. }) = st.map.remove(&key) else { unreachable!("checked above") };
+            let Some(Entry { state: State::Pending { slot, .. }, mut usage, prefetched, .. }) =
+                st.map.remove(&key)
+            else {
+                unreachable!("checked above")
+            };
             result.map_err(|message| ModelError::ExpertRead { layer, expert, message })?;
             let slot = self.place(layer, expert, slot)?;
             let x = if build { Some(Arc::new(self.build(layer, expert, &slot)?)) } else { None };
@@ -640,7 +735,15 @@ impl StreamingExperts {
             if prefetched {
                 self.counters.prefetch_used.fetch_add(1, Ordering::Relaxed);
             }
-            st.map.insert(key, Entry { state: State::Ready { slot: slot.clone(), expert: x.clone() }, usage, prefetched: false, demand_read: false });
+            st.map.insert(
+                key,
+                Entry {
+                    state: State::Ready { slot: slot.clone(), expert: x.clone() },
+                    usage,
+                    prefetched: false,
+                    demand_read: false,
+                },
+            );
             return Ok((slot, x));
         }
     }
@@ -660,7 +763,9 @@ impl StreamingExperts {
     pub fn ready_bytes(&self, layer: usize, expert: usize) -> Option<ExpertBytes> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let placed = match st.map.remove(&(layer, expert))? {
-            Entry { state: State::Pending { slot, ticket }, usage, prefetched, demand_read } if ticket.is_done() && ticket.wait().is_ok() => {
+            Entry { state: State::Pending { slot, ticket }, usage, prefetched, demand_read }
+                if ticket.is_done() && ticket.wait().is_ok() =>
+            {
                 let slot = self.place(layer, expert, slot).ok()?;
                 Entry { state: State::Ready { slot, expert: None }, usage, prefetched, demand_read }
             }
@@ -702,7 +807,10 @@ impl ExpertProvider for StreamingExperts {
             self.counters.prefetch_candidates_used.fetch_add(used, Ordering::Relaxed);
             // Predictions this layer needs: their queued reads go first now.
             for k in &keys {
-                if let Some(Entry { state: State::Pending { ticket, .. }, prefetched: true, .. }) = st.map.get(k) {
+                if let Some(Entry {
+                    state: State::Pending { ticket, .. }, prefetched: true, ..
+                }) = st.map.get(k)
+                {
                     self.io.promote(ticket);
                 }
             }
@@ -716,7 +824,12 @@ impl ExpertProvider for StreamingExperts {
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         let keys: Vec<(usize, usize)> = {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let missing: Vec<usize> = experts.iter().take(self.prefetch_limit).map(|&e| e as usize).filter(|&e| !st.map.contains_key(&(layer, e))).collect();
+            let missing: Vec<usize> = experts
+                .iter()
+                .take(self.prefetch_limit)
+                .map(|&e| e as usize)
+                .filter(|&e| !st.map.contains_key(&(layer, e)))
+                .collect();
             let open = st.gate.open();
             st.candidates.insert(layer, missing.clone());
             if !open {
@@ -754,7 +867,10 @@ impl ExpertProvider for StreamingExperts {
             prefetch_reads: self.counters.prefetch_reads.load(Ordering::Relaxed),
             prefetch_used: self.counters.prefetch_used.load(Ordering::Relaxed),
             prefetch_candidates: self.counters.prefetch_candidates.load(Ordering::Relaxed),
-            prefetch_candidates_used: self.counters.prefetch_candidates_used.load(Ordering::Relaxed),
+            prefetch_candidates_used: self
+                .counters
+                .prefetch_candidates_used
+                .load(Ordering::Relaxed),
             uploads: 0,
             upload_bytes: 0,
         })
@@ -789,8 +905,12 @@ mod tests {
         let p = ReadPlan::new(&extent([(0, 100, 10), (1, 110, 10), (1, 120, 7)]), false);
         assert_eq!(p.jobs, vec![(0, 100, 10, 10, 0), (1, 110, 17, 17, 10)]);
         // Parts are read in file order; far apart, they stay separate reads.
-        let p = ReadPlan::new(&extent([(0, 9000, 10), (0, 100, 10), (0, 110 + MAX_GAP + 1, 7)]), false);
-        assert_eq!(p.jobs, vec![(0, 100, 10, 10, 0), (0, 110 + MAX_GAP + 1, 7, 7, 10), (0, 9000, 10, 10, 17)]);
+        let p =
+            ReadPlan::new(&extent([(0, 9000, 10), (0, 100, 10), (0, 110 + MAX_GAP + 1, 7)]), false);
+        assert_eq!(
+            p.jobs,
+            vec![(0, 100, 10, 10, 0), (0, 110 + MAX_GAP + 1, 7, 7, 10), (0, 9000, 10, 10, 17)]
+        );
         assert_eq!(p.moves, vec![(17, 0, 10), (0, 10, 10), (10, 20, 7)]);
         assert!(!p.in_place);
     }
@@ -816,9 +936,15 @@ mod tests {
     fn long_reads_split_into_pieces_that_cover_them() {
         assert_eq!(pieces(100, 10, 10, 0, 0), vec![(100, 10, 10, 0)]);
         assert_eq!(pieces(100, 10, 10, 0, 16), vec![(100, 10, 10, 0)]);
-        assert_eq!(pieces(100, 10, 10, 5, 4), vec![(100, 4, 4, 5), (104, 4, 4, 9), (108, 2, 2, 13)]);
+        assert_eq!(
+            pieces(100, 10, 10, 5, 4),
+            vec![(100, 4, 4, 5), (104, 4, 4, 9), (108, 2, 2, 13)]
+        );
         // An aligned superset past the end of the file: the last pieces need less, or nothing.
-        assert_eq!(pieces(0, 12288, 5000, 0, 4096), vec![(0, 4096, 4096, 0), (4096, 4096, 904, 4096), (8192, 4096, 0, 8192)]);
+        assert_eq!(
+            pieces(0, 12288, 5000, 0, 4096),
+            vec![(0, 4096, 4096, 0), (4096, 4096, 904, 4096), (8192, 4096, 0, 8192)]
+        );
     }
 
     #[test]

@@ -44,14 +44,22 @@ impl Slab {
     pub fn new(slots: usize, slot_bytes: usize) -> Result<Self, String> {
         let slot_bytes = slot_bytes.max(1).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
         let total = slots.checked_mul(slot_bytes).ok_or("expert cache size overflows")?;
-        let layout = Layout::from_size_align(total.max(DIRECT_ALIGN), DIRECT_ALIGN).map_err(|e| e.to_string())?;
+        let layout = Layout::from_size_align(total.max(DIRECT_ALIGN), DIRECT_ALIGN)
+            .map_err(|e| e.to_string())?;
         // SAFETY: non-zero size.
         let base = unsafe { std::alloc::alloc(layout) };
         if base.is_null() {
             return Err(format!("cannot reserve {total} bytes for the expert cache"));
         }
         let free = (0..slots).rev().collect();
-        Ok(Self(Arc::new(SlabInner { base, layout, slot_bytes, slots, free: Mutex::new(free), released: Condvar::new() })))
+        Ok(Self(Arc::new(SlabInner {
+            base,
+            layout,
+            slot_bytes,
+            slots,
+            free: Mutex::new(free),
+            released: Condvar::new(),
+        })))
     }
 
     pub fn slot_bytes(&self) -> usize {
@@ -116,7 +124,9 @@ impl Slot {
         assert!(dst + bytes.len() <= self.len());
         // SAFETY: the range is inside this slot, which `&mut self` holds exclusively; `bytes` is
         // not inside the slot (it is a shared borrow while the slot is borrowed mutably).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.as_mut_ptr().add(dst), bytes.len()) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.as_mut_ptr().add(dst), bytes.len())
+        }
     }
 
     pub fn copy_within(&mut self, src: usize, dst: usize, len: usize) {

@@ -36,7 +36,10 @@ struct LimitedWriter {
 impl std::io::Write for LimitedWriter {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
         if self.buf.len() + b.len() > self.limit {
-            return Err(std::io::Error::other(format!("the chat template's output exceeds {} bytes", self.limit)));
+            return Err(std::io::Error::other(format!(
+                "the chat template's output exceeds {} bytes",
+                self.limit
+            )));
         }
         self.buf.extend_from_slice(b);
         Ok(b.len())
@@ -68,29 +71,52 @@ fn tpl_err(e: minijinja::Error) -> FormatError {
 /// Python-style JSON (`json.dumps` separators `", "` and `": "`).
 struct PyFormatter;
 impl serde_json::ser::Formatter for PyFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
     }
 }
 
-fn py_tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> std::result::Result<String, minijinja::Error> {
+fn py_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<String, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value)
-        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json = serde_json::to_value(&value).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}"))
+    })?;
     let mut out = Vec::new();
     let res = match indent {
         Some(n) => {
             let ind = " ".repeat(n);
-            let mut ser = serde_json::Serializer::with_formatter(&mut out, serde_json::ser::PrettyFormatter::with_indent(ind.as_bytes()));
+            let mut ser = serde_json::Serializer::with_formatter(
+                &mut out,
+                serde_json::ser::PrettyFormatter::with_indent(ind.as_bytes()),
+            );
             serde::Serialize::serialize(&json, &mut ser)
         }
         None => {
@@ -98,7 +124,9 @@ fn py_tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> std::
             serde::Serialize::serialize(&json, &mut ser)
         }
     };
-    res.map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    res.map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, format!("tojson: {e}"))
+    })?;
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
@@ -110,16 +138,26 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_function("strftime_now", |fmt: String| -> String {
+            chrono::Local::now().format(&fmt).to_string()
         });
-        env.add_function("strftime_now", |fmt: String| -> String { chrono::Local::now().format(&fmt).to_string() });
         env.add_filter("tojson", py_tojson);
         // A template comes from the model file: bound its work and its output (a hostile
         // template must fail the request, never hang or exhaust memory).
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned("chat", source.to_string()).map_err(tpl_err)?;
-        Ok(ChatTemplate { env, source: source.to_string(), bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+        Ok(ChatTemplate {
+            env,
+            source: source.to_string(),
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+        })
     }
 
     /// Renders the conversation and finds where each message's content landed in the text: the
@@ -128,10 +166,21 @@ impl ChatTemplate {
     /// each content, and the real rendering is matched against the literal text between the
     /// sentinels; a content the template passed through unchanged or trimmed is found.
     /// `spans` is `None` when the template transforms contents in a way this cannot follow.
-    pub fn render_spans(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Rendered> {
+    pub fn render_spans(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Rendered> {
         let text = self.render(messages, add_generation_prompt)?;
-        let marked: Vec<ChatMessage> = messages.iter().enumerate().map(|(i, m)| ChatMessage { content: sentinel(i), ..m.clone() }).collect();
-        let spans = self.render(&marked, add_generation_prompt).ok().and_then(|t| content_spans(&text, &t, messages));
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage { content: sentinel(i), ..m.clone() })
+            .collect();
+        let spans = self
+            .render(&marked, add_generation_prompt)
+            .ok()
+            .and_then(|t| content_spans(&text, &t, messages));
         Ok(Rendered { text, spans })
     }
 
@@ -149,7 +198,9 @@ impl ChatTemplate {
         };
         let mut out = LimitedWriter { buf: Vec::new(), limit: TEMPLATE_MAX_OUTPUT };
         tpl.render_captured_to(ctx, &mut out).map_err(tpl_err)?;
-        String::from_utf8(out.buf).map_err(|e| FormatError::ChatTemplate(format!("the template wrote invalid UTF-8: {e}")))
+        String::from_utf8(out.buf).map_err(|e| {
+            FormatError::ChatTemplate(format!("the template wrote invalid UTF-8: {e}"))
+        })
     }
 }
 
@@ -171,7 +222,11 @@ fn sentinel(i: usize) -> String {
 
 /// Matches `real` (the rendering) against `marked` (the rendering with sentinels): literal pieces
 /// must be equal, each sentinel stands for its message's content as is or trimmed.
-fn content_spans(real: &str, marked: &str, messages: &[ChatMessage]) -> Option<Vec<std::ops::Range<usize>>> {
+fn content_spans(
+    real: &str,
+    marked: &str,
+    messages: &[ChatMessage],
+) -> Option<Vec<std::ops::Range<usize>>> {
     let mut parts = marked.split(MARK);
     let mut literal = parts.next()?;
     let mut pos = 0;

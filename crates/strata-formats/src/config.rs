@@ -144,7 +144,8 @@ impl LinearAttnConfig {
 
     /// Bytes of recurrent state per sequence and linear layer (f32 conv window + delta-rule state).
     pub fn state_bytes_per_layer(&self) -> usize {
-        4 * ((self.conv_kernel - 1) * self.conv_dim() + self.num_v_heads * self.head_k_dim * self.head_v_dim)
+        4 * ((self.conv_kernel - 1) * self.conv_dim()
+            + self.num_v_heads * self.head_k_dim * self.head_v_dim)
     }
 
     pub fn is_recurrent(&self, layer: usize) -> bool {
@@ -208,11 +209,24 @@ pub enum RopeStyle {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (Chen et al. 2023, "position interpolation").
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// YaRN (Peng et al. 2023, arXiv 2309.00071), as in transformers' `_compute_yarn_parameters`.
-    Yarn { factor: f64, original_max_position: usize, beta_fast: f64, beta_slow: f64, attention_factor: Option<f64> },
+    Yarn {
+        factor: f64,
+        original_max_position: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: Option<f64>,
+    },
     /// Llama 3.1 frequency-dependent scaling (transformers `_compute_llama3_parameters`).
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: usize },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: usize,
+    },
 }
 
 /// Dimensions and hyper-parameters of a decoder-only transformer of the Llama family.
@@ -262,7 +276,10 @@ const MAX_EXPERTS: usize = 1 << 14;
 
 fn bounded(path: &Path, what: &str, v: usize, max: usize) -> Result<usize> {
     if v > max {
-        return Err(FormatError::invalid(path, format!("{what} = {v} is beyond any supported model (at most {max})")));
+        return Err(FormatError::invalid(
+            path,
+            format!("{what} = {v} is beyond any supported model (at most {max})"),
+        ));
     }
     Ok(v)
 }
@@ -275,20 +292,37 @@ impl ModelConfig {
     /// Reads the config from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, …).
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let arch_name = g.get_str("general.architecture")?;
-        let expert_count = bounded(&g.path, "expert_count", g.get_u64(&format!("{arch_name}.expert_count")).unwrap_or(0) as usize, MAX_EXPERTS)?;
-        bounded(&g.path, "block_count", g.get_u64(&format!("{arch_name}.block_count")).unwrap_or(0) as usize, MAX_LAYERS)?;
+        let expert_count = bounded(
+            &g.path,
+            "expert_count",
+            g.get_u64(&format!("{arch_name}.expert_count")).unwrap_or(0) as usize,
+            MAX_EXPERTS,
+        )?;
+        bounded(
+            &g.path,
+            "block_count",
+            g.get_u64(&format!("{arch_name}.block_count")).unwrap_or(0) as usize,
+            MAX_LAYERS,
+        )?;
         let arch = Architecture::from_gguf(arch_name)
             // llama.cpp converts Mixtral as `llama` with experts
-            .map(|a| if a == Architecture::Llama && expert_count > 0 { Architecture::Mixtral } else { a })
+            .map(|a| {
+                if a == Architecture::Llama && expert_count > 0 {
+                    Architecture::Mixtral
+                } else {
+                    a
+                }
+            })
             .ok_or_else(|| FormatError::UnknownArchitecture {
-            path: g.path.clone(),
-            arch: arch_name.to_string(),
-            supported: Architecture::SUPPORTED.to_string(),
-        })?;
+                path: g.path.clone(),
+                arch: arch_name.to_string(),
+                supported: Architecture::SUPPORTED.to_string(),
+            })?;
         let k = |s: &str| format!("{arch_name}.{s}");
         let hidden = g.get_u64(&k("embedding_length"))? as usize;
         let num_heads = g.get_u64(&k("attention.head_count"))? as usize;
-        let num_kv_heads = g.get_u64(&k("attention.head_count_kv")).map(|v| v as usize).unwrap_or(num_heads);
+        let num_kv_heads =
+            g.get_u64(&k("attention.head_count_kv")).map(|v| v as usize).unwrap_or(num_heads);
         let head_dim = g
             .get_u64(&k("attention.key_length"))
             .map(|v| v as usize)
@@ -303,7 +337,9 @@ impl ModelConfig {
             "linear" if factor != 1.0 => RopeScaling::Linear { factor },
             "yarn" => RopeScaling::Yarn {
                 factor,
-                original_max_position: g.get_u64(&k("rope.scaling.original_context_length")).unwrap_or(4096) as usize,
+                original_max_position: g
+                    .get_u64(&k("rope.scaling.original_context_length"))
+                    .unwrap_or(4096) as usize,
                 beta_fast: g.get_f64(&k("rope.scaling.yarn_beta_fast")).unwrap_or(32.0),
                 beta_slow: g.get_f64(&k("rope.scaling.yarn_beta_slow")).unwrap_or(1.0),
                 attention_factor: None,
@@ -322,17 +358,27 @@ impl ModelConfig {
             Some(MoeConfig {
                 num_experts: expert_count,
                 experts_per_token: g.get_u64(&k("expert_used_count"))? as usize,
-                expert_intermediate_size: g.get_u64(&k("expert_feed_forward_length")).map(|v| v as usize).unwrap_or(ffn),
+                expert_intermediate_size: g
+                    .get_u64(&k("expert_feed_forward_length"))
+                    .map(|v| v as usize)
+                    .unwrap_or(ffn),
                 // llama.cpp's graph: qwen3moe and llama (Mixtral) renormalise, qwen2moe and olmoe do not,
                 // unless the file says otherwise.
-                norm_topk_prob: g
-                    .get_bool(&k("expert_weights_norm"))
-                    .unwrap_or(matches!(arch, Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::Qwen3Next | Architecture::Qwen35Moe)),
+                norm_topk_prob: g.get_bool(&k("expert_weights_norm")).unwrap_or(matches!(
+                    arch,
+                    Architecture::Qwen3Moe
+                        | Architecture::Mixtral
+                        | Architecture::Qwen3Next
+                        | Architecture::Qwen35Moe
+                )),
                 scoring: match g.get_u64(&k("expert_gating_func")) {
                     Ok(2) => RouterScoring::Sigmoid,
                     _ => RouterScoring::Softmax,
                 },
-                shared_expert_intermediate_size: g.get_u64(&k("expert_shared_feed_forward_length")).ok().map(|v| v as usize),
+                shared_expert_intermediate_size: g
+                    .get_u64(&k("expert_shared_feed_forward_length"))
+                    .ok()
+                    .map(|v| v as usize),
                 // GGUF names every layer's tensors; dense layers are those without `ffn_gate_inp`.
                 decoder_sparse_step: 1,
                 mlp_only_layers: (0..g.get_u64(&k("block_count"))? as usize)
@@ -357,13 +403,21 @@ impl ModelConfig {
             rope_dim: g.get_u64(&k("rope.dimension_count")).map(|v| v as usize).unwrap_or(head_dim),
             // llama.cpp: LLM_ARCH_LLAMA uses LLAMA_ROPE_TYPE_NORM (its converter permutes q/k);
             // qwen2/qwen3/qwen2moe/qwen3moe/olmoe use LLAMA_ROPE_TYPE_NEOX. Mixtral is `llama` in GGUF.
-            rope_style: if matches!(arch, Architecture::Llama | Architecture::Mixtral) { RopeStyle::Interleaved } else { RopeStyle::Neox },
+            rope_style: if matches!(arch, Architecture::Llama | Architecture::Mixtral) {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Neox
+            },
             rope_scaling,
             max_position_embeddings: g.get_u64(&k("context_length")).unwrap_or(4096) as usize,
             tie_word_embeddings: !has_output,
             // Any layer: the first layers of hybrid models are linear attention.
             attention_bias: g.tensors.keys().any(|n| n.ends_with(".attn_q.bias")),
-            qk_norm: if g.tensors.keys().any(|n| n.ends_with(".attn_q_norm.weight")) { arch.qk_norm() } else { QkNorm::None },
+            qk_norm: if g.tensors.keys().any(|n| n.ends_with(".attn_q_norm.weight")) {
+                arch.qk_norm()
+            } else {
+                QkNorm::None
+            },
             clip_qkv: g.get_f64(&k("attention.clamp_kqv")).ok(),
             moe,
             attn_output_gate: arch.is_hybrid(),
@@ -376,13 +430,19 @@ impl ModelConfig {
     pub fn from_hf(path: &Path, v: &serde_json::Value) -> Result<Self> {
         // Image-text checkpoints (qwen3_5_moe) keep the language model's config in `text_config`.
         let v = v.get("text_config").filter(|t| t.is_object()).unwrap_or(v);
-        let model_type = v.get("model_type").and_then(|m| m.as_str()).ok_or_else(|| hf_err(path, "model_type"))?;
-        let arch = Architecture::from_hf(model_type).ok_or_else(|| FormatError::UnknownArchitecture {
-            path: path.to_path_buf(),
-            arch: model_type.to_string(),
-            supported: Architecture::SUPPORTED.to_string(),
-        })?;
-        let u = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize).ok_or_else(|| hf_err(path, key));
+        let model_type = v
+            .get("model_type")
+            .and_then(|m| m.as_str())
+            .ok_or_else(|| hf_err(path, "model_type"))?;
+        let arch =
+            Architecture::from_hf(model_type).ok_or_else(|| FormatError::UnknownArchitecture {
+                path: path.to_path_buf(),
+                arch: model_type.to_string(),
+                supported: Architecture::SUPPORTED.to_string(),
+            })?;
+        let u = |key: &str| {
+            v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize).ok_or_else(|| hf_err(path, key))
+        };
         let f = |key: &str| v.get(key).and_then(|x| x.as_f64());
         bounded(path, "num_hidden_layers", u("num_hidden_layers")?, MAX_LAYERS)?;
         let hidden = u("hidden_size")?;
@@ -392,20 +452,29 @@ impl ModelConfig {
             .and_then(|x| x.as_u64())
             .map(|x| x as usize)
             .unwrap_or(hidden / num_heads.max(1));
-        let rope_params = v.get("rope_scaling").filter(|x| !x.is_null()).or_else(|| v.get("rope_parameters"));
+        let rope_params =
+            v.get("rope_scaling").filter(|x| !x.is_null()).or_else(|| v.get("rope_parameters"));
         let rope_theta = f("rope_theta")
             .or_else(|| rope_params.and_then(|r| r.get("rope_theta")).and_then(|x| x.as_f64()))
             .unwrap_or(10_000.0);
-        let rope_scaling = rope_params.map(|r| parse_hf_rope_scaling(path, r)).transpose()?.unwrap_or(RopeScaling::None);
+        let rope_scaling = rope_params
+            .map(|r| parse_hf_rope_scaling(path, r))
+            .transpose()?
+            .unwrap_or(RopeScaling::None);
         let partial = f("partial_rotary_factor")
-            .or_else(|| rope_params.and_then(|r| r.get("partial_rotary_factor")).and_then(|x| x.as_f64()))
+            .or_else(|| {
+                rope_params.and_then(|r| r.get("partial_rotary_factor")).and_then(|x| x.as_f64())
+            })
             .unwrap_or(1.0);
         let moe = hf_moe_config(path, arch, v)?;
         let intermediate_size = match arch {
             // Mixtral and OLMoE have no dense FFN: `intermediate_size` is the expert's.
-            Architecture::Mixtral | Architecture::Olmoe => moe.as_ref().map_or(0, |m| m.expert_intermediate_size),
+            Architecture::Mixtral | Architecture::Olmoe => {
+                moe.as_ref().map_or(0, |m| m.expert_intermediate_size)
+            }
             // Qwen3.5-MoE has no dense feed-forward.
-            Architecture::Qwen35Moe => u("intermediate_size").unwrap_or_else(|_| moe.as_ref().map_or(0, |m| m.expert_intermediate_size)),
+            Architecture::Qwen35Moe => u("intermediate_size")
+                .unwrap_or_else(|_| moe.as_ref().map_or(0, |m| m.expert_intermediate_size)),
             _ => u("intermediate_size")?,
         };
         let cfg = ModelConfig {
@@ -423,7 +492,10 @@ impl ModelConfig {
             rope_style: RopeStyle::Neox,
             rope_scaling,
             max_position_embeddings: u("max_position_embeddings").unwrap_or(4096),
-            tie_word_embeddings: v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
+            tie_word_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
             attention_bias: v
                 .get("attention_bias")
                 .or_else(|| v.get("qkv_bias"))
@@ -442,7 +514,11 @@ impl ModelConfig {
         let bad = |m: String| Err(FormatError::invalid(path, m));
         bounded(path, "layers", self.num_layers, MAX_LAYERS)?;
         bounded(path, "vocabulary", self.vocab_size, MAX_VOCAB)?;
-        for (what, v) in [("hidden size", self.hidden_size), ("intermediate size", self.intermediate_size), ("head dim", self.head_dim)] {
+        for (what, v) in [
+            ("hidden size", self.hidden_size),
+            ("intermediate size", self.intermediate_size),
+            ("head dim", self.head_dim),
+        ] {
             bounded(path, what, v, MAX_DIM)?;
         }
         bounded(path, "attention heads", self.num_heads, MAX_HEADS)?;
@@ -452,21 +528,37 @@ impl ModelConfig {
             bounded(path, "expert intermediate size", m.expert_intermediate_size, MAX_DIM)?;
         }
         if let Some(la) = &self.linear_attn {
-            for (what, v) in [("linear key heads", la.num_k_heads), ("linear value heads", la.num_v_heads)] {
+            for (what, v) in
+                [("linear key heads", la.num_k_heads), ("linear value heads", la.num_v_heads)]
+            {
                 bounded(path, what, v, MAX_HEADS)?;
             }
-            for (what, v) in [("linear key head dim", la.head_k_dim), ("linear value head dim", la.head_v_dim), ("conv kernel", la.conv_kernel)] {
+            for (what, v) in [
+                ("linear key head dim", la.head_k_dim),
+                ("linear value head dim", la.head_v_dim),
+                ("conv kernel", la.conv_kernel),
+            ] {
                 bounded(path, what, v, MAX_DIM)?;
             }
         }
-        if self.num_layers == 0 || self.hidden_size == 0 || self.num_heads == 0 || self.vocab_size == 0 {
+        if self.num_layers == 0
+            || self.hidden_size == 0
+            || self.num_heads == 0
+            || self.vocab_size == 0
+        {
             return bad(format!("config has a zero dimension: {self:?}"));
         }
         if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
-            return bad(format!("{} attention heads is not a multiple of {} kv heads", self.num_heads, self.num_kv_heads));
+            return bad(format!(
+                "{} attention heads is not a multiple of {} kv heads",
+                self.num_heads, self.num_kv_heads
+            ));
         }
         if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
-            return bad(format!("rope dimension {} does not fit head dim {}", self.rope_dim, self.head_dim));
+            return bad(format!(
+                "rope dimension {} does not fit head dim {}",
+                self.rope_dim, self.head_dim
+            ));
         }
         if let Some(la) = &self.linear_attn {
             let ok = la.num_k_heads > 0
@@ -476,12 +568,19 @@ impl ModelConfig {
                 && la.conv_kernel > 0
                 && la.recurrent_layers.len() == self.num_layers;
             if !ok {
-                return bad(format!("linear attention config is not valid for {} layers: {la:?}", self.num_layers));
+                return bad(format!(
+                    "linear attention config is not valid for {} layers: {la:?}",
+                    self.num_layers
+                ));
             }
         }
         if let Some(m) = &self.moe {
-            if m.num_experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
-                return bad(format!("top-{} of {} experts is not a valid routing", m.experts_per_token, m.num_experts));
+            if m.num_experts == 0 || m.experts_per_token == 0 || m.experts_per_token > m.num_experts
+            {
+                return bad(format!(
+                    "top-{} of {} experts is not a valid routing",
+                    m.experts_per_token, m.num_experts
+                ));
             }
             if m.expert_intermediate_size == 0 || m.decoder_sparse_step == 0 {
                 return bad(format!("MoE config has a zero dimension: {m:?}"));
@@ -493,9 +592,9 @@ impl ModelConfig {
     /// Whether layer `i` has a sparse MoE block (else a dense SwiGLU of `intermediate_size`).
     /// transformers `Qwen2MoeDecoderLayer.__init__`.
     pub fn is_moe_layer(&self, i: usize) -> bool {
-        self.moe
-            .as_ref()
-            .is_some_and(|m| !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0)
+        self.moe.as_ref().is_some_and(|m| {
+            !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0
+        })
     }
 
     /// Whether layer `i` is a Gated DeltaNet layer (recurrent state, no KV cache).
@@ -515,22 +614,35 @@ impl ModelConfig {
 
     /// Bytes of recurrent state per sequence, independent of its length (0 without linear layers).
     pub fn recurrent_state_bytes(&self) -> usize {
-        self.linear_attn.as_ref().map_or(0, |la| la.state_bytes_per_layer() * (self.num_layers - self.attention_layers()))
+        self.linear_attn.as_ref().map_or(0, |la| {
+            la.state_bytes_per_layer() * (self.num_layers - self.attention_layers())
+        })
     }
 }
 
 /// The MoE part of an HF config (`num_experts` / `num_local_experts`, `num_experts_per_tok`,
 /// `moe_intermediate_size`, …); `None` for dense architectures.
-fn hf_moe_config(path: &Path, arch: Architecture, v: &serde_json::Value) -> Result<Option<MoeConfig>> {
+fn hf_moe_config(
+    path: &Path,
+    arch: Architecture,
+    v: &serde_json::Value,
+) -> Result<Option<MoeConfig>> {
     if !matches!(
         arch,
-        Architecture::Qwen2Moe | Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::Olmoe | Architecture::Qwen3Next | Architecture::Qwen35Moe
+        Architecture::Qwen2Moe
+            | Architecture::Qwen3Moe
+            | Architecture::Mixtral
+            | Architecture::Olmoe
+            | Architecture::Qwen3Next
+            | Architecture::Qwen35Moe
     ) {
         return Ok(None);
     }
     let u = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize);
     let need = |key: &str| u(key).ok_or_else(|| hf_err(path, key));
-    let num_experts = u("num_experts").or_else(|| u("num_local_experts")).ok_or_else(|| hf_err(path, "num_experts"))?;
+    let num_experts = u("num_experts")
+        .or_else(|| u("num_local_experts"))
+        .ok_or_else(|| hf_err(path, "num_experts"))?;
     let expert_intermediate_size = match arch {
         Architecture::Mixtral | Architecture::Olmoe => need("intermediate_size")?,
         _ => need("moe_intermediate_size")?,
@@ -560,7 +672,9 @@ fn hf_moe_config(path: &Path, arch: Architecture, v: &serde_json::Value) -> Resu
 
 /// `linear_*` keys and `layer_types` (or `full_attention_interval`) of a Qwen3-Next / Qwen3.5 config.
 fn hf_linear_attn(path: &Path, v: &serde_json::Value) -> Result<LinearAttnConfig> {
-    let need = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize).ok_or_else(|| hf_err(path, key));
+    let need = |key: &str| {
+        v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize).ok_or_else(|| hf_err(path, key))
+    };
     let layers = need("num_hidden_layers")?;
     let recurrent_layers = match v.get("layer_types").and_then(|x| x.as_array()) {
         Some(types) => types.iter().map(|t| t.as_str() == Some("linear_attention")).collect(),
@@ -597,12 +711,17 @@ fn gguf_linear_attn(g: &GgufFile, arch: Architecture) -> Result<LinearAttnConfig
         head_v_dim: u("ssm.inner_size")? / num_v_heads.max(1),
         conv_kernel: u("ssm.conv_kernel")?,
         recurrent_layers,
-        head_order: if arch == Architecture::Qwen35Moe { HeadOrder::Tiled } else { HeadOrder::Grouped },
+        head_order: if arch == Architecture::Qwen35Moe {
+            HeadOrder::Tiled
+        } else {
+            HeadOrder::Grouped
+        },
     })
 }
 
 fn parse_hf_rope_scaling(path: &Path, r: &serde_json::Value) -> Result<RopeScaling> {
-    let ty = r.get("rope_type").or_else(|| r.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+    let ty =
+        r.get("rope_type").or_else(|| r.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
     let g = |k: &str| r.get(k).and_then(|x| x.as_f64());
     let factor = g("factor").unwrap_or(1.0);
     Ok(match ty {
@@ -621,6 +740,11 @@ fn parse_hf_rope_scaling(path: &Path, r: &serde_json::Value) -> Result<RopeScali
             high_freq_factor: g("high_freq_factor").unwrap_or(4.0),
             original_max_position: g("original_max_position_embeddings").unwrap_or(8192.0) as usize,
         },
-        other => return Err(FormatError::invalid(path, format!("rope_scaling type `{other}` is not supported"))),
+        other => {
+            return Err(FormatError::invalid(
+                path,
+                format!("rope_scaling type `{other}` is not supported"),
+            ))
+        }
     })
 }

@@ -64,17 +64,27 @@ impl ModelFiles {
             ModelFiles::Gguf(g) => {
                 let n = |p: &str| format!("blk.{layer}.ffn_{p}_exps.weight");
                 let (gate, up, down) = (n("gate"), n("up"), n("down"));
-                if !g.tensors.contains_key(&gate) && g.tensors.contains_key(&per_expert_name(layer, "gate", 0)) {
+                if !g.tensors.contains_key(&gate)
+                    && g.tensors.contains_key(&per_expert_name(layer, "gate", 0))
+                {
                     for x in 0..e {
                         for (p, shape) in [("gate", [i, h]), ("up", [i, h]), ("down", [h, i])] {
                             let name = per_expert_name(layer, p, x);
-                            self.check_shape(&name, g.tensors.get(name.as_str()).map(|t| t.shape.clone()), &shape)?;
+                            self.check_shape(
+                                &name,
+                                g.tensors.get(name.as_str()).map(|t| t.shape.clone()),
+                                &shape,
+                            )?;
                         }
                     }
                     return Ok(ExpertLayout::GgufPerExpert { layer });
                 }
                 for (name, shape) in [(&gate, [e, i, h]), (&up, [e, i, h]), (&down, [e, h, i])] {
-                    self.check_shape(name, g.tensors.get(name.as_str()).map(|t| t.shape.clone()), &shape)?;
+                    self.check_shape(
+                        name,
+                        g.tensors.get(name.as_str()).map(|t| t.shape.clone()),
+                        &shape,
+                    )?;
                 }
                 Ok(ExpertLayout::Gguf { gate, up, down })
             }
@@ -82,12 +92,24 @@ impl ModelFiles {
                 let has = |n: &str| hf.weights.info(n).is_some();
                 // Image-text checkpoints (qwen3_5_moe) nest the language model.
                 let nested = format!("model.language_model.layers.{layer}.mlp.");
-                let root = if hf.weights.tensors.keys().any(|k| k.starts_with(&nested)) { "model.language_model.layers" } else { "model.layers" };
+                let root = if hf.weights.tensors.keys().any(|k| k.starts_with(&nested)) {
+                    "model.language_model.layers"
+                } else {
+                    "model.layers"
+                };
                 let fused = format!("{root}.{layer}.mlp.experts.gate_up_proj");
                 if has(&fused) {
                     let down = format!("{root}.{layer}.mlp.experts.down_proj");
-                    self.check_shape(&fused, hf.weights.info(&fused).map(|t| t.shape.clone()), &[e, 2 * i, h])?;
-                    self.check_shape(&down, hf.weights.info(&down).map(|t| t.shape.clone()), &[e, h, i])?;
+                    self.check_shape(
+                        &fused,
+                        hf.weights.info(&fused).map(|t| t.shape.clone()),
+                        &[e, 2 * i, h],
+                    )?;
+                    self.check_shape(
+                        &down,
+                        hf.weights.info(&down).map(|t| t.shape.clone()),
+                        &[e, h, i],
+                    )?;
                     return Ok(ExpertLayout::HfFused { gate_up: fused, down });
                 }
                 let mixtral = format!("{root}.{layer}.block_sparse_moe.experts");
@@ -103,7 +125,11 @@ impl ModelFiles {
                     for x in 0..e {
                         for (p, shape) in projections.iter().zip([[i, h], [i, h], [h, i]]) {
                             let name = format!("{prefix}.{x}.{p}.weight");
-                            self.check_shape(&name, hf.weights.info(&name).map(|t| t.shape.clone()), &shape)?;
+                            self.check_shape(
+                                &name,
+                                hf.weights.info(&name).map(|t| t.shape.clone()),
+                                &shape,
+                            )?;
                         }
                     }
                 }
@@ -113,42 +139,74 @@ impl ModelFiles {
     }
 
     /// `MissingTensor` when `actual` is `None`, `ShapeMismatch` when it differs from `expected`.
-    pub(crate) fn check_shape(&self, name: &str, actual: Option<Vec<usize>>, expected: &[usize]) -> Result<()> {
+    pub(crate) fn check_shape(
+        &self,
+        name: &str,
+        actual: Option<Vec<usize>>,
+        expected: &[usize],
+    ) -> Result<()> {
         let path = self.path().to_path_buf();
-        let actual = actual.ok_or_else(|| FormatError::MissingTensor { path: path.clone(), tensor: name.to_string() })?;
+        let actual = actual.ok_or_else(|| FormatError::MissingTensor {
+            path: path.clone(),
+            tensor: name.to_string(),
+        })?;
         if actual != expected {
-            return Err(FormatError::ShapeMismatch { path, tensor: name.to_string(), expected: expected.to_vec(), actual });
+            return Err(FormatError::ShapeMismatch {
+                path,
+                tensor: name.to_string(),
+                expected: expected.to_vec(),
+                actual,
+            });
         }
         Ok(())
     }
 
     /// Reads expert `expert` of a layer whose layout was resolved by [`Self::expert_layout`]
     /// (reading only that expert's bytes).
-    pub fn load_expert(&self, layout: &ExpertLayout, expert: usize, device: &Device) -> Result<ExpertTensors> {
+    pub fn load_expert(
+        &self,
+        layout: &ExpertLayout,
+        expert: usize,
+        device: &Device,
+    ) -> Result<ExpertTensors> {
         match (self, layout) {
             (ModelFiles::Gguf(g), ExpertLayout::Gguf { gate, up, down }) => {
                 let q = |n: &str| g.read_qtensor_index(n, expert, device).map(Weight::Quantized);
                 Ok(ExpertTensors { gate: q(gate)?, up: q(up)?, down: q(down)? })
             }
             (ModelFiles::Gguf(g), ExpertLayout::GgufPerExpert { layer }) => {
-                let q = |p: &str| g.read_qtensor(&per_expert_name(*layer, p, expert), device).map(Weight::Quantized);
+                let q = |p: &str| {
+                    g.read_qtensor(&per_expert_name(*layer, p, expert), device)
+                        .map(Weight::Quantized)
+                };
                 Ok(ExpertTensors { gate: q("gate")?, up: q("up")?, down: q("down")? })
             }
             (ModelFiles::Hf(hf), ExpertLayout::HfPerExpert { prefix, projections: [g, u, d] }) => {
-                let t = |p: &str| hf.weights.load_f32(&format!("{prefix}.{expert}.{p}.weight"), device).map(Weight::Dense);
+                let t = |p: &str| {
+                    hf.weights
+                        .load_f32(&format!("{prefix}.{expert}.{p}.weight"), device)
+                        .map(Weight::Dense)
+                };
                 Ok(ExpertTensors { gate: t(g)?, up: t(u)?, down: t(d)? })
             }
             (ModelFiles::Hf(hf), ExpertLayout::HfFused { gate_up, down }) => {
                 let gu = hf.weights.load_f32_index(gate_up, expert, device)?;
                 let i = gu.dim(0).map_err(|e| FormatError::candle(self.path(), e))? / 2;
-                let half = |start: usize| gu.narrow(0, start, i).and_then(|t| t.contiguous()).map_err(|e| FormatError::candle(self.path(), e));
+                let half = |start: usize| {
+                    gu.narrow(0, start, i)
+                        .and_then(|t| t.contiguous())
+                        .map_err(|e| FormatError::candle(self.path(), e))
+                };
                 Ok(ExpertTensors {
                     gate: Weight::Dense(half(0)?),
                     up: Weight::Dense(half(i)?),
                     down: Weight::Dense(hf.weights.load_f32_index(down, expert, device)?),
                 })
             }
-            _ => Err(FormatError::invalid(self.path(), format!("expert layout {layout:?} does not belong to this file"))),
+            _ => Err(FormatError::invalid(
+                self.path(),
+                format!("expert layout {layout:?} does not belong to this file"),
+            )),
         }
     }
 }
@@ -162,8 +220,22 @@ pub fn per_expert_name(layer: usize, proj: &str, expert: usize) -> String {
 pub fn is_per_expert_name(name: &str) -> bool {
     let mut it = name.split('.');
     matches!(
-        (it.next(), it.next().map(|l| l.parse::<usize>().is_ok()), it.next(), it.next().map(|e| e.parse::<usize>().is_ok()), it.next(), it.next()),
-        (Some("blk"), Some(true), Some("ffn_gate" | "ffn_up" | "ffn_down"), Some(true), Some("weight"), None)
+        (
+            it.next(),
+            it.next().map(|l| l.parse::<usize>().is_ok()),
+            it.next(),
+            it.next().map(|e| e.parse::<usize>().is_ok()),
+            it.next(),
+            it.next()
+        ),
+        (
+            Some("blk"),
+            Some(true),
+            Some("ffn_gate" | "ffn_up" | "ffn_down"),
+            Some(true),
+            Some("weight"),
+            None
+        )
     )
 }
 
@@ -206,7 +278,11 @@ fn float_dtype(path: &std::path::Path, name: &str, dtype: &str) -> Result<DType>
         "F32" => Ok(DType::F32),
         "F16" => Ok(DType::F16),
         "BF16" => Ok(DType::BF16),
-        other => Err(FormatError::UnsupportedTensorType { path: path.to_path_buf(), tensor: name.to_string(), dtype: other.to_string() }),
+        other => Err(FormatError::UnsupportedTensorType {
+            path: path.to_path_buf(),
+            tensor: name.to_string(),
+            dtype: other.to_string(),
+        }),
     }
 }
 
@@ -229,13 +305,20 @@ impl ModelFiles {
                     let (offset, len) = g.index_range(n, expert)?;
                     Ok(ByteRange { file: 0, offset, len })
                 };
-                let e = |n: &str| -> Result<ExpertEncoding> { Ok(ExpertEncoding::Ggml(g.tensor_info(n)?.dtype)) };
-                Ok(ExpertExtent { parts: [r(gate)?, r(up)?, r(down)?], encodings: [e(gate)?, e(up)?, e(down)?] })
+                let e = |n: &str| -> Result<ExpertEncoding> {
+                    Ok(ExpertEncoding::Ggml(g.tensor_info(n)?.dtype))
+                };
+                Ok(ExpertExtent {
+                    parts: [r(gate)?, r(up)?, r(down)?],
+                    encodings: [e(gate)?, e(up)?, e(down)?],
+                })
             }
             (ModelFiles::Gguf(g), ExpertLayout::GgufPerExpert { layer }) => {
                 let mut parts = [ByteRange { file: 0, offset: 0, len: 0 }; 3];
                 let mut encodings = [ExpertEncoding::Float(DType::F32); 3];
-                for ((part, enc), p) in parts.iter_mut().zip(&mut encodings).zip(["gate", "up", "down"]) {
+                for ((part, enc), p) in
+                    parts.iter_mut().zip(&mut encodings).zip(["gate", "up", "down"])
+                {
                     let info = g.tensor_info(&per_expert_name(*layer, p, expert))?;
                     *part = ByteRange { file: 0, offset: info.offset, len: info.size };
                     *enc = ExpertEncoding::Ggml(info.dtype);
@@ -247,22 +330,43 @@ impl ModelFiles {
                 let mut encodings = [ExpertEncoding::Float(DType::F32); 3];
                 for ((part, enc), p) in parts.iter_mut().zip(&mut encodings).zip(projections) {
                     let name = format!("{prefix}.{expert}.{p}.weight");
-                    let info = hf.weights.info(&name).ok_or_else(|| FormatError::MissingTensor { path: path.to_path_buf(), tensor: name.clone() })?;
-                    *enc = ExpertEncoding::Float(float_dtype(&hf.weights.files[info.file], &name, &info.dtype)?);
+                    let info =
+                        hf.weights.info(&name).ok_or_else(|| FormatError::MissingTensor {
+                            path: path.to_path_buf(),
+                            tensor: name.clone(),
+                        })?;
+                    *enc = ExpertEncoding::Float(float_dtype(
+                        &hf.weights.files[info.file],
+                        &name,
+                        &info.dtype,
+                    )?);
                     *part = ByteRange { file: info.file, offset: info.offset, len: info.size };
                 }
                 Ok(ExpertExtent { parts, encodings })
             }
             (ModelFiles::Hf(hf), ExpertLayout::HfFused { gate_up, down }) => {
                 let slice = |name: &str| -> Result<(ByteRange, DType)> {
-                    let info = hf.weights.info(name).ok_or_else(|| FormatError::MissingTensor { path: path.to_path_buf(), tensor: name.to_string() })?;
+                    let info = hf.weights.info(name).ok_or_else(|| FormatError::MissingTensor {
+                        path: path.to_path_buf(),
+                        tensor: name.to_string(),
+                    })?;
                     let n = info.shape.first().copied().unwrap_or(0) as u64;
                     if expert as u64 >= n {
-                        return Err(FormatError::invalid(path, format!("tensor `{name}`: expert {expert} out of {n}")));
+                        return Err(FormatError::invalid(
+                            path,
+                            format!("tensor `{name}`: expert {expert} out of {n}"),
+                        ));
                     }
                     let per = info.size / n;
                     let d = float_dtype(&hf.weights.files[info.file], name, &info.dtype)?;
-                    Ok((ByteRange { file: info.file, offset: info.offset + per * expert as u64, len: per }, d))
+                    Ok((
+                        ByteRange {
+                            file: info.file,
+                            offset: info.offset + per * expert as u64,
+                            len: per,
+                        },
+                        d,
+                    ))
                 };
                 let (gu, d) = slice(gate_up)?;
                 let (dn, d2) = slice(down)?;
@@ -272,7 +376,10 @@ impl ModelFiles {
                 let (e, e2) = (ExpertEncoding::Float(d), ExpertEncoding::Float(d2));
                 Ok(ExpertExtent { parts: [gate, up, dn], encodings: [e, e, e2] })
             }
-            _ => Err(FormatError::invalid(path, format!("expert layout {layout:?} does not belong to this file"))),
+            _ => Err(FormatError::invalid(
+                path,
+                format!("expert layout {layout:?} does not belong to this file"),
+            )),
         }
     }
 }
@@ -281,10 +388,19 @@ impl ModelFiles {
 /// become f32 tensors; ggml blocks stay quantized. `name` is used in errors.
 ///
 /// Errors: a byte count that does not match the shape.
-pub fn weight_from_bytes(encoding: ExpertEncoding, shape: [usize; 2], bytes: &[u8], name: &str, device: &Device) -> Result<Weight> {
+pub fn weight_from_bytes(
+    encoding: ExpertEncoding,
+    shape: [usize; 2],
+    bytes: &[u8],
+    name: &str,
+    device: &Device,
+) -> Result<Weight> {
     let path = std::path::Path::new(name);
     match encoding {
-        ExpertEncoding::Ggml(dtype) => crate::gguf::qtensor_from_bytes(path, name, dtype, &shape, bytes, device).map(Weight::Quantized),
+        ExpertEncoding::Ggml(dtype) => {
+            crate::gguf::qtensor_from_bytes(path, name, dtype, &shape, bytes, device)
+                .map(Weight::Quantized)
+        }
         ExpertEncoding::Float(dtype) => Tensor::from_raw_buffer(bytes, dtype, &shape, &Device::Cpu)
             .and_then(|t| t.to_dtype(DType::F32))
             .and_then(|t| t.to_device(device))

@@ -70,9 +70,23 @@ fn ggml_dtype(id: u32) -> Option<GgmlDType> {
 /// Human-readable name of a ggml type id, for error messages.
 fn ggml_type_name(id: u32) -> String {
     let known = [
-        (16, "IQ2_XXS"), (17, "IQ2_XS"), (18, "IQ3_XXS"), (19, "IQ1_S"), (20, "IQ4_NL"),
-        (21, "IQ3_S"), (22, "IQ2_S"), (23, "IQ4_XS"), (24, "I8"), (25, "I16"), (26, "I32"),
-        (27, "I64"), (28, "F64"), (29, "IQ1_M"), (34, "TQ1_0"), (35, "TQ2_0"), (39, "MXFP4"),
+        (16, "IQ2_XXS"),
+        (17, "IQ2_XS"),
+        (18, "IQ3_XXS"),
+        (19, "IQ1_S"),
+        (20, "IQ4_NL"),
+        (21, "IQ3_S"),
+        (22, "IQ2_S"),
+        (23, "IQ4_XS"),
+        (24, "I8"),
+        (25, "I16"),
+        (26, "I32"),
+        (27, "I64"),
+        (28, "F64"),
+        (29, "IQ1_M"),
+        (34, "TQ1_0"),
+        (35, "TQ2_0"),
+        (39, "MXFP4"),
     ];
     known
         .iter()
@@ -101,7 +115,10 @@ impl<R: Read> Reader<R> {
     }
     fn eof(&self, e: std::io::Error) -> FormatError {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            FormatError::invalid(&self.path, format!("GGUF header is truncated at byte {} of {}", self.pos, self.file_len))
+            FormatError::invalid(
+                &self.path,
+                format!("GGUF header is truncated at byte {} of {}", self.pos, self.file_len),
+            )
         } else {
             FormatError::io(&self.path, e)
         }
@@ -114,15 +131,26 @@ impl<R: Read> Reader<R> {
     }
     fn len(&mut self, what: &str, max: u64) -> Result<u64> {
         let n = self.u64()?;
-        if n > max || n > self.file_len.saturating_sub(self.pos).saturating_mul(8).max(max.min(1 << 16)) {
-            return Err(FormatError::invalid(&self.path, format!("GGUF {what} length {n} at byte {} is implausible (corrupt header?)", self.pos)));
+        if n > max
+            || n > self.file_len.saturating_sub(self.pos).saturating_mul(8).max(max.min(1 << 16))
+        {
+            return Err(FormatError::invalid(
+                &self.path,
+                format!(
+                    "GGUF {what} length {n} at byte {} is implausible (corrupt header?)",
+                    self.pos
+                ),
+            ));
         }
         Ok(n)
     }
     fn string(&mut self) -> Result<String> {
         let n = self.len("string", MAX_STRING)? as usize;
         if n as u64 > self.file_len.saturating_sub(self.pos) {
-            return Err(FormatError::invalid(&self.path, format!("GGUF header is truncated: string of {n} bytes at byte {}", self.pos)));
+            return Err(FormatError::invalid(
+                &self.path,
+                format!("GGUF header is truncated: string of {n} bytes at byte {}", self.pos),
+            ));
         }
         let mut v = vec![0u8; n];
         self.inner.read_exact(&mut v).map_err(|e| self.eof(e))?;
@@ -145,7 +173,10 @@ impl<R: Read> Reader<R> {
             8 => Value::String(self.string()?),
             9 => {
                 if depth > 2 {
-                    return Err(FormatError::invalid(&self.path, "GGUF metadata arrays nested too deeply"));
+                    return Err(FormatError::invalid(
+                        &self.path,
+                        "GGUF metadata arrays nested too deeply",
+                    ));
                 }
                 let elem_ty = self.u32()?;
                 let n = self.len("array", MAX_ARRAY)?;
@@ -173,7 +204,12 @@ impl<R: Read> Reader<R> {
             10 => Value::U64(self.u64()?),
             11 => Value::I64(self.u64()? as i64),
             12 => Value::F64(f64::from_le_bytes(self.bytes()?)),
-            t => return Err(FormatError::invalid(&self.path, format!("GGUF metadata value type {t} is unknown"))),
+            t => {
+                return Err(FormatError::invalid(
+                    &self.path,
+                    format!("GGUF metadata value type {t} is unknown"),
+                ))
+            }
         })
     }
 }
@@ -188,14 +224,26 @@ impl GgufFile {
         let file = File::open(&path).map_err(|e| FormatError::io(&path, e))?;
         let file_len = file.metadata().map_err(|e| FormatError::io(&path, e))?.len();
         let values_left = ((32 << 20) + file_len) / std::mem::size_of::<Value>() as u64;
-        let mut r = Reader { inner: BufReader::with_capacity(1 << 20, file), path: path.clone(), file_len, pos: 0, values_left };
+        let mut r = Reader {
+            inner: BufReader::with_capacity(1 << 20, file),
+            path: path.clone(),
+            file_len,
+            pos: 0,
+            values_left,
+        };
         let magic = r.u32()?;
         if magic != GGUF_MAGIC {
-            return Err(FormatError::UnknownFormat { path, reason: format!("bad magic {magic:#x}, not a GGUF file") });
+            return Err(FormatError::UnknownFormat {
+                path,
+                reason: format!("bad magic {magic:#x}, not a GGUF file"),
+            });
         }
         let version = r.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(FormatError::invalid(&path, format!("GGUF version {version} is not supported (2 or 3)")));
+            return Err(FormatError::invalid(
+                &path,
+                format!("GGUF version {version} is not supported (2 or 3)"),
+            ));
         }
         let n_tensors = r.len("tensor count", 1 << 24)?;
         let n_kv = r.len("metadata count", 1 << 24)?;
@@ -211,7 +259,10 @@ impl GgufFile {
             let name = r.string()?;
             let n_dims = r.u32()?;
             if n_dims > 4 {
-                return Err(FormatError::invalid(&path, format!("tensor `{name}` has {n_dims} dimensions (max 4)")));
+                return Err(FormatError::invalid(
+                    &path,
+                    format!("tensor `{name}` has {n_dims} dimensions (max 4)"),
+                ));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
@@ -235,17 +286,35 @@ impl GgufFile {
                 tensor: name.clone(),
                 dtype: ggml_type_name(ty),
             })?;
-            let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| FormatError::invalid(&path, format!("tensor `{name}`: shape {shape:?} overflows")))?;
+            let elems =
+                shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
+                    FormatError::invalid(
+                        &path,
+                        format!("tensor `{name}`: shape {shape:?} overflows"),
+                    )
+                })?;
             if elems % dtype.block_size() != 0 {
                 return Err(FormatError::invalid(&path, format!("tensor `{name}`: {elems} elements is not a multiple of the {dtype:?} block size")));
             }
-            let size = (elems / dtype.block_size()).checked_mul(dtype.type_size()).map(|s| s as u64);
-            let range = size.and_then(|size| Some((data_start.checked_add(rel)?, size))).and_then(|(o, size)| Some((o, size, o.checked_add(size)?)));
+            let size =
+                (elems / dtype.block_size()).checked_mul(dtype.type_size()).map(|s| s as u64);
+            let range = size
+                .and_then(|size| Some((data_start.checked_add(rel)?, size)))
+                .and_then(|(o, size)| Some((o, size, o.checked_add(size)?)));
             let Some((offset, size, end)) = range else {
-                return Err(FormatError::invalid(&path, format!("tensor `{name}`: offset {rel} and shape {shape:?} overflow")));
+                return Err(FormatError::invalid(
+                    &path,
+                    format!("tensor `{name}`: offset {rel} and shape {shape:?} overflow"),
+                ));
             };
             if end > file_len {
-                return Err(FormatError::Truncated { path, tensor: name, start: offset, end, file_len });
+                return Err(FormatError::Truncated {
+                    path,
+                    tensor: name,
+                    start: offset,
+                    end,
+                    file_len,
+                });
             }
             tensor_order.push(name.clone());
             tensors.insert(name, GgufTensorInfo { shape, dtype, offset, size });
@@ -323,15 +392,18 @@ impl GgufFile {
     /// A metadata array of integers.
     pub fn get_u64_array(&self, key: &str) -> Result<Vec<u64>> {
         match self.metadata.get(key) {
-            Some(Value::Array(a)) => a.iter().map(|v| value_u64(v).ok_or_else(|| self.missing(key))).collect(),
+            Some(Value::Array(a)) => {
+                a.iter().map(|v| value_u64(v).ok_or_else(|| self.missing(key))).collect()
+            }
             _ => Err(self.missing(key)),
         }
     }
 
     pub fn tensor_info(&self, name: &str) -> Result<&GgufTensorInfo> {
-        self.tensors
-            .get(name)
-            .ok_or_else(|| FormatError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })
+        self.tensors.get(name).ok_or_else(|| FormatError::MissingTensor {
+            path: self.path.clone(),
+            tensor: name.to_string(),
+        })
     }
 
     /// Reads one tensor's bytes from disk into a [`QTensor`] on `device`.
@@ -348,7 +420,10 @@ impl GgufFile {
         let n = info.shape.first().copied().unwrap_or(0);
         let per_elems: usize = info.shape[1..].iter().product();
         if index >= n || per_elems % info.dtype.block_size() != 0 {
-            return Err(FormatError::invalid(&self.path, format!("tensor `{name}`: cannot take slice {index} of shape {:?}", info.shape)));
+            return Err(FormatError::invalid(
+                &self.path,
+                format!("tensor `{name}`: cannot take slice {index} of shape {:?}", info.shape),
+            ));
         }
         let per = info.size / n as u64;
         Ok((info.offset + per * index as u64, per))
@@ -372,10 +447,18 @@ impl GgufFile {
 }
 
 /// Builds a [`QTensor`] from raw ggml bytes (used by the resident loader and expert streaming).
-pub fn qtensor_from_bytes(path: &Path, name: &str, dtype: GgmlDType, shape: &[usize], bytes: &[u8], device: &Device) -> Result<QTensor> {
+pub fn qtensor_from_bytes(
+    path: &Path,
+    name: &str,
+    dtype: GgmlDType,
+    shape: &[usize],
+    bytes: &[u8],
+    device: &Device,
+) -> Result<QTensor> {
     let storage = QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, dtype)
         .map_err(|e| FormatError::invalid(path, format!("tensor `{name}`: {e}")))?;
-    QTensor::new(storage, shape.to_vec()).map_err(|e| FormatError::invalid(path, format!("tensor `{name}`: {e}")))
+    QTensor::new(storage, shape.to_vec())
+        .map_err(|e| FormatError::invalid(path, format!("tensor `{name}`: {e}")))
 }
 
 fn value_u64(v: &Value) -> Option<u64> {

@@ -46,7 +46,10 @@ impl TensorSpec {
         let cols = *self.shape.last().unwrap_or(&1);
         let bs = self.dtype.block_size();
         if cols % bs != 0 {
-            return Err(format!("tensor `{}`: last dim {cols} is not a multiple of {:?}'s block size {bs}", self.name, self.dtype));
+            return Err(format!(
+                "tensor `{}`: last dim {cols} is not a multiple of {:?}'s block size {bs}",
+                self.name, self.dtype
+            ));
         }
         Ok((n / bs * self.dtype.type_size()) as u64)
     }
@@ -166,7 +169,11 @@ fn put_gguf_value(w: &mut impl Write, v: &Value) -> std::io::Result<()> {
 
 /// The header (magic through tensor table) with the given tensor offsets (relative to the data
 /// start). Its length does not depend on the offsets' values.
-fn header(metadata: &[(String, MetaValue)], tensors: &[TensorSpec], offsets: &[u64]) -> std::io::Result<Vec<u8>> {
+fn header(
+    metadata: &[(String, MetaValue)],
+    tensors: &[TensorSpec],
+    offsets: &[u64],
+) -> std::io::Result<Vec<u8>> {
     let mut w = Vec::new();
     w.write_all(b"GGUF")?;
     w.write_all(&3u32.to_le_bytes())?;
@@ -226,7 +233,10 @@ pub fn write_gguf(
     for (t, &size) in tensors.iter().zip(&sizes) {
         if t.align > 0 {
             if t.align % align != 0 {
-                return Err(format!("tensor `{}`: alignment {} is not a multiple of general.alignment {align}", t.name, t.align));
+                return Err(format!(
+                    "tensor `{}`: alignment {} is not a multiple of general.alignment {align}",
+                    t.name, t.align
+                ));
             }
             offset = (data_start + offset).div_ceil(t.align) * t.align - data_start;
         }

@@ -20,10 +20,16 @@ pub mod synthetic;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate, Rendered};
-pub use config::{Architecture, HeadOrder, LinearAttnConfig, ModelConfig, MoeConfig, QkNorm, RopeScaling, RopeStyle, RouterScoring};
+pub use config::{
+    Architecture, HeadOrder, LinearAttnConfig, ModelConfig, MoeConfig, QkNorm, RopeScaling,
+    RopeStyle, RouterScoring,
+};
 pub use dflash::DFlashConfig;
 pub use error::{FormatError, Result};
-pub use synthetic::{RoutingMode, SyntheticRouting};
-pub use experts::{weight_from_bytes, ByteRange, ExpertDims, ExpertEncoding, ExpertExtent, ExpertLayout, ExpertTensors};
+pub use experts::{
+    weight_from_bytes, ByteRange, ExpertDims, ExpertEncoding, ExpertExtent, ExpertLayout,
+    ExpertTensors,
+};
 pub use model_files::{GenerationDefaults, ModelFiles, TensorEntry, Weight};
+pub use synthetic::{RoutingMode, SyntheticRouting};
 pub use tokenizer::{StreamDecoder, TextTokenizer};

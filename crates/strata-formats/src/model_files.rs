@@ -102,7 +102,12 @@ impl ModelFiles {
             })?;
             let generation_config = read_json_opt(&path.join("generation_config.json"))?;
             let weights = SafetensorsSet::open(hf_weight_files(path)?)?;
-            return Ok(ModelFiles::Hf(HfDir { dir: path.to_path_buf(), config, generation_config, weights }));
+            return Ok(ModelFiles::Hf(HfDir {
+                dir: path.to_path_buf(),
+                config,
+                generation_config,
+                weights,
+            }));
         }
         Ok(ModelFiles::Gguf(GgufFile::open(path)?))
     }
@@ -131,7 +136,9 @@ impl ModelFiles {
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
         match self {
             ModelFiles::Gguf(g) => TextTokenizer::from_gguf(g),
-            ModelFiles::Hf(h) => TextTokenizer::from_hf_dir(&h.dir, &h.config, h.generation_config.as_ref()),
+            ModelFiles::Hf(h) => {
+                TextTokenizer::from_hf_dir(&h.dir, &h.config, h.generation_config.as_ref())
+            }
         }
     }
 
@@ -208,13 +215,23 @@ impl ModelFiles {
             ModelFiles::Gguf(g) => g
                 .tensors
                 .iter()
-                .map(|(n, t)| TensorEntry { name: n.clone(), shape: t.shape.clone(), dtype: format!("{:?}", t.dtype), bytes: t.size })
+                .map(|(n, t)| TensorEntry {
+                    name: n.clone(),
+                    shape: t.shape.clone(),
+                    dtype: format!("{:?}", t.dtype),
+                    bytes: t.size,
+                })
                 .collect(),
             ModelFiles::Hf(h) => h
                 .weights
                 .tensors
                 .iter()
-                .map(|(n, t)| TensorEntry { name: n.clone(), shape: t.shape.clone(), dtype: t.dtype.clone(), bytes: t.size })
+                .map(|(n, t)| TensorEntry {
+                    name: n.clone(),
+                    shape: t.shape.clone(),
+                    dtype: t.dtype.clone(),
+                    bytes: t.size,
+                })
                 .collect(),
         }
     }

@@ -8,7 +8,9 @@
 /// checkpoints (a DFlash draft's `fc.weight`) are loaded by their HF name.
 pub fn gguf_to_hf_candidates(name: &str) -> Vec<String> {
     let Some(primary) = gguf_to_hf(name) else { return vec![name.to_string()] };
-    let alt = primary.contains(".mlp.gate.").then(|| primary.replace(".mlp.gate.", ".block_sparse_moe.gate."));
+    let alt = primary
+        .contains(".mlp.gate.")
+        .then(|| primary.replace(".mlp.gate.", ".block_sparse_moe.gate."));
     // Image-text checkpoints (qwen3_5_moe) nest the language model under `model.language_model.`;
     // DFlash drafts (z-lab) store their layers without the `model.` prefix (`layers.0.…`, `norm`).
     let rest = primary.strip_prefix("model.").map(str::to_string);
@@ -81,9 +83,18 @@ mod tests {
 
     #[test]
     fn maps_layer_and_global_names() {
-        assert_eq!(gguf_to_hf("blk.12.attn_q.weight").as_deref(), Some("model.layers.12.self_attn.q_proj.weight"));
-        assert_eq!(gguf_to_hf("blk.0.attn_q.bias").as_deref(), Some("model.layers.0.self_attn.q_proj.bias"));
-        assert_eq!(gguf_to_hf("blk.3.ffn_down.weight").as_deref(), Some("model.layers.3.mlp.down_proj.weight"));
+        assert_eq!(
+            gguf_to_hf("blk.12.attn_q.weight").as_deref(),
+            Some("model.layers.12.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            gguf_to_hf("blk.0.attn_q.bias").as_deref(),
+            Some("model.layers.0.self_attn.q_proj.bias")
+        );
+        assert_eq!(
+            gguf_to_hf("blk.3.ffn_down.weight").as_deref(),
+            Some("model.layers.3.mlp.down_proj.weight")
+        );
         assert_eq!(gguf_to_hf("output.weight").as_deref(), Some("lm_head.weight"));
         assert_eq!(gguf_to_hf("blk.3.unknown.weight"), None);
         assert_eq!(
@@ -95,13 +106,26 @@ mod tests {
                 "layers.1.mlp.gate.weight"
             ]
         );
-        assert_eq!(gguf_to_hf("blk.0.ffn_up_shexp.weight").as_deref(), Some("model.layers.0.mlp.shared_expert.up_proj.weight"));
+        assert_eq!(
+            gguf_to_hf("blk.0.ffn_up_shexp.weight").as_deref(),
+            Some("model.layers.0.mlp.shared_expert.up_proj.weight")
+        );
         assert_eq!(gguf_to_hf("blk.2.ssm_a").as_deref(), Some("model.layers.2.linear_attn.A_log"));
-        assert_eq!(gguf_to_hf("blk.2.ssm_dt.bias").as_deref(), Some("model.layers.2.linear_attn.dt_bias"));
-        assert_eq!(gguf_to_hf("blk.2.ssm_conv1d.weight").as_deref(), Some("model.layers.2.linear_attn.conv1d.weight"));
+        assert_eq!(
+            gguf_to_hf("blk.2.ssm_dt.bias").as_deref(),
+            Some("model.layers.2.linear_attn.dt_bias")
+        );
+        assert_eq!(
+            gguf_to_hf("blk.2.ssm_conv1d.weight").as_deref(),
+            Some("model.layers.2.linear_attn.conv1d.weight")
+        );
         assert_eq!(
             gguf_to_hf_candidates("blk.0.attn_norm.weight"),
-            ["model.layers.0.input_layernorm.weight", "model.language_model.layers.0.input_layernorm.weight", "layers.0.input_layernorm.weight"]
+            [
+                "model.layers.0.input_layernorm.weight",
+                "model.language_model.layers.0.input_layernorm.weight",
+                "layers.0.input_layernorm.weight"
+            ]
         );
         assert_eq!(gguf_to_hf_candidates("fc.weight"), ["fc.weight"]);
     }

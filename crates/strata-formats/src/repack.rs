@@ -46,11 +46,18 @@ struct Source {
 /// Errors: `input` unreadable or not a GGUF, `output` the same file as `input`, no 3-D expert
 /// tensors (not an MoE GGUF, or already repacked), a layer missing one of its three expert
 /// tensors, I/O errors while copying (the incomplete output is then removed).
-pub fn repack_gguf(input: &Path, output: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<RepackReport, String> {
+pub fn repack_gguf(
+    input: &Path,
+    output: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<RepackReport, String> {
     let g = GgufFile::open(input).map_err(|e| e.to_string())?;
     if let (Ok(a), Ok(b)) = (input.canonicalize(), output.canonicalize()) {
         if a == b {
-            return Err(format!("{}: the output must be a different file from the input", output.display()));
+            return Err(format!(
+                "{}: the output must be a different file from the input",
+                output.display()
+            ));
         }
     }
     let align = match g.get("general.alignment") {
@@ -58,12 +65,16 @@ pub fn repack_gguf(input: &Path, output: &Path, progress: &mut dyn FnMut(u64, u6
         _ => ALIGNMENT,
     };
     if BUNDLE_ALIGN % align != 0 {
-        return Err(format!("{}: general.alignment {align} does not divide {BUNDLE_ALIGN}", input.display()));
+        return Err(format!(
+            "{}: general.alignment {align} does not divide {BUNDLE_ALIGN}",
+            input.display()
+        ));
     }
     let exps = |name: &str| -> Option<usize> {
         let rest = name.strip_prefix("blk.")?;
         let (layer, tail) = rest.split_once('.')?;
-        matches!(tail, "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight").then(|| layer.parse().ok())?
+        matches!(tail, "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight")
+            .then(|| layer.parse().ok())?
     };
     let mut specs = Vec::new();
     let mut sources = Vec::new();
@@ -72,7 +83,12 @@ pub fn repack_gguf(input: &Path, output: &Path, progress: &mut dyn FnMut(u64, u6
     for name in &g.tensor_order {
         let info = g.tensor_info(name).map_err(|e| e.to_string())?;
         let Some(layer) = exps(name) else {
-            specs.push(TensorSpec { name: name.clone(), shape: info.shape.clone(), dtype: info.dtype, align: 0 });
+            specs.push(TensorSpec {
+                name: name.clone(),
+                shape: info.shape.clone(),
+                dtype: info.dtype,
+                align: 0,
+            });
             sources.push(Source { offset: info.offset });
             continue;
         };
@@ -80,37 +96,59 @@ pub fn repack_gguf(input: &Path, output: &Path, progress: &mut dyn FnMut(u64, u6
             continue; // the layer's experts were written at its first expert tensor
         }
         let parts = ["gate", "up", "down"].map(|p| format!("blk.{layer}.ffn_{p}_exps.weight"));
-        let infos = parts.iter().map(|p| g.tensor_info(p).map_err(|e| e.to_string())).collect::<Result<Vec<_>, _>>()?;
+        let infos = parts
+            .iter()
+            .map(|p| g.tensor_info(p).map_err(|e| e.to_string()))
+            .collect::<Result<Vec<_>, _>>()?;
         let n = infos[0].shape[0];
         if infos.iter().any(|i| i.shape.len() != 3 || i.shape[0] != n) {
-            return Err(format!("{}: layer {layer}'s expert tensors disagree on the expert count", input.display()));
+            return Err(format!(
+                "{}: layer {layer}'s expert tensors disagree on the expert count",
+                input.display()
+            ));
         }
         for e in 0..n {
             for (k, (p, info)) in ["gate", "up", "down"].iter().zip(&infos).enumerate() {
                 let (offset, _) = g.index_range(&parts[k], e).map_err(|e| e.to_string())?;
                 let align = if k == 0 { BUNDLE_ALIGN } else { 0 };
-                specs.push(TensorSpec { name: crate::experts::per_expert_name(layer, p, e), shape: info.shape[1..].to_vec(), dtype: info.dtype, align });
+                specs.push(TensorSpec {
+                    name: crate::experts::per_expert_name(layer, p, e),
+                    shape: info.shape[1..].to_vec(),
+                    dtype: info.dtype,
+                    align,
+                });
                 sources.push(Source { offset });
             }
         }
         experts += n;
     }
     if bundled.is_empty() {
-        let hint = if g.get(LAYOUT_KEY).is_some() { " (it is already repacked)" } else { " (not an MoE GGUF?)" };
-        return Err(format!("{}: no `blk.L.ffn_*_exps.weight` expert tensors{hint}", input.display()));
+        let hint = if g.get(LAYOUT_KEY).is_some() {
+            " (it is already repacked)"
+        } else {
+            " (not an MoE GGUF?)"
+        };
+        return Err(format!(
+            "{}: no `blk.L.ffn_*_exps.weight` expert tensors{hint}",
+            input.display()
+        ));
     }
     let mut keys: Vec<&String> = g.metadata.keys().filter(|k| k.as_str() != LAYOUT_KEY).collect();
     keys.sort();
-    let mut meta: Vec<(String, MetaValue)> = keys.into_iter().map(|k| (k.clone(), MetaValue::Gguf(g.metadata[k].clone()))).collect();
+    let mut meta: Vec<(String, MetaValue)> =
+        keys.into_iter().map(|k| (k.clone(), MetaValue::Gguf(g.metadata[k].clone()))).collect();
     meta.push((LAYOUT_KEY.into(), MetaValue::Str("bundled".into())));
     let file = std::fs::File::open(input).map_err(|e| format!("{}: {e}", input.display()))?;
     let mut fill = |i: usize, offset: u64, buf: &mut [u8]| -> Result<(), String> {
-        file.read_exact_at(buf, sources[i].offset + offset).map_err(|e| format!("{}: read at {}: {e}", input.display(), sources[i].offset + offset))
+        file.read_exact_at(buf, sources[i].offset + offset).map_err(|e| {
+            format!("{}: read at {}: {e}", input.display(), sources[i].offset + offset)
+        })
     };
     if let Err(e) = write_gguf(output, &meta, &specs, 8 << 20, &mut fill, progress) {
         let _ = std::fs::remove_file(output); // never leave a half-written model behind
         return Err(e);
     }
-    let file_bytes = std::fs::metadata(output).map_err(|e| format!("{}: {e}", output.display()))?.len();
+    let file_bytes =
+        std::fs::metadata(output).map_err(|e| format!("{}: {e}", output.display()))?.len();
     Ok(RepackReport { layers: bundled.len(), experts, file_bytes })
 }

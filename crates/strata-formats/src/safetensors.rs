@@ -65,21 +65,27 @@ impl SafetensorsSet {
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FormatError::io(path, e))?;
             let file_len = map.len() as u64;
             if file_len < 8 {
-                return Err(FormatError::invalid(path, "safetensors file is shorter than its 8-byte header length"));
+                return Err(FormatError::invalid(
+                    path,
+                    "safetensors file is shorter than its 8-byte header length",
+                ));
             }
             let n = u64::from_le_bytes(map[..8].try_into().unwrap_or([0; 8]));
             if n > file_len - 8 || n > 100 << 20 {
                 return Err(FormatError::invalid(path, format!("safetensors header length {n} exceeds the file ({file_len} bytes): truncated or corrupt")));
             }
             // Borrowed raw values: a large header costs no more than its bytes and a map of names.
-            let header: HashMap<String, &serde_json::value::RawValue> = serde_json::from_slice(&map[8..8 + n as usize])
-                .map_err(|e| FormatError::invalid(path, format!("safetensors header is not valid JSON: {e}")))?;
+            let header: HashMap<String, &serde_json::value::RawValue> =
+                serde_json::from_slice(&map[8..8 + n as usize]).map_err(|e| {
+                    FormatError::invalid(path, format!("safetensors header is not valid JSON: {e}"))
+                })?;
             let data_start = 8 + n;
             for (name, raw) in header {
                 if name == "__metadata__" {
                     continue;
                 }
-                let h: TensorHeader = serde_json::from_str(raw.get()).map_err(|e| FormatError::invalid(path, format!("tensor `{name}`: {e}")))?;
+                let h: TensorHeader = serde_json::from_str(raw.get())
+                    .map_err(|e| FormatError::invalid(path, format!("tensor `{name}`: {e}")))?;
                 let TensorHeader { dtype, shape, data_offsets: offs } = h;
                 let es = elem_size(&dtype).ok_or_else(|| FormatError::UnsupportedTensorType {
                     path: path.clone(),
@@ -92,14 +98,26 @@ impl SafetensorsSet {
                     return Err(FormatError::invalid(path, format!("tensor `{name}`: data_offsets {offs:?} do not match shape {shape:?} of {dtype}")));
                 }
                 let size = size.unwrap_or(0);
-                let (Some(start), Some(end)) = (data_start.checked_add(offs[0]), data_start.checked_add(offs[1])) else {
-                    return Err(FormatError::invalid(path, format!("tensor `{name}`: data_offsets {offs:?} overflow")));
+                let (Some(start), Some(end)) =
+                    (data_start.checked_add(offs[0]), data_start.checked_add(offs[1]))
+                else {
+                    return Err(FormatError::invalid(
+                        path,
+                        format!("tensor `{name}`: data_offsets {offs:?} overflow"),
+                    ));
                 };
                 if end > file_len {
-                    return Err(FormatError::Truncated { path: path.clone(), tensor: name, start, end, file_len });
+                    return Err(FormatError::Truncated {
+                        path: path.clone(),
+                        tensor: name,
+                        start,
+                        end,
+                        file_len,
+                    });
                 }
                 let shape = shape.iter().map(|&d| d as usize).collect();
-                tensors.insert(name, SafetensorsInfo { file: fi, dtype, shape, offset: start, size });
+                tensors
+                    .insert(name, SafetensorsInfo { file: fi, dtype, shape, offset: start, size });
             }
             maps.push(Arc::new(map));
         }
@@ -127,16 +145,21 @@ impl SafetensorsSet {
     }
 
     fn load_f32_part(&self, name: &str, index: Option<usize>, device: &Device) -> Result<Tensor> {
-        let info = self
-            .info(name)
-            .ok_or_else(|| FormatError::MissingTensor { path: self.files.first().cloned().unwrap_or_default(), tensor: name.to_string() })?;
+        let info = self.info(name).ok_or_else(|| FormatError::MissingTensor {
+            path: self.files.first().cloned().unwrap_or_default(),
+            tensor: name.to_string(),
+        })?;
         let path = &self.files[info.file];
         let dtype = match info.dtype.as_str() {
             "F32" => DType::F32,
             "F16" => DType::F16,
             "BF16" => DType::BF16,
             other => {
-                return Err(FormatError::UnsupportedTensorType { path: path.clone(), tensor: name.to_string(), dtype: other.to_string() })
+                return Err(FormatError::UnsupportedTensorType {
+                    path: path.clone(),
+                    tensor: name.to_string(),
+                    dtype: other.to_string(),
+                })
             }
         };
         let all = self.bytes(info);
@@ -145,7 +168,10 @@ impl SafetensorsSet {
             Some(i) => {
                 let n = info.shape.first().copied().unwrap_or(0);
                 if i >= n {
-                    return Err(FormatError::invalid(path, format!("tensor `{name}`: index {i} out of {n}")));
+                    return Err(FormatError::invalid(
+                        path,
+                        format!("tensor `{name}`: index {i} out of {n}"),
+                    ));
                 }
                 let per = all.len() / n;
                 (&all[i * per..(i + 1) * per], info.shape[1..].to_vec())
@@ -165,12 +191,13 @@ pub fn hf_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| FormatError::io(&index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| FormatError::invalid(&index, e.to_string()))?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| FormatError::MissingKey { path: index.clone(), key: "weight_map".into() })?;
-        let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| FormatError::invalid(&index, e.to_string()))?;
+        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+            FormatError::MissingKey { path: index.clone(), key: "weight_map".into() }
+        })?;
+        let mut files: Vec<String> =
+            map.values().filter_map(|f| f.as_str().map(String::from)).collect();
         files.sort();
         files.dedup();
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());

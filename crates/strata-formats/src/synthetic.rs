@@ -78,7 +78,15 @@ pub struct SyntheticRouting {
 impl SyntheticRouting {
     /// The defaults of `strata synth --routing realistic` (docs/performance.md, "Routing").
     pub fn realistic(seed: u64) -> Self {
-        Self { mode: RoutingMode::Realistic, seed, zipf: 0.6, reuse: 0.35, drift: 0.5, drift_period: 256, pregate_recall: 0.8 }
+        Self {
+            mode: RoutingMode::Realistic,
+            seed,
+            zipf: 0.6,
+            reuse: 0.35,
+            drift: 0.5,
+            drift_period: 256,
+            pregate_recall: 0.8,
+        }
     }
 
     /// `strata synth --routing uniform`.
@@ -88,7 +96,13 @@ impl SyntheticRouting {
 
     /// Checks every parameter's range; the message names the offending one.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let unit = |name: &str, v: f64| if (0.0..=1.0).contains(&v) { Ok(()) } else { Err(format!("{name} {v} is outside [0, 1]")) };
+        let unit = |name: &str, v: f64| {
+            if (0.0..=1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!("{name} {v} is outside [0, 1]"))
+            }
+        };
         unit("reuse", self.reuse)?;
         unit("pregate_recall", self.pregate_recall)?;
         if !(0.0..=4.0).contains(&self.zipf) {
@@ -127,7 +141,8 @@ impl SyntheticRouting {
         if keys.is_empty() {
             return Ok(None);
         }
-        let synthetic = g.get_str_array("tokenizer.ggml.tokens").map(|t| is_synth_vocab(&t)).unwrap_or(false);
+        let synthetic =
+            g.get_str_array("tokenizer.ggml.tokens").map(|t| is_synth_vocab(&t)).unwrap_or(false);
         if !synthetic {
             return Err(FormatError::invalid(
                 &g.path,
@@ -137,7 +152,12 @@ impl SyntheticRouting {
         let mode = match g.get_str(KEY_MODE)? {
             "uniform" => RoutingMode::Uniform,
             "realistic" => RoutingMode::Realistic,
-            other => return Err(FormatError::invalid(&g.path, format!("`{KEY_MODE}` = `{other}`: expected `uniform` or `realistic`"))),
+            other => {
+                return Err(FormatError::invalid(
+                    &g.path,
+                    format!("`{KEY_MODE}` = `{other}`: expected `uniform` or `realistic`"),
+                ))
+            }
         };
         let r = Self {
             mode,
@@ -148,7 +168,8 @@ impl SyntheticRouting {
             drift_period: g.get_u64(KEY_DRIFT_PERIOD)?,
             pregate_recall: g.get_f64(KEY_PREGATE_RECALL)?,
         };
-        r.validate().map_err(|m| FormatError::invalid(&g.path, format!("`{KEY_PREFIX}.*`: {m}")))?;
+        r.validate()
+            .map_err(|m| FormatError::invalid(&g.path, format!("`{KEY_PREFIX}.*`: {m}")))?;
         Ok(Some(r))
     }
 }
@@ -202,8 +223,17 @@ mod tests {
     #[test]
     fn parameters_are_range_checked() {
         assert!(SyntheticRouting::realistic(1).validate().is_ok());
-        assert!(SyntheticRouting { reuse: 1.5, ..SyntheticRouting::realistic(1) }.validate().unwrap_err().contains("reuse"));
-        assert!(SyntheticRouting { zipf: f64::NAN, ..SyntheticRouting::realistic(1) }.validate().unwrap_err().contains("zipf"));
-        assert!(SyntheticRouting { drift_period: 0, ..SyntheticRouting::realistic(1) }.validate().unwrap_err().contains("drift_period"));
+        assert!(SyntheticRouting { reuse: 1.5, ..SyntheticRouting::realistic(1) }
+            .validate()
+            .unwrap_err()
+            .contains("reuse"));
+        assert!(SyntheticRouting { zipf: f64::NAN, ..SyntheticRouting::realistic(1) }
+            .validate()
+            .unwrap_err()
+            .contains("zipf"));
+        assert!(SyntheticRouting { drift_period: 0, ..SyntheticRouting::realistic(1) }
+            .validate()
+            .unwrap_err()
+            .contains("drift_period"));
     }
 }

@@ -36,7 +36,11 @@ pub struct TextTokenizer {
 
 impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TextTokenizer").field("vocab", &self.vocab_size()).field("bos_id", &self.bos_id).field("eos_ids", &self.eos_ids).finish()
+        f.debug_struct("TextTokenizer")
+            .field("vocab", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .finish()
     }
 }
 
@@ -80,8 +84,11 @@ impl TextTokenizer {
             "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => {
                 json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_REGEX), byte_level(false)]})
             }
-            "qwen2" | "deepseek-r1-qwen" | "qwen35" => json!({"type": "Sequence", "pretokenizers": [split(QWEN2_REGEX), byte_level(false)]}),
-            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => json!({
+            "qwen2" | "deepseek-r1-qwen" | "qwen35" => {
+                json!({"type": "Sequence", "pretokenizers": [split(QWEN2_REGEX), byte_level(false)]})
+            }
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
+            | "minerva" => json!({
                 "type": "Sequence",
                 "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
             }),
@@ -103,21 +110,36 @@ impl TextTokenizer {
             }
         });
         let inner = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&spec).map_err(tk_err)?)
-            .map_err(|e| FormatError::invalid(&g.path, format!("cannot build tokenizer from GGUF metadata: {e}")))?;
+            .map_err(|e| {
+            FormatError::invalid(&g.path, format!("cannot build tokenizer from GGUF metadata: {e}"))
+        })?;
         let bos_id = g.get_u64("tokenizer.ggml.bos_token_id").ok().map(|v| v as u32);
         let mut eos_ids = Vec::new();
-        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ] {
             if let Ok(v) = g.get_u64(key) {
                 eos_ids.push(v as u32);
             }
         }
         eos_ids.dedup();
-        Ok(Self::assemble(inner, bos_id, g.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false), eos_ids))
+        Ok(Self::assemble(
+            inner,
+            bos_id,
+            g.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            eos_ids,
+        ))
     }
 
     /// Loads `tokenizer.json` from an HF directory; BOS/EOS come from `tokenizer_config.json`,
     /// `config.json` and `generation_config.json` (the latter's `eos_token_id` may be a list).
-    pub fn from_hf_dir(dir: &Path, config: &Json, generation_config: Option<&Json>) -> Result<Self> {
+    pub fn from_hf_dir(
+        dir: &Path,
+        config: &Json,
+        generation_config: Option<&Json>,
+    ) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
             if path.exists() {
@@ -130,7 +152,9 @@ impl TextTokenizer {
         let token_id = |v: &Json| -> Option<u32> {
             match v {
                 Json::String(s) => inner.token_to_id(s),
-                Json::Object(o) => o.get("content").and_then(|c| c.as_str()).and_then(|s| inner.token_to_id(s)),
+                Json::Object(o) => {
+                    o.get("content").and_then(|c| c.as_str()).and_then(|s| inner.token_to_id(s))
+                }
                 _ => None,
             }
         };
@@ -138,7 +162,9 @@ impl TextTokenizer {
         for src in [generation_config, Some(config)].into_iter().flatten() {
             match src.get("eos_token_id") {
                 Some(Json::Number(n)) => eos_ids.extend(n.as_u64().map(|v| v as u32)),
-                Some(Json::Array(a)) => eos_ids.extend(a.iter().filter_map(|x| x.as_u64().map(|v| v as u32))),
+                Some(Json::Array(a)) => {
+                    eos_ids.extend(a.iter().filter_map(|x| x.as_u64().map(|v| v as u32)))
+                }
                 _ => {}
             }
         }
@@ -158,11 +184,30 @@ impl TextTokenizer {
         Ok(Self::assemble(inner, bos_id, add_bos, eos_ids))
     }
 
-    fn assemble(inner: tokenizers::Tokenizer, bos_id: Option<u32>, add_bos: bool, eos_ids: Vec<u32>) -> Self {
-        let mut specials: Vec<String> = inner.get_added_tokens_decoder().values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content.clone()).collect();
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        bos_id: Option<u32>,
+        add_bos: bool,
+        eos_ids: Vec<u32>,
+    ) -> Self {
+        let mut specials: Vec<String> = inner
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content.clone())
+            .collect();
         specials.sort_by_key(|t| std::cmp::Reverse(t.len()));
-        let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
-        TextTokenizer { inner, bos_id, add_bos, eos_ids, specials: std::sync::Arc::new(specials), plain: Default::default(), max_token_bytes }
+        let max_token_bytes =
+            inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        TextTokenizer {
+            inner,
+            bos_id,
+            add_bos,
+            eos_ids,
+            specials: std::sync::Arc::new(specials),
+            plain: Default::default(),
+            max_token_bytes,
+        }
     }
 
     /// The first special-token string (`<|im_end|>`, …) inside `text`, if any.
@@ -183,7 +228,11 @@ impl TextTokenizer {
 
     /// Encodes `text` whose byte ranges `plain` (ascending, disjoint) hold user text: those with
     /// [`Self::encode_plain`], the rest with special tokens parsed. No BOS.
-    pub fn encode_with_plain_spans(&self, text: &str, plain: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
+    pub fn encode_with_plain_spans(
+        &self,
+        text: &str,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>> {
         let mut ids = Vec::new();
         let mut pos = 0;
         for r in plain {
@@ -251,7 +300,8 @@ impl TextTokenizer {
         let Some(tok) = self.inner.id_to_token(id) else { return Vec::new() };
         if matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_))) {
             let table = gpt2_byte_symbols();
-            let bytes: Option<Vec<u8>> = tok.chars().map(|c| table.iter().position(|&s| s == c).map(|b| b as u8)).collect();
+            let bytes: Option<Vec<u8>> =
+                tok.chars().map(|c| table.iter().position(|&s| s == c).map(|b| b as u8)).collect();
             if let Some(b) = bytes {
                 return b;
             }
@@ -321,14 +371,20 @@ pub(crate) fn read_json_opt(path: &Path) -> Result<Option<Json>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| FormatError::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| FormatError::invalid(path, format!("invalid JSON: {e}")))
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| FormatError::invalid(path, format!("invalid JSON: {e}")))
 }
 
 /// GPT-2's byte-to-unicode table (`bytes_to_unicode` in openai/gpt-2 `encoder.py`): the symbol
 /// byte-level BPE vocabularies use for each byte, indexed by byte.
 pub fn gpt2_byte_symbols() -> [char; 256] {
     let mut table = ['\0'; 256];
-    let printable = |b: u32| (b'!' as u32..=b'~' as u32).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let printable = |b: u32| {
+        (b'!' as u32..=b'~' as u32).contains(&b)
+            || (0xA1..=0xAC).contains(&b)
+            || (0xAE..=0xFF).contains(&b)
+    };
     let mut n = 0;
     for b in 0..256u32 {
         table[b as usize] = if printable(b) {

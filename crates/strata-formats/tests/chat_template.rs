@@ -12,8 +12,12 @@ fn fixtures() -> PathBuf {
 #[test]
 fn renders_equal_transformers() {
     let dir = fixtures();
-    let exp: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let (bos, eos) = (exp["tokens"]["bos_token"].as_str().unwrap(), exp["tokens"]["eos_token"].as_str().unwrap());
+    let exp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let (bos, eos) = (
+        exp["tokens"]["bos_token"].as_str().unwrap(),
+        exp["tokens"]["eos_token"].as_str().unwrap(),
+    );
     let cases = exp["cases"].as_array().unwrap();
     assert!(cases.len() >= 6);
     for case in cases {
@@ -21,7 +25,13 @@ fn renders_equal_transformers() {
         let tpl = ChatTemplate::new(&src, bos, eos).unwrap();
         let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
         let got = tpl.render(&messages, case["add_generation_prompt"].as_bool().unwrap()).unwrap();
-        assert_eq!(got, case["expected"].as_str().unwrap(), "template {} conversation {}", case["template"], case["conversation"]);
+        assert_eq!(
+            got,
+            case["expected"].as_str().unwrap(),
+            "template {} conversation {}",
+            case["template"],
+            case["conversation"]
+        );
     }
 }
 

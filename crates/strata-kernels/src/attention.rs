@@ -17,7 +17,17 @@ pub struct KvLayout {
 /// each pair's arithmetic is the same whatever `seq` and the thread count, so a row's result equals
 /// attending that token alone.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize, seq: usize, first_len: usize, scale: f32, out: &mut [f32]) {
+pub fn attend_rows(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    kv: KvLayout,
+    n_heads: usize,
+    seq: usize,
+    first_len: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     let hd = kv.head_dim;
     assert_eq!(q.len(), seq * n_heads * hd);
     assert_eq!(out.len(), seq * n_heads * hd);
@@ -28,7 +38,17 @@ pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize
         let o = row * n_heads * hd + h * hd;
         // SAFETY: unit i writes out[o..o + hd] only, and out has seq · n_heads · hd elements.
         let oh = unsafe { std::slice::from_raw_parts_mut(p.0.add(o), hd) };
-        attend_head(&q[o..o + hd], k, v, kv, kv_head(kv, n_heads, h), first_len + row, scale, oh, scores);
+        attend_head(
+            &q[o..o + hd],
+            k,
+            v,
+            kv,
+            kv_head(kv, n_heads, h),
+            first_len + row,
+            scale,
+            oh,
+            scores,
+        );
     };
     let units = seq * n_heads;
     // Short contexts: less work than a barrier's wake-up costs.
@@ -36,7 +56,9 @@ pub fn attend_rows(q: &[f32], k: &[f32], v: &[f32], kv: KvLayout, n_heads: usize
         SCORES.with(|s| (0..units).for_each(|i| unit(i, &mut s.borrow_mut())));
         return;
     }
-    candle_core::utils::barrier_pool().execute_chunked(units, |range| SCORES.with(|s| range.for_each(|i| unit(i, &mut s.borrow_mut()))));
+    candle_core::utils::barrier_pool().execute_chunked(units, |range| {
+        SCORES.with(|s| range.for_each(|i| unit(i, &mut s.borrow_mut())))
+    });
 }
 
 /// Contexts shorter than this attend on one thread.
@@ -53,7 +75,17 @@ fn kv_head(kv: KvLayout, n_heads: usize, h: usize) -> usize {
 
 /// One head: `softmax(q·Kᵀ·scale)·V` over positions `0..len` of kv head `g`.
 #[allow(clippy::too_many_arguments)]
-fn attend_head(qh: &[f32], k: &[f32], v: &[f32], kv: KvLayout, g: usize, len: usize, scale: f32, oh: &mut [f32], scores: &mut Vec<f32>) {
+fn attend_head(
+    qh: &[f32],
+    k: &[f32],
+    v: &[f32],
+    kv: KvLayout,
+    g: usize,
+    len: usize,
+    scale: f32,
+    oh: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
     let hd = kv.head_dim;
     scores.resize(len, 0.0);
     let base = g * kv.capacity * hd;
@@ -115,8 +147,23 @@ mod tests {
             attend_rows(&q, &k, &v, kv, nh, seq, first, 0.25, &mut rows);
             for i in 0..seq {
                 let mut one = vec![0f32; nh * 16];
-                attend_rows(&q[i * nh * 16..(i + 1) * nh * 16], &k, &v, kv, nh, 1, first + i, 0.25, &mut one);
-                assert!(one.iter().zip(&rows[i * nh * 16..(i + 1) * nh * 16]).all(|(a, b)| a.to_bits() == b.to_bits()), "row {i}, first {first}");
+                attend_rows(
+                    &q[i * nh * 16..(i + 1) * nh * 16],
+                    &k,
+                    &v,
+                    kv,
+                    nh,
+                    1,
+                    first + i,
+                    0.25,
+                    &mut one,
+                );
+                assert!(
+                    one.iter()
+                        .zip(&rows[i * nh * 16..(i + 1) * nh * 16])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "row {i}, first {first}"
+                );
             }
         }
     }
@@ -133,7 +180,11 @@ mod tests {
         attend_rows(&q, &k, &v, kv, nh, 1, len, 0.3, &mut out);
         for h in 0..nh {
             let g = h / 3;
-            let s: Vec<f32> = (0..len).map(|j| (0..12).map(|d| q[h * 12 + d] * k[(g * 10 + j) * 12 + d]).sum::<f32>() * 0.3).collect();
+            let s: Vec<f32> = (0..len)
+                .map(|j| {
+                    (0..12).map(|d| q[h * 12 + d] * k[(g * 10 + j) * 12 + d]).sum::<f32>() * 0.3
+                })
+                .collect();
             let m = s.iter().cloned().fold(f32::MIN, f32::max);
             let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f32 = e.iter().sum();

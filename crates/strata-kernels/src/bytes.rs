@@ -13,7 +13,10 @@ pub struct WeightBytes {
 
 impl WeightBytes {
     /// `range` of `owner`'s bytes. Errors when the range is outside them.
-    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Result<Self, String> {
+    pub fn new(
+        owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        range: Range<usize>,
+    ) -> Result<Self, String> {
         let len = (*owner).as_ref().len();
         if range.start > range.end || range.end > len {
             return Err(format!("byte range {range:?} outside a buffer of {len} bytes"));

@@ -48,11 +48,19 @@ pub struct QuantMatrix {
 impl QuantMatrix {
     /// `data` must hold `rows · cols / block_elems` blocks; `cols` must be a multiple of the
     /// format's block size (32, or 256 for Q4_K).
-    pub fn new(format: BlockFormat, data: impl Into<WeightBytes>, rows: usize, cols: usize) -> Result<Self, String> {
+    pub fn new(
+        format: BlockFormat,
+        data: impl Into<WeightBytes>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, String> {
         let data = data.into();
         let need = rows * cols / format.block_elems() * format.block_bytes();
         if cols % format.block_elems() != 0 || data.len() != need {
-            return Err(format!("{format:?} matrix [{rows}, {cols}] needs {need} bytes, got {}", data.len()));
+            return Err(format!(
+                "{format:?} matrix [{rows}, {cols}] needs {need} bytes, got {}",
+                data.len()
+            ));
         }
         Ok(Self { format, data, rows, cols })
     }
@@ -65,7 +73,12 @@ impl QuantMatrix {
             return None;
         }
         let data: Vec<u8> = parts.iter().flat_map(|p| p.data.as_slice().iter().copied()).collect();
-        Some(QuantMatrix { format: first.format, data: data.into(), rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols })
+        Some(QuantMatrix {
+            format: first.format,
+            data: data.into(),
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+        })
     }
 
     pub fn format(&self) -> BlockFormat {
@@ -193,7 +206,9 @@ fn select_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1>)] {
             return match format {
                 BlockFormat::Q4_1 => tiles!(avx2::q4_1_rows),
                 BlockFormat::Q8_0 => tiles!(avx2::q8_0_rows),
-                BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)"),
+                BlockFormat::Q4K => {
+                    unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)")
+                }
             };
         }
     }
@@ -219,7 +234,8 @@ pub fn dot_q8_0_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
     let mut sumf = 0f32;
     for (blk, y) in w.chunks_exact(BlockFormat::Q8_0.block_bytes()).zip(a) {
         let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-        let sumi: i32 = blk[2..34].iter().zip(&y.qs).map(|(&q, &v)| q as i8 as i32 * v as i32).sum();
+        let sumi: i32 =
+            blk[2..34].iter().zip(&y.qs).map(|(&q, &v)| q as i8 as i32 * v as i32).sum();
         sumf += sumi as f32 * (d * y.d);
     }
     sumf
@@ -234,7 +250,8 @@ pub fn dot_q4_1_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
         let qs = &blk[4..20];
         let mut sumi = 0i32;
         for j in 0..QK / 2 {
-            sumi += (qs[j] & 0x0F) as i32 * y.qs[j] as i32 + (qs[j] >> 4) as i32 * y.qs[j + QK / 2] as i32;
+            sumi += (qs[j] & 0x0F) as i32 * y.qs[j] as i32
+                + (qs[j] >> 4) as i32 * y.qs[j + QK / 2] as i32;
         }
         sumf += sumi as f32 * d * y.d + m * y.s;
     }
@@ -300,7 +317,9 @@ mod tests {
     /// bit-identical to the one-token kernel).
     #[test]
     fn every_tile_kernel_equals_scalar() {
-        for (format, scalar) in [(BlockFormat::Q4_1, dot_q4_1_scalar as DotFn), (BlockFormat::Q8_0, dot_q8_0_scalar)] {
+        for (format, scalar) in
+            [(BlockFormat::Q4_1, dot_q4_1_scalar as DotFn), (BlockFormat::Q8_0, dot_q8_0_scalar)]
+        {
             // 288 columns = 9 blocks.
             let w = match format {
                 BlockFormat::Q4_1 => make_q4_1(5, 288).0,
@@ -319,9 +338,17 @@ mod tests {
                     for t in 0..size {
                         let mut single = [0f32];
                         one(w.row(r), &q[t * nb..(t + 1) * nb], nb, &mut single);
-                        assert_eq!(single[0].to_bits(), v[t].to_bits(), "{format:?} tile {size} row {r} token {t}");
+                        assert_eq!(
+                            single[0].to_bits(),
+                            v[t].to_bits(),
+                            "{format:?} tile {size} row {r} token {t}"
+                        );
                         let s = scalar(w.row(r), &q[t * nb..(t + 1) * nb]);
-                        assert!((s - v[t]).abs() <= 1e-4 * s.abs().max(1.0), "{format:?} simd {} scalar {s}", v[t]);
+                        assert!(
+                            (s - v[t]).abs() <= 1e-4 * s.abs().max(1.0),
+                            "{format:?} simd {} scalar {s}",
+                            v[t]
+                        );
                     }
                 }
             }
@@ -338,16 +365,26 @@ mod tests {
         for t in 0..m {
             let mut one = vec![0f32; rows];
             w.matmul(&x[t * cols..(t + 1) * cols], 1, &mut one);
-            assert!(one.iter().zip(&out[t * rows..(t + 1) * rows]).all(|(a, b)| a.to_bits() == b.to_bits()), "token {t}: batched differs from single");
+            assert!(
+                one.iter()
+                    .zip(&out[t * rows..(t + 1) * rows])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "token {t}: batched differs from single"
+            );
         }
         let mut q = Vec::new();
         for t in 0..m {
             quantize_row(&x[t * cols..(t + 1) * cols], &mut q);
             for r in 0..rows {
                 let s = dot_scalar(w.row(r), &q);
-                assert!((s - out[t * rows + r]).abs() <= 1e-4 * s.abs().max(1.0), "simd {} scalar {s}", out[t * rows + r]);
+                assert!(
+                    (s - out[t * rows + r]).abs() <= 1e-4 * s.abs().max(1.0),
+                    "simd {} scalar {s}",
+                    out[t * rows + r]
+                );
                 let exact: f32 = (0..cols).map(|c| dense[r * cols + c] * x[t * cols + c]).sum();
-                let scale: f32 = (0..cols).map(|c| (dense[r * cols + c] * x[t * cols + c]).abs()).sum();
+                let scale: f32 =
+                    (0..cols).map(|c| (dense[r * cols + c] * x[t * cols + c]).abs()).sum();
                 // 8-bit activations: error well under 1% of Σ|w·x|.
                 assert!((exact - s).abs() < 0.01 * scale, "q8 {s} exact {exact} (Σ|wx| {scale})");
             }

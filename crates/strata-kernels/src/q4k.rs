@@ -119,8 +119,14 @@ pub unsafe fn dot_q4k_avx2(w: &[u8], a: &[BlockQ8K]) -> f32 {
             let q8l = _mm256_load_si256(y.qs.as_ptr().add(c * 64) as *const __m256i);
             let q8h = _mm256_load_si256(y.qs.as_ptr().add(c * 64 + 32) as *const __m256i);
             // u8 × i8 pairs: at most 2·15·128 per i16 lane, no saturation.
-            let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(q4l, q8l), _mm256_set1_epi16(sc[2 * c] as i16));
-            let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(q4h, q8h), _mm256_set1_epi16(sc[2 * c + 1] as i16));
+            let pl = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(q4l, q8l),
+                _mm256_set1_epi16(sc[2 * c] as i16),
+            );
+            let ph = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(q4h, q8h),
+                _mm256_set1_epi16(sc[2 * c + 1] as i16),
+            );
             sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
@@ -146,11 +152,24 @@ mod tests {
             *b = s as u8;
         }
         for (i, blk) in data.chunks_exact_mut(BLOCK_BYTES).enumerate() {
-            blk[0..2].copy_from_slice(&f16::from_f32(2.5e-4 * (1.0 + (i % 3) as f32)).to_le_bytes());
+            blk[0..2]
+                .copy_from_slice(&f16::from_f32(2.5e-4 * (1.0 + (i % 3) as f32)).to_le_bytes());
             blk[2..4].copy_from_slice(&f16::from_f32(1.875e-3).to_le_bytes());
         }
-        let storage = QStorage::from_data(std::borrow::Cow::Borrowed(&data), &candle_core::Device::Cpu, GgmlDType::Q4K).unwrap();
-        let dense = QTensor::new(storage, (rows, cols)).unwrap().dequantize(&candle_core::Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let storage = QStorage::from_data(
+            std::borrow::Cow::Borrowed(&data),
+            &candle_core::Device::Cpu,
+            GgmlDType::Q4K,
+        )
+        .unwrap();
+        let dense = QTensor::new(storage, (rows, cols))
+            .unwrap()
+            .dequantize(&candle_core::Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         (QuantMatrix::new(BlockFormat::Q4K, data, rows, cols).unwrap(), dense)
     }
 
@@ -158,7 +177,8 @@ mod tests {
     fn q4k_matches_candle_dequantized_and_scalar() {
         let (rows, cols, m) = (24, 512, 3);
         let (w, dense) = matrix(rows, cols);
-        let x: Vec<f32> = (0..m * cols).map(|i| ((i as f32 * 0.7131).sin() * 43758.547).fract() - 0.5).collect();
+        let x: Vec<f32> =
+            (0..m * cols).map(|i| ((i as f32 * 0.7131).sin() * 43758.547).fract() - 0.5).collect();
         let mut out = vec![0f32; m * rows];
         w.matmul(&x, m, &mut out);
         let mut q = Vec::new();
@@ -166,9 +186,14 @@ mod tests {
             quantize_row_q8k(&x[t * cols..(t + 1) * cols], &mut q);
             for r in 0..rows {
                 let s = dot_q4k_scalar(w.row(r), &q);
-                assert!((s - out[t * rows + r]).abs() <= 1e-4 * s.abs().max(1.0), "simd {} scalar {s}", out[t * rows + r]);
+                assert!(
+                    (s - out[t * rows + r]).abs() <= 1e-4 * s.abs().max(1.0),
+                    "simd {} scalar {s}",
+                    out[t * rows + r]
+                );
                 let exact: f32 = (0..cols).map(|c| dense[r * cols + c] * x[t * cols + c]).sum();
-                let scale: f32 = (0..cols).map(|c| (dense[r * cols + c] * x[t * cols + c]).abs()).sum();
+                let scale: f32 =
+                    (0..cols).map(|c| (dense[r * cols + c] * x[t * cols + c]).abs()).sum();
                 assert!((exact - s).abs() < 0.01 * scale, "q8k {s} exact {exact} (Σ|wx| {scale})");
             }
         }

@@ -28,7 +28,11 @@ pub fn quantize_row(x: &[f32], out: &mut Vec<BlockQ8_1>) {
             *q = round_ties_even(v * id) as i8;
             sum += *q as i32;
         }
-        out.push(BlockQ8_1 { qs, d: f16::from_f32(d).to_f32(), s: f16::from_f32(sum as f32 * d).to_f32() });
+        out.push(BlockQ8_1 {
+            qs,
+            d: f16::from_f32(d).to_f32(),
+            s: f16::from_f32(sum as f32 * d).to_f32(),
+        });
     }
 }
 

@@ -44,7 +44,10 @@ const Q8_0: usize = BlockFormat::Q8_0.block_bytes();
 #[inline]
 unsafe fn nibbles(block: *const u8) -> __m256i {
     let tmp = _mm_loadu_si128(block.add(4) as *const __m128i);
-    _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1), _mm256_set1_epi8(0x0F))
+    _mm256_and_si256(
+        _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1),
+        _mm256_set1_epi8(0x0F),
+    )
 }
 
 /// AVX2 + FMA + F16C (ggml's x86 kernels).
@@ -53,7 +56,9 @@ pub mod avx2 {
 
     /// Whether this CPU runs these kernels.
     pub fn available() -> bool {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
     }
 
     /// Per 32-bit lane, the sum of four u8 × i8 products (`maddubs` then `madd` with ones).

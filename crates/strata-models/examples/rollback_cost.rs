@@ -39,7 +39,14 @@ fn main() {
             s.push_conv_row(&raw);
             for h in 0..nv {
                 let kh = h / 4;
-                delta_update(&mut s.ssm[h * 128 * 128..(h + 1) * 128 * 128], &k[kh * 128..(kh + 1) * 128], &v[h * 128..(h + 1) * 128], decay[h], beta[h], &mut mem);
+                delta_update(
+                    &mut s.ssm[h * 128 * 128..(h + 1) * 128 * 128],
+                    &k[kh * 128..(kh + 1) * 128],
+                    &v[h * 128..(h + 1) * 128],
+                    decay[h],
+                    beta[h],
+                    &mut mem,
+                );
             }
             if let Some(log) = log {
                 log.push(&raw, &k, &v, &decay, &beta);
@@ -59,7 +66,9 @@ fn main() {
         let u = t.elapsed().as_secs_f64() / (tokens + 1) as f64;
         // Accept half the drafts: restore and replay tokens/2 + 1 updates.
         let t = Instant::now();
-        cache.rollback(100 + tokens / 2 + 1, 100 + tokens + 1).expect("rollback after the checkpoint");
+        cache
+            .rollback(100 + tokens / 2 + 1, 100 + tokens + 1)
+            .expect("rollback after the checkpoint");
         let b = t.elapsed().as_secs_f64();
         if r > 0 {
             ck += c;
@@ -68,10 +77,23 @@ fn main() {
         }
     }
     let ms = |s: f64| s * 1e3 / reps as f64;
-    println!("Qwen3.5-122B-A10B recurrent state: {layers} layers, {:.1} MB per sequence", state_bytes as f64 / 1e6);
-    println!("checkpoint (one copy):             {:.2} ms ({:.1} GB/s)", ms(ck), state_bytes as f64 / (ck / reps as f64) / 1e9);
+    println!(
+        "Qwen3.5-122B-A10B recurrent state: {layers} layers, {:.1} MB per sequence",
+        state_bytes as f64 / 1e6
+    );
+    println!(
+        "checkpoint (one copy):             {:.2} ms ({:.1} GB/s)",
+        ms(ck),
+        state_bytes as f64 / (ck / reps as f64) / 1e9
+    );
     println!("state update, one token:           {:.2} ms", ms(upd));
-    println!("rollback to {} of {} verified:      {:.2} ms (restore + replay {} tokens)", tokens / 2 + 1, tokens + 1, ms(rb), tokens / 2 + 1);
+    println!(
+        "rollback to {} of {} verified:      {:.2} ms (restore + replay {} tokens)",
+        tokens / 2 + 1,
+        tokens + 1,
+        ms(rb),
+        tokens / 2 + 1
+    );
     println!(
         "per-position states instead:       {:.2} ms of copies per verify pass of {} tokens, {:.1} MB each",
         ms(ck) * (tokens + 1) as f64,

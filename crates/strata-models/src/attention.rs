@@ -77,7 +77,14 @@ impl Attention {
 
     /// `x: [seq, hidden]` at positions `cache.len()..+seq` → `[seq, hidden]`. `mask: [seq, total]`
     /// additive (0 / -inf), `None` for a single token.
-    pub fn forward(&self, x: &Tensor, layer: usize, cache: &mut KvCache, rope: &RotaryEmbedding, mask: Option<&Tensor>) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        layer: usize,
+        cache: &mut KvCache,
+        rope: &RotaryEmbedding,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let seq = x.dim(0)?;
         let pos = cache.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -103,7 +110,11 @@ impl Attention {
         let (q, k, v) = match &self.qkv {
             Qkv::Fused(qkv) => {
                 let y = qkv.forward(x)?;
-                (y.narrow(1, 0, qw)?, y.narrow(1, qw, nkv * hd)?, y.narrow(1, qw + nkv * hd, nkv * hd)?)
+                (
+                    y.narrow(1, 0, qw)?,
+                    y.narrow(1, qw, nkv * hd)?,
+                    y.narrow(1, qw + nkv * hd, nkv * hd)?,
+                )
             }
             Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
         };
@@ -111,7 +122,10 @@ impl Attention {
         // `Qwen3NextAttention`: `torch.chunk(q_proj(x).view(.., heads, 2·head_dim), 2, -1)`).
         let (q, gate) = if self.output_gate {
             let qg = q.reshape((seq, nh, 2 * hd))?;
-            (qg.narrow(2, 0, hd)?.reshape((seq, nh * hd))?, Some(qg.narrow(2, hd, hd)?.reshape((seq, nh * hd))?))
+            (
+                qg.narrow(2, 0, hd)?.reshape((seq, nh * hd))?,
+                Some(qg.narrow(2, hd, hd)?.reshape((seq, nh * hd))?),
+            )
         } else {
             (q, None)
         };
@@ -136,10 +150,13 @@ impl Attention {
             let mut rows = vec![0f32; seq * nh * hd]; // [seq, nh, hd]
             for i in 0..seq {
                 for h in 0..nh {
-                    rows[(i * nh + h) * hd..(i * nh + h + 1) * hd].copy_from_slice(&qv[(h * seq + i) * hd..(h * seq + i + 1) * hd]);
+                    rows[(i * nh + h) * hd..(i * nh + h + 1) * hd]
+                        .copy_from_slice(&qv[(h * seq + i) * hd..(h * seq + i + 1) * hd]);
                 }
             }
-            let out = cache.attend_rows(layer, &rows, seq, nh, self.scale as f32, pos + 1)?.ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
+            let out = cache
+                .attend_rows(layer, &rows, seq, nh, self.scale as f32, pos + 1)?
+                .ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
             return finish(Tensor::from_vec(out, (seq, nh * hd), x.device())?);
         }
         let total = k_all.dim(2)?;
@@ -147,10 +164,14 @@ impl Attention {
         let n_rep = nh / nkv;
         let q = q.reshape((1, nkv, n_rep * seq, hd))?;
         let att = (q.matmul(&k_all.t()?)? * self.scale)?;
-        let att = match mask {
-            Some(m) => att.reshape((1, nkv, n_rep, seq, total))?.broadcast_add(m)?.reshape((1, nkv, n_rep * seq, total))?,
-            None => att,
-        };
+        let att =
+            match mask {
+                Some(m) => att
+                    .reshape((1, nkv, n_rep, seq, total))?
+                    .broadcast_add(m)?
+                    .reshape((1, nkv, n_rep * seq, total))?,
+                None => att,
+            };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let out = att.matmul(&v_all)?; // [1, nkv, n_rep·seq, hd]
         finish(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?)
@@ -162,11 +183,14 @@ impl Attention {
 pub const EXACT_ROWS_MAX: usize = 32;
 
 /// Additive causal mask `[seq, past + seq]`: query i may see keys `0..=past + i`.
-pub fn causal_mask(seq: usize, past: usize, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+pub fn causal_mask(
+    seq: usize,
+    past: usize,
+    device: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
     let total = past + seq;
     let mask: Vec<f32> = (0..seq)
         .flat_map(|i| (0..total).map(move |j| if j <= past + i { 0.0 } else { f32::NEG_INFINITY }))
         .collect();
     Tensor::from_vec(mask, (seq, total), device)
 }
-

@@ -68,7 +68,12 @@ impl DFlashDraft {
         let dflash = DFlashConfig::from_files(files)?;
         let cfg = files.config()?;
         let tcfg = target.config();
-        let bad = |m: String| ModelError::Format(strata_formats::FormatError::Invalid { path: files.path().to_path_buf(), message: m });
+        let bad = |m: String| {
+            ModelError::Format(strata_formats::FormatError::Invalid {
+                path: files.path().to_path_buf(),
+                message: m,
+            })
+        };
         if cfg.hidden_size != tcfg.hidden_size {
             return Err(bad(format!("the DFlash draft's hidden size {} differs from the target's {}: it was made for another model", cfg.hidden_size, tcfg.hidden_size)));
         }
@@ -76,10 +81,16 @@ impl DFlashDraft {
             return Err(bad(format!("the DFlash draft reads target layer {l} but the target has {} layers: it was made for another model", tcfg.num_layers)));
         }
         if dflash.mask_token_id as usize >= tcfg.vocab_size {
-            return Err(bad(format!("mask_token_id {} is outside the target's vocabulary ({})", dflash.mask_token_id, tcfg.vocab_size)));
+            return Err(bad(format!(
+                "mask_token_id {} is outside the target's vocabulary ({})",
+                dflash.mask_token_id, tcfg.vocab_size
+            )));
         }
         if let Some(n) = dflash.num_target_layers.filter(|&n| n != tcfg.num_layers) {
-            return Err(bad(format!("the DFlash draft was made for a target with {n} layers but this one has {}", tcfg.num_layers)));
+            return Err(bad(format!(
+                "the DFlash draft was made for a target with {n} layers but this one has {}",
+                tcfg.num_layers
+            )));
         }
         let device = target.device().clone();
         let l = WeightLoader::new(files, device.clone());
@@ -105,8 +116,19 @@ impl DFlashDraft {
         let mut taps = dflash.target_layer_ids.clone();
         taps.sort_unstable();
         taps.dedup();
-        let tap_order = dflash.target_layer_ids.iter().map(|id| taps.iter().position(|t| t == id).unwrap_or(0)).collect();
-        let rope = RotaryEmbedding::new(cfg.rope_theta, cfg.rope_dim, &cfg.rope_scaling, cfg.rope_style, max_positions.max(1), &device)?;
+        let tap_order = dflash
+            .target_layer_ids
+            .iter()
+            .map(|id| taps.iter().position(|t| t == id).unwrap_or(0))
+            .collect();
+        let rope = RotaryEmbedding::new(
+            cfg.rope_theta,
+            cfg.rope_dim,
+            &cfg.rope_scaling,
+            cfg.rope_style,
+            max_positions.max(1),
+            &device,
+        )?;
         Ok(Self {
             fc: l.linear("fc", h, k * h, false)?,
             hidden_norm: RmsNorm::load(&l, "hidden_norm.weight", h, eps)?,
@@ -153,14 +175,24 @@ impl DFlashDraft {
     /// do not draft only keep them).
     pub fn tap_features(&self, target: &Transformer, taps: &[Tensor]) -> Result<Tensor> {
         if taps.len() != self.taps.len() {
-            return Err(ModelError::Candle(candle_core::Error::Msg(format!("DFlash: {} tapped layers, {} expected", taps.len(), self.taps.len()))));
+            return Err(ModelError::Candle(candle_core::Error::Msg(format!(
+                "DFlash: {} tapped layers, {} expected",
+                taps.len(),
+                self.taps.len()
+            ))));
         }
         let parts = self
             .dflash
             .target_layer_ids
             .iter()
             .zip(&self.tap_order)
-            .map(|(&id, &t)| if id + 1 == self.target_layers { target.final_norm(&taps[t]) } else { Ok(taps[t].clone()) })
+            .map(|(&id, &t)| {
+                if id + 1 == self.target_layers {
+                    target.final_norm(&taps[t])
+                } else {
+                    Ok(taps[t].clone())
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&parts, 1)?)
     }
@@ -178,18 +210,31 @@ impl DFlashDraft {
     ///
     /// Errors: `start` does not match `cache.len() + C`; the cache or RoPE table has no room for
     /// the block; a block token is outside the vocabulary.
-    pub fn draft_block(&self, target: &Transformer, cache: &mut KvCache, ctx: Option<&Tensor>, start: usize, block: &[u32]) -> Result<Tensor> {
+    pub fn draft_block(
+        &self,
+        target: &Transformer,
+        cache: &mut KvCache,
+        ctx: Option<&Tensor>,
+        start: usize,
+        block: &[u32],
+    ) -> Result<Tensor> {
         let c = match ctx {
             Some(t) => t.dim(0)?,
             None => 0,
         };
         if cache.len() + c != start {
-            return Err(ModelError::Candle(candle_core::Error::Msg(format!("DFlash: draft cache holds {} positions + {c} new, but the block starts at {start}", cache.len()))));
+            return Err(ModelError::Candle(candle_core::Error::Msg(format!(
+                "DFlash: draft cache holds {} positions + {c} new, but the block starts at {start}",
+                cache.len()
+            ))));
         }
         let b = block.len();
         cache.check_room(c + b)?;
         if start + b > self.rope.max_positions() {
-            return Err(ModelError::ContextFull { needed: start + b, capacity: self.rope.max_positions() });
+            return Err(ModelError::ContextFull {
+                needed: start + b,
+                capacity: self.rope.max_positions(),
+            });
         }
         let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
         let scale = 1.0 / (hd as f64).sqrt();
@@ -209,8 +254,13 @@ impl DFlashDraft {
                 Some(t) => Tensor::cat(&[t, &xn], 0)?,
                 None => xn.clone(),
             };
-            let q = self.rope.apply(&heads(layer.q.forward_batched(&xn)?, b, nh, Some(&layer.q_norm))?, start)?;
-            let k = self.rope.apply(&heads(layer.k.forward_batched(&kv_in)?, c + b, nkv, Some(&layer.k_norm))?, start - c)?;
+            let q = self
+                .rope
+                .apply(&heads(layer.q.forward_batched(&xn)?, b, nh, Some(&layer.q_norm))?, start)?;
+            let k = self.rope.apply(
+                &heads(layer.k.forward_batched(&kv_in)?, c + b, nkv, Some(&layer.k_norm))?,
+                start - c,
+            )?;
             let v = heads(layer.v.forward_batched(&kv_in)?, c + b, nkv, None)?;
             let (k_all, v_all) = cache.append(i, &k, &v)?;
             // Bidirectional attention over everything cached: no mask. Query heads sharing a kv
@@ -219,7 +269,8 @@ impl DFlashDraft {
             let q = q.reshape((1, nkv, n_rep * b, hd))?;
             let att = (q.matmul(&k_all.t()?)? * scale)?;
             let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let out = att.matmul(&v_all)?.reshape((nh, b, hd))?.transpose(0, 1)?.reshape((b, nh * hd))?;
+            let out =
+                att.matmul(&v_all)?.reshape((nh, b, hd))?.transpose(0, 1)?.reshape((b, nh * hd))?;
             x = (x + layer.o.forward_batched(&out)?)?;
             let xn = layer.post_norm.forward(&x)?;
             let g = candle_nn::ops::silu(&layer.gate.forward_batched(&xn)?)?;

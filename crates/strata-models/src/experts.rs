@@ -67,7 +67,13 @@ impl FusedExperts {
     pub fn forward(&self, x: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (seq, h) = x.dims2()?;
         // The kernels read their input from the start of its buffer: give them packed tensors.
-        let packed = |t: Tensor| if t.is_contiguous() && t.layout().start_offset() == 0 { Ok(t) } else { t.affine(1.0, 0.0) };
+        let packed = |t: Tensor| {
+            if t.is_contiguous() && t.layout().start_offset() == 0 {
+                Ok(t)
+            } else {
+                t.affine(1.0, 0.0)
+            }
+        };
         let x3 = packed(x.reshape((seq, 1, h))?)?;
         let g = self.gate.indexed_moe_forward(&x3, ids)?;
         let u = self.up.indexed_moe_forward(&x3, ids)?;
@@ -193,7 +199,8 @@ impl ExpertStats {
             prefetch_reads: self.prefetch_reads - earlier.prefetch_reads,
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
             prefetch_candidates: self.prefetch_candidates - earlier.prefetch_candidates,
-            prefetch_candidates_used: self.prefetch_candidates_used - earlier.prefetch_candidates_used,
+            prefetch_candidates_used: self.prefetch_candidates_used
+                - earlier.prefetch_candidates_used,
             uploads: self.uploads - earlier.uploads,
             upload_bytes: self.upload_bytes - earlier.upload_bytes,
         }
@@ -202,12 +209,20 @@ impl ExpertStats {
     /// Fraction of expert lookups served from the cache (1.0 when there were none).
     pub fn hit_rate(&self) -> f64 {
         let n = self.hits + self.misses;
-        if n == 0 { 1.0 } else { self.hits as f64 / n as f64 }
+        if n == 0 {
+            1.0
+        } else {
+            self.hits as f64 / n as f64
+        }
     }
 
     /// Achieved read bandwidth while reads were in flight, GB/s (10⁹ bytes per second).
     pub fn read_gbps(&self) -> f64 {
-        if self.io_busy_ns == 0 { 0.0 } else { self.bytes_read as f64 / self.io_busy_ns as f64 }
+        if self.io_busy_ns == 0 {
+            0.0
+        } else {
+            self.bytes_read as f64 / self.io_busy_ns as f64
+        }
     }
 }
 
@@ -221,7 +236,10 @@ pub struct ResidentExperts {
 
 impl ResidentExperts {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![Vec::new(); num_layers], fused: (0..num_layers).map(|_| None).collect() }
+        Self {
+            layers: vec![Vec::new(); num_layers],
+            fused: (0..num_layers).map(|_| None).collect(),
+        }
     }
 
     /// From experts already built: `layers[l]` holds layer `l`'s experts (empty for dense layers).
@@ -231,17 +249,32 @@ impl ResidentExperts {
     }
 
     /// Resolves and checks layer `layer`'s expert tensors, then reads all of them.
-    pub fn load_layer(&mut self, files: &ModelFiles, cfg: &ModelConfig, layer: usize, device: &Device) -> Result<()> {
+    pub fn load_layer(
+        &mut self,
+        files: &ModelFiles,
+        cfg: &ModelConfig,
+        layer: usize,
+        device: &Device,
+    ) -> Result<()> {
         let Some(m) = &cfg.moe else { return Ok(()) };
-        let dims = ExpertDims { num_experts: m.num_experts, hidden: cfg.hidden_size, intermediate: m.expert_intermediate_size };
+        let dims = ExpertDims {
+            num_experts: m.num_experts,
+            hidden: cfg.hidden_size,
+            intermediate: m.expert_intermediate_size,
+        };
         let layout = files.expert_layout(layer, dims)?;
         // On a GPU, GGUF experts in a format candle's fused MoE kernels take are held as the three
         // 3-D tensors (STRATA_FUSED_MOE=0: one tensor per expert, as on the CPU).
-        if let (false, ModelFiles::Gguf(g), ExpertLayout::Gguf { gate, up, down }) = (device.is_cpu(), files, &layout) {
-            let all = [gate, up, down].iter().all(|n| g.tensor_info(n).is_ok_and(|t| FusedExperts::supports(t.dtype)));
+        if let (false, ModelFiles::Gguf(g), ExpertLayout::Gguf { gate, up, down }) =
+            (device.is_cpu(), files, &layout)
+        {
+            let all = [gate, up, down]
+                .iter()
+                .all(|n| g.tensor_info(n).is_ok_and(|t| FusedExperts::supports(t.dtype)));
             if all && !std::env::var("STRATA_FUSED_MOE").is_ok_and(|v| v == "0") {
                 let q = |n: &str| g.read_qtensor(n, device);
-                self.fused[layer] = Some(FusedExperts { gate: q(gate)?, up: q(up)?, down: q(down)? });
+                self.fused[layer] =
+                    Some(FusedExperts { gate: q(gate)?, up: q(up)?, down: q(down)? });
                 return Ok(());
             }
         }
@@ -252,14 +285,17 @@ impl ResidentExperts {
             ExpertLayout::HfFused { gate_up, .. } => format!("{gate_up}[{e}]"),
         };
         self.layers[layer] = (0..m.num_experts)
-            .map(|e| Expert::from_tensors(files.load_expert(&layout, e, device)?, &name(e)).map(Arc::new))
+            .map(|e| {
+                Expert::from_tensors(files.load_expert(&layout, e, device)?, &name(e)).map(Arc::new)
+            })
             .collect::<Result<_>>()?;
         Ok(())
     }
 
     /// Total bytes of all experts held.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(|e| e.bytes).sum::<usize>() + self.fused.iter().flatten().map(FusedExperts::bytes).sum::<usize>()
+        self.layers.iter().flatten().map(|e| e.bytes).sum::<usize>()
+            + self.fused.iter().flatten().map(FusedExperts::bytes).sum::<usize>()
     }
 }
 
@@ -273,10 +309,10 @@ impl ExpertProvider for ResidentExperts {
     }
 
     fn expert(&self, layer: usize, expert: usize) -> Result<Arc<Expert>> {
-        self.layers
-            .get(layer)
-            .and_then(|l| l.get(expert))
-            .cloned()
-            .ok_or_else(|| ModelError::Candle(candle_core::Error::msg(format!("layer {layer} has no expert {expert}"))))
+        self.layers.get(layer).and_then(|l| l.get(expert)).cloned().ok_or_else(|| {
+            ModelError::Candle(candle_core::Error::msg(format!(
+                "layer {layer} has no expert {expert}"
+            )))
+        })
     }
 }

@@ -68,8 +68,14 @@ fn grouped_ba(d: &GdnDims, base: usize) -> Vec<usize> {
 fn grouped_qkvz(d: &GdnDims) -> Vec<usize> {
     let rv = d.value_width() / d.k_heads;
     let group = 2 * d.k_dim + 2 * rv;
-    let part = |off: usize, width: usize| (0..d.k_heads).flat_map(move |g| (0..width).map(move |i| g * group + off + i));
-    part(0, d.k_dim).chain(part(d.k_dim, d.k_dim)).chain(part(2 * d.k_dim, rv)).chain(part(2 * d.k_dim + rv, rv)).collect()
+    let part = |off: usize, width: usize| {
+        (0..d.k_heads).flat_map(move |g| (0..width).map(move |i| g * group + off + i))
+    };
+    part(0, d.k_dim)
+        .chain(part(d.k_dim, d.k_dim))
+        .chain(part(2 * d.k_dim, rv))
+        .chain(part(2 * d.k_dim + rv, rv))
+        .collect()
 }
 
 impl GatedDeltaNet {
@@ -77,7 +83,12 @@ impl GatedDeltaNet {
     /// `ssm_beta`/`ssm_alpha` (qwen35moe), or HF `in_proj_qkvz` + `in_proj_ba` (Qwen3-Next) or
     /// `in_proj_qkv`/`z`/`b`/`a` (Qwen3.5); conv1d `[conv_dim, kernel]` (GGUF) or
     /// `[conv_dim, 1, kernel]` (HF); `ssm_a = −exp(A_log)` (GGUF) or `A_log` (HF).
-    pub fn load(l: &WeightLoader, cfg: &ModelConfig, la: &LinearAttnConfig, layer: usize) -> Result<Self> {
+    pub fn load(
+        l: &WeightLoader,
+        cfg: &ModelConfig,
+        la: &LinearAttnConfig,
+        layer: usize,
+    ) -> Result<Self> {
         let p = |s: &str| format!("blk.{layer}.{s}");
         let d = GdnDims::new(la);
         let h = cfg.hidden_size;
@@ -142,14 +153,18 @@ impl GatedDeltaNet {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let widths: Vec<usize> = self.in_proj.iter().map(Linear::out_dim).collect();
         let total: usize = widths.iter().sum();
-        let (state, mut log) = cache.recurrent_mut(layer).ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} has no recurrent state")))?;
+        let (state, mut log) = cache.recurrent_mut(layer).ok_or_else(|| {
+            candle_core::Error::Msg(format!("layer {layer} has no recurrent state"))
+        })?;
 
         let mut cat = vec![0f32; total];
         let mut row = vec![0f32; cd + vw + 2 * nv];
         let mut conv = vec![0f32; cd];
         // Per token: q, k (normalised), v, log-decay g, β, and the output gate z.
-        let (mut q_all, mut k_all, mut v_all) = (vec![0f32; seq * kw], vec![0f32; seq * kw], vec![0f32; seq * vw]);
-        let (mut g_all, mut beta_all, mut z_all) = (vec![0f32; seq * nv], vec![0f32; seq * nv], vec![0f32; seq * vw]);
+        let (mut q_all, mut k_all, mut v_all) =
+            (vec![0f32; seq * kw], vec![0f32; seq * kw], vec![0f32; seq * vw]);
+        let (mut g_all, mut beta_all, mut z_all) =
+            (vec![0f32; seq * nv], vec![0f32; seq * nv], vec![0f32; seq * vw]);
         let mut decay = vec![0f32; nv];
         let q_scale = 1.0 / (d.k_dim as f32).sqrt();
         for t in 0..seq {
@@ -217,9 +232,12 @@ impl GatedDeltaNet {
                 // SAFETY: head hh's state slice is touched by this task only.
                 let s = unsafe { std::slice::from_raw_parts_mut(ssm.0.add(hh * head), head) };
                 for t in 0..seq {
-                    hq[t * dk..(t + 1) * dk].copy_from_slice(&q_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
-                    hk[t * dk..(t + 1) * dk].copy_from_slice(&k_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
-                    hv[t * dv..(t + 1) * dv].copy_from_slice(&v_all[t * vw + hh * dv..t * vw + (hh + 1) * dv]);
+                    hq[t * dk..(t + 1) * dk]
+                        .copy_from_slice(&q_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
+                    hk[t * dk..(t + 1) * dk]
+                        .copy_from_slice(&k_all[t * kw + kh * dk..t * kw + (kh + 1) * dk]);
+                    hv[t * dv..(t + 1) * dv]
+                        .copy_from_slice(&v_all[t * vw + hh * dv..t * vw + (hh + 1) * dv]);
                 }
                 let g: Vec<f32> = (0..seq).map(|t| g_all[t * nv + hh]).collect();
                 let beta: Vec<f32> = (0..seq).map(|t| beta_all[t * nv + hh]).collect();
@@ -227,15 +245,28 @@ impl GatedDeltaNet {
                     chunked_delta_rule(s, &hq, &hk, &hv, &g, &beta, CHUNK, &mut ho);
                 } else {
                     for t in 0..seq {
-                        delta_update(s, &hk[t * dk..(t + 1) * dk], &hv[t * dv..(t + 1) * dv], g[t].exp(), beta[t], &mut mem);
+                        delta_update(
+                            s,
+                            &hk[t * dk..(t + 1) * dk],
+                            &hv[t * dv..(t + 1) * dv],
+                            g[t].exp(),
+                            beta[t],
+                            &mut mem,
+                        );
                         delta_readout(s, &hq[t * dk..(t + 1) * dk], &mut ho[t * dv..(t + 1) * dv]);
                     }
                 }
                 for t in 0..seq {
                     // SAFETY: columns hh·dv..(hh+1)·dv of every row are written by this task only.
-                    let o = unsafe { std::slice::from_raw_parts_mut(outp.0.add(t * vw + hh * dv), dv) };
+                    let o =
+                        unsafe { std::slice::from_raw_parts_mut(outp.0.add(t * vw + hh * dv), dv) };
                     o.copy_from_slice(&ho[t * dv..(t + 1) * dv]);
-                    gated_rms_norm(o, &z_all[t * vw + hh * dv..t * vw + (hh + 1) * dv], &self.norm_w, self.eps);
+                    gated_rms_norm(
+                        o,
+                        &z_all[t * vw + hh * dv..t * vw + (hh + 1) * dv],
+                        &self.norm_w,
+                        self.eps,
+                    );
                 }
             }
         });
@@ -295,7 +326,16 @@ pub const CHUNK: usize = 64;
 /// `s: [k_dim, v_dim]` (updated in place), `q, k: [T, k_dim]` (normalised, q scaled),
 /// `v: [T, v_dim]`, `g: [T]` log-decays (≤ 0), `beta: [T]`, `out: [T, v_dim]`.
 #[allow(clippy::too_many_arguments)]
-pub fn chunked_delta_rule(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], chunk: usize, out: &mut [f32]) {
+pub fn chunked_delta_rule(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    chunk: usize,
+    out: &mut [f32],
+) {
     let t_len = g.len();
     let dk = k.len() / t_len.max(1);
     let dv = v.len() / t_len.max(1);
@@ -420,14 +460,23 @@ mod tests {
         let beta: Vec<f32> = (0..t_len).map(|_| sigmoid(2.0 * rnd())).collect();
         let s0: Vec<f32> = (0..dk * dv).map(|_| 0.5 * rnd()).collect();
 
-        let (mut s_rec, mut out_rec, mut mem) = (s0.clone(), vec![0f32; t_len * dv], vec![0f32; dv]);
+        let (mut s_rec, mut out_rec, mut mem) =
+            (s0.clone(), vec![0f32; t_len * dv], vec![0f32; dv]);
         for t in 0..t_len {
-            delta_update(&mut s_rec, &k[t * dk..(t + 1) * dk], &v[t * dv..(t + 1) * dv], g[t].exp(), beta[t], &mut mem);
+            delta_update(
+                &mut s_rec,
+                &k[t * dk..(t + 1) * dk],
+                &v[t * dv..(t + 1) * dv],
+                g[t].exp(),
+                beta[t],
+                &mut mem,
+            );
             delta_readout(&s_rec, &q[t * dk..(t + 1) * dk], &mut out_rec[t * dv..(t + 1) * dv]);
         }
         let (mut s_chk, mut out_chk) = (s0, vec![0f32; t_len * dv]);
         chunked_delta_rule(&mut s_chk, &q, &k, &v, &g, &beta, CHUNK, &mut out_chk);
-        let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let diff =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
         assert!(diff(&out_rec, &out_chk) < 1e-5, "outputs differ by {}", diff(&out_rec, &out_chk));
         assert!(diff(&s_rec, &s_chk) < 1e-5, "states differ by {}", diff(&s_rec, &s_chk));
     }

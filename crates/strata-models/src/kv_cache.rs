@@ -27,7 +27,8 @@ impl KvCache {
     /// Allocates `2 · attention_layers · kv_heads · capacity · head_dim · 4` bytes of KV cache and
     /// [`ModelConfig::recurrent_state_bytes`] of recurrent state.
     pub fn new(cfg: &ModelConfig, capacity: usize, device: &Device) -> Result<Self> {
-        let mk = || Tensor::zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), DType::F32, device);
+        let mk =
+            || Tensor::zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), DType::F32, device);
         let (mut k, mut v, mut slot) = (Vec::new(), Vec::new(), Vec::with_capacity(cfg.num_layers));
         for i in 0..cfg.num_layers {
             if cfg.is_recurrent_layer(i) {
@@ -38,8 +39,20 @@ impl KvCache {
                 v.push(mk()?);
             }
         }
-        let routing = cfg.moe.as_ref().filter(|m| m.synthetic_routing.is_some()).map(|m| RoutingHistory::new(cfg.num_layers, m.experts_per_token));
-        Ok(Self { k, v, slot, recurrent: RecurrentCache::new(cfg.linear_attn.as_ref()), routing, len: 0, capacity })
+        let routing = cfg
+            .moe
+            .as_ref()
+            .filter(|m| m.synthetic_routing.is_some())
+            .map(|m| RoutingHistory::new(cfg.num_layers, m.experts_per_token));
+        Ok(Self {
+            k,
+            v,
+            slot,
+            recurrent: RecurrentCache::new(cfg.linear_attn.as_ref()),
+            routing,
+            len: 0,
+            capacity,
+        })
     }
 
     /// The routing history of a synthetic model's routers (`None` for every other model).
@@ -48,7 +61,10 @@ impl KvCache {
     }
 
     /// Layer `layer`'s recurrent state and, while a checkpoint is held, its update log.
-    pub fn recurrent_mut(&mut self, layer: usize) -> Option<(&mut LinearState, Option<&mut StepLog>)> {
+    pub fn recurrent_mut(
+        &mut self,
+        layer: usize,
+    ) -> Option<(&mut LinearState, Option<&mut StepLog>)> {
         self.recurrent.layer_mut(layer)
     }
 
@@ -103,7 +119,12 @@ impl KvCache {
     /// Writes `k, v: [1, kv_heads, n, head_dim]` of `layer` at positions `len..len+n` and returns
     /// views of positions `0..len+n`. [`KvCache::advance`] commits the `n` tokens after the last
     /// layer.
-    pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    pub fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let n = k.dim(2)?;
         let layer = self.kv_slot(layer)?;
         self.k[layer].slice_set(&k.contiguous()?, 2, self.len)?;
@@ -113,7 +134,11 @@ impl KvCache {
     }
 
     fn kv_slot(&self, layer: usize) -> candle_core::Result<usize> {
-        self.slot.get(layer).copied().flatten().ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} has no KV cache")))
+        self.slot
+            .get(layer)
+            .copied()
+            .flatten()
+            .ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} has no KV cache")))
     }
 
     /// Decode and verify fast path (CPU): attention of `seq` consecutive query rows
@@ -121,17 +146,29 @@ impl KvCache {
     /// `first = len + 1`, the token just appended included); returns `[seq, n_heads · head_dim]`.
     /// Every row's result equals decoding that token alone. `None` when the cache is not on the
     /// CPU.
-    pub fn attend_rows(&self, layer: usize, q: &[f32], seq: usize, n_heads: usize, scale: f32, first: usize) -> candle_core::Result<Option<Vec<f32>>> {
+    pub fn attend_rows(
+        &self,
+        layer: usize,
+        q: &[f32],
+        seq: usize,
+        n_heads: usize,
+        scale: f32,
+        first: usize,
+    ) -> candle_core::Result<Option<Vec<f32>>> {
         let layer = self.kv_slot(layer)?;
         let (ks, kl) = self.k[layer].storage_and_layout();
         let (vs, vl) = self.v[layer].storage_and_layout();
-        let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&*ks, &*vs) else { return Ok(None) };
+        let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&*ks, &*vs) else {
+            return Ok(None);
+        };
         let k = &kc.as_slice::<f32>()?[kl.start_offset()..];
         let v = &vc.as_slice::<f32>()?[vl.start_offset()..];
         let (_, n_kv_heads, capacity, head_dim) = self.k[layer].dims4()?;
         let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
         let mut out = vec![0f32; seq * n_heads * head_dim];
-        strata_kernels::attention::attend_rows(q, k, v, layout, n_heads, seq, first, scale, &mut out);
+        strata_kernels::attention::attend_rows(
+            q, k, v, layout, n_heads, seq, first, scale, &mut out,
+        );
         Ok(Some(out))
     }
 
@@ -148,6 +185,8 @@ impl KvCache {
 
     /// Bytes allocated (KV cache, recurrent state and its checkpoint).
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum::<usize>() + self.recurrent.bytes() + self.routing.as_ref().map_or(0, RoutingHistory::bytes)
+        self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum::<usize>()
+            + self.recurrent.bytes()
+            + self.routing.as_ref().map_or(0, RoutingHistory::bytes)
     }
 }

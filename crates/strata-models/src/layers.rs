@@ -98,7 +98,9 @@ impl Linear {
     /// formats ([`expert_kernel_format`]).
     pub fn for_expert(w: Weight) -> candle_core::Result<Self> {
         match w {
-            Weight::Quantized(q) => Self::from_shared_with(std::sync::Arc::new(q), expert_kernel_format),
+            Weight::Quantized(q) => {
+                Self::from_shared_with(std::sync::Arc::new(q), expert_kernel_format)
+            }
             dense => Self::new(dense, None),
         }
     }
@@ -109,16 +111,25 @@ impl Linear {
         Self::from_shared_with(q, kernel_format)
     }
 
-    fn from_shared_with(q: std::sync::Arc<QTensor>, formats: fn(GgmlDType) -> Option<strata_kernels::BlockFormat>) -> candle_core::Result<Self> {
+    fn from_shared_with(
+        q: std::sync::Arc<QTensor>,
+        formats: fn(GgmlDType) -> Option<strata_kernels::BlockFormat>,
+    ) -> candle_core::Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
         if q.device().is_cpu() && std::env::var("STRATA_CPU_DEQUANTIZE").is_ok_and(|v| v == "1") {
             // Diagnostics (`strata compare-devices`): f32 weights and activations on the CPU, the
             // reference for GPU kernels that dequantize weights and keep activations in f32.
-            return Ok(Self { w: LinearWeight::Candle(QMatMul::Tensor(q.dequantize(&candle_core::Device::Cpu)?)), b: None, out_dim: rows });
+            return Ok(Self {
+                w: LinearWeight::Candle(QMatMul::Tensor(q.dequantize(&candle_core::Device::Cpu)?)),
+                b: None,
+                out_dim: rows,
+            });
         }
         let w = match formats(q.dtype()) {
             Some(format) if q.device().is_cpu() => {
-                let m = strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols).map_err(candle_core::Error::msg)?;
+                let m =
+                    strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols)
+                        .map_err(candle_core::Error::msg)?;
                 LinearWeight::Kernel(std::sync::Arc::new(m))
             }
             _ => LinearWeight::Candle(QMatMul::from_arc(q)?),
@@ -146,7 +157,18 @@ impl Linear {
         let b = if parts.iter().any(|p| p.b.is_some()) {
             let bs = parts
                 .iter()
-                .map(|p| p.b.clone().map_or_else(|| Tensor::zeros(p.out_dim, candle_core::DType::F32, &candle_core::Device::Cpu), Ok))
+                .map(|p| {
+                    p.b.clone().map_or_else(
+                        || {
+                            Tensor::zeros(
+                                p.out_dim,
+                                candle_core::DType::F32,
+                                &candle_core::Device::Cpu,
+                            )
+                        },
+                        Ok,
+                    )
+                })
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Some(Tensor::cat(&bs, 0)?)
         } else {
@@ -173,7 +195,9 @@ impl Linear {
         match &self.w {
             LinearWeight::Kernel(m) => m.size_in_bytes(),
             LinearWeight::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
-            LinearWeight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.elem_count() * t.dtype().size_in_bytes(),
+            LinearWeight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
         }
     }
 
@@ -193,11 +217,17 @@ impl Linear {
         let y = match &self.w {
             LinearWeight::Candle(w) => {
                 let rows = if x.rank() == 2 { x.dim(0)? } else { 0 };
-                if exact_rows && rows > 1 && rows <= crate::attention::EXACT_ROWS_MAX && x.device().is_cpu() {
+                if exact_rows
+                    && rows > 1
+                    && rows <= crate::attention::EXACT_ROWS_MAX
+                    && x.device().is_cpu()
+                {
                     // candle's multi-row CPU kernels (x86 repacked Q4_K tiles) sum in another order
                     // than its one-row kernel: short passes (speculative verification) go row by row
                     // so that their outputs are bit-identical to decoding.
-                    let parts = (0..rows).map(|r| w.forward(&x.narrow(0, r, 1)?)).collect::<candle_core::Result<Vec<_>>>()?;
+                    let parts = (0..rows)
+                        .map(|r| w.forward(&x.narrow(0, r, 1)?))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
                     Tensor::cat(&parts, 0)?
                 } else {
                     w.forward(x)?

@@ -17,12 +17,12 @@ pub mod rope;
 pub mod synthetic_routing;
 pub mod transformer;
 
+pub use attention::EXACT_ROWS_MAX;
 pub use dflash::DFlashDraft;
 pub use error::{ModelError, Result};
 pub use experts::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ResidentExperts};
 pub use kv_cache::KvCache;
 pub use moe::{LayerRouting, Router, SeqRoute, SparseMoe};
+pub use prefetch::{PredictorStats, PrefetchMode, PrefetchStats};
 pub use synthetic_routing::{RoutingHistory, SyntheticRouter};
-pub use prefetch::{PrefetchMode, PrefetchStats, PredictorStats};
-pub use attention::EXACT_ROWS_MAX;
 pub use transformer::{ForwardOutput, Logits, Transformer};

@@ -40,9 +40,19 @@ impl Mlp {
 
     /// Loads `blk.{layer}.ffn_{gate,up,down}{suffix}` (GGUF names): `suffix` is `""` for a dense
     /// layer, `"_shexp"` for a shared expert.
-    pub fn load(l: &WeightLoader, layer: usize, suffix: &str, hidden: usize, inter: usize) -> Result<Self> {
+    pub fn load(
+        l: &WeightLoader,
+        layer: usize,
+        suffix: &str,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Self> {
         let n = |p: &str| format!("blk.{layer}.ffn_{p}{suffix}");
-        Self::new(l.linear(&n("gate"), inter, hidden, false)?, l.linear(&n("up"), inter, hidden, false)?, l.linear(&n("down"), hidden, inter, false)?)
+        Self::new(
+            l.linear(&n("gate"), inter, hidden, false)?,
+            l.linear(&n("up"), inter, hidden, false)?,
+            l.linear(&n("down"), hidden, inter, false)?,
+        )
     }
 
     /// Bytes of the weight matrices as held.
@@ -56,16 +66,23 @@ impl Mlp {
 
     /// gate and up through candle's fused kernel (one activation quantization, one parallel region)
     /// when both are candle-quantized and the kernel supports the format; `None` otherwise.
-    fn fused_candle_gate_up(gate: &Linear, up: &Linear, x: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
-        let (Some(g), Some(u)) = (gate.candle_qtensor(), up.candle_qtensor()) else { return Ok(None) };
+    fn fused_candle_gate_up(
+        gate: &Linear,
+        up: &Linear,
+        x: &Tensor,
+    ) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        let (Some(g), Some(u)) = (gate.candle_qtensor(), up.candle_qtensor()) else {
+            return Ok(None);
+        };
         if !x.device().is_cpu() {
             return Ok(None);
         }
         let x = x.contiguous()?;
-        Ok(candle_core::quantized::QTensor::gemv_fused_shared_lhs(&[g.as_ref(), u.as_ref()], &x)?.and_then(|mut v| {
-            let u = v.pop()?;
-            Some((v.pop()?, u))
-        }))
+        Ok(candle_core::quantized::QTensor::gemv_fused_shared_lhs(&[g.as_ref(), u.as_ref()], &x)?
+            .and_then(|mut v| {
+                let u = v.pop()?;
+                Some((v.pop()?, u))
+            }))
     }
 
     /// `x: [seq, hidden] → [seq, hidden]`.

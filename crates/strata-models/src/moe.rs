@@ -114,19 +114,40 @@ impl Router {
     /// records them in its history, unless `predict`); otherwise the logits' top-k. With
     /// `predict`, the result is pre-gating's prediction for this layer (synthetic: of the
     /// configured recall; otherwise the plain routing).
-    pub fn route_seq(&self, x: &Tensor, layer: usize, seq: Option<SeqRoute<'_>>, predict: bool) -> Result<LayerRouting> {
+    pub fn route_seq(
+        &self,
+        x: &Tensor,
+        layer: usize,
+        seq: Option<SeqRoute<'_>>,
+        predict: bool,
+    ) -> Result<LayerRouting> {
         let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
-        let mut routing = LayerRouting { layer, top_k: self.top_k(), expert_ids: Vec::new(), weights: Vec::new() };
+        let mut routing = LayerRouting {
+            layer,
+            top_k: self.top_k(),
+            expert_ids: Vec::new(),
+            weights: Vec::new(),
+        };
         match (&self.synthetic, seq) {
             (Some(s), Some(seq)) => {
                 if seq.tokens.len() != logits.len() {
-                    return Err(candle_core::Error::Msg(format!("{} rows routed with {} token positions", logits.len(), seq.tokens.len())).into());
+                    return Err(candle_core::Error::Msg(format!(
+                        "{} rows routed with {} token positions",
+                        logits.len(),
+                        seq.tokens.len()
+                    ))
+                    .into());
                 }
-                let mut prev: Option<Vec<u32>> = seq.start.checked_sub(1).and_then(|p| seq.history.get(layer, p)).map(<[u32]>::to_vec);
+                let mut prev: Option<Vec<u32>> = seq
+                    .start
+                    .checked_sub(1)
+                    .and_then(|p| seq.history.get(layer, p))
+                    .map(<[u32]>::to_vec);
                 for (i, row) in logits.iter().enumerate() {
                     let (pos, token) = (seq.start + i, seq.tokens[i]);
                     let actual = s.route(pos, token, prev.as_deref());
-                    let chosen = if predict { s.predict(pos, token, &actual) } else { actual.clone() };
+                    let chosen =
+                        if predict { s.predict(pos, token, &actual) } else { actual.clone() };
                     if !predict {
                         seq.history.set(layer, pos, &actual);
                     }
@@ -218,8 +239,11 @@ impl SparseMoe {
         // A router bias (`ffn_gate_inp.bias`) is optional: synthetic models plant routing skew there.
         let name = format!("blk.{layer}.ffn_gate_inp");
         let gate = l.linear(&name, m.num_experts, h, l.has(&format!("{name}.bias")))?;
-        let synthetic = m.synthetic_routing.map(|r| SyntheticRouter::new(r, layer, m.num_experts, m.experts_per_token));
-        let router = Router::new(gate, m.experts_per_token, m.norm_topk_prob, m.scoring).with_synthetic(synthetic);
+        let synthetic = m
+            .synthetic_routing
+            .map(|r| SyntheticRouter::new(r, layer, m.num_experts, m.experts_per_token));
+        let router = Router::new(gate, m.experts_per_token, m.norm_topk_prob, m.scoring)
+            .with_synthetic(synthetic);
         let shared = match m.shared_expert_intermediate_size {
             Some(i) => Some(SharedExpert {
                 mlp: Mlp::load(l, layer, "_shexp", h, i)?,
@@ -242,7 +266,11 @@ impl SparseMoe {
     ///
     /// Tokens are grouped by expert, so each selected expert runs once on all its tokens (one matmul
     /// per expert for prefill, one matvec per selected expert for decode).
-    pub fn forward(&self, x: &Tensor, experts: &dyn ExpertProvider) -> Result<(Tensor, LayerRouting)> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        experts: &dyn ExpertProvider,
+    ) -> Result<(Tensor, LayerRouting)> {
         let routing = self.route(x)?;
         experts.will_need(self.layer, &routing.expert_ids);
         Ok((self.forward_routed(x, &routing, experts)?, routing))
@@ -255,13 +283,23 @@ impl SparseMoe {
 
     /// The router's decision for `x: [seq, hidden]` at the sequence positions `seq` gives (see
     /// [`Router::route_seq`]; `predict`: pre-gating's prediction, nothing recorded).
-    pub fn route_seq(&self, x: &Tensor, seq: Option<SeqRoute<'_>>, predict: bool) -> Result<LayerRouting> {
+    pub fn route_seq(
+        &self,
+        x: &Tensor,
+        seq: Option<SeqRoute<'_>>,
+        predict: bool,
+    ) -> Result<LayerRouting> {
         self.router.route_seq(x, self.layer, seq, predict)
     }
 
     /// [`Self::forward`] with the routing already made (the caller has told the provider what it
     /// will need, and may have started prefetches meanwhile).
-    pub fn forward_routed(&self, x: &Tensor, routing: &LayerRouting, experts: &dyn ExpertProvider) -> Result<Tensor> {
+    pub fn forward_routed(
+        &self,
+        x: &Tensor,
+        routing: &LayerRouting,
+        experts: &dyn ExpertProvider,
+    ) -> Result<Tensor> {
         let (seq, h) = x.dims2()?;
         if let Some(call) = experts.fused(self.layer, &routing.expert_ids) {
             return self.forward_fused(x, routing, call?);
@@ -308,7 +346,12 @@ impl SparseMoe {
 
     /// [`Self::forward`] over [`FusedExperts`]: one launch per projection for every selected
     /// expert, weighted sum over the top-k on the device.
-    fn forward_fused(&self, x: &Tensor, routing: &LayerRouting, call: FusedCall<'_>) -> Result<Tensor> {
+    fn forward_fused(
+        &self,
+        x: &Tensor,
+        routing: &LayerRouting,
+        call: FusedCall<'_>,
+    ) -> Result<Tensor> {
         let (seq, _) = x.dims2()?;
         let (dev, k) = (x.device(), routing.top_k);
         let rows = call.rows.unwrap_or_else(|| routing.expert_ids.clone());
@@ -324,13 +367,20 @@ impl SparseMoe {
 
     /// GPU path of [`Self::forward`]: expert outputs weighted and summed on the device (no copy
     /// to the host per expert; the router's top-k is the only host round trip per layer).
-    fn combine_on_device(&self, x: &Tensor, by_expert: BTreeMap<u32, Vec<(u32, f32)>>, experts: &dyn ExpertProvider) -> Result<Tensor> {
+    fn combine_on_device(
+        &self,
+        x: &Tensor,
+        by_expert: BTreeMap<u32, Vec<(u32, f32)>>,
+        experts: &dyn ExpertProvider,
+    ) -> Result<Tensor> {
         let (seq, h) = x.dims2()?;
         let dev = x.device();
         let mut acc = Tensor::zeros((seq, h), x.dtype(), dev)?;
         for (e, tokens) in by_expert {
             let expert = experts.expert(self.layer, e as usize)?;
-            let w = Tensor::new(tokens.iter().map(|&(_, w)| w).collect::<Vec<f32>>(), dev)?.to_dtype(x.dtype())?.unsqueeze(1)?;
+            let w = Tensor::new(tokens.iter().map(|&(_, w)| w).collect::<Vec<f32>>(), dev)?
+                .to_dtype(x.dtype())?
+                .unsqueeze(1)?;
             if tokens.len() == seq {
                 acc = (acc + expert.mlp.forward(x)?.broadcast_mul(&w)?)?;
             } else {

@@ -70,16 +70,28 @@ pub struct PredictorStats {
 impl PredictorStats {
     /// `correct / predicted` (1.0 when nothing was predicted).
     pub fn precision(&self) -> f64 {
-        if self.predicted == 0 { 1.0 } else { self.correct as f64 / self.predicted as f64 }
+        if self.predicted == 0 {
+            1.0
+        } else {
+            self.correct as f64 / self.predicted as f64
+        }
     }
 
     /// `correct / actual` (0.0 when no layer was predicted).
     pub fn recall(&self) -> f64 {
-        if self.actual == 0 { 0.0 } else { self.correct as f64 / self.actual as f64 }
+        if self.actual == 0 {
+            0.0
+        } else {
+            self.correct as f64 / self.actual as f64
+        }
     }
 
     fn since(&self, e: &Self) -> Self {
-        Self { predicted: self.predicted - e.predicted, correct: self.correct - e.correct, actual: self.actual - e.actual }
+        Self {
+            predicted: self.predicted - e.predicted,
+            correct: self.correct - e.correct,
+            actual: self.actual - e.actual,
+        }
     }
 
     fn score(&mut self, predicted: &[u32], actual: &[u32]) {
@@ -99,7 +111,11 @@ pub struct PrefetchStats {
 
 impl PrefetchStats {
     pub fn since(&self, e: &Self) -> Self {
-        Self { pregate: self.pregate.since(&e.pregate), previous: self.previous.since(&e.previous), union: self.union.since(&e.union) }
+        Self {
+            pregate: self.pregate.since(&e.pregate),
+            previous: self.previous.since(&e.previous),
+            union: self.union.since(&e.union),
+        }
     }
 
     /// The counters of the predictor `mode` issues (`None` for `Off`).
@@ -144,7 +160,11 @@ impl Prefetcher {
     /// `max_experts`: the most experts one prediction may name (the byte budget of a prefetch
     /// divided by the bytes of one expert).
     pub fn new(mode: PrefetchMode, num_layers: usize, max_experts: usize) -> Self {
-        let state = State { last: vec![Vec::new(); num_layers], pending: vec![None; num_layers], stats: PrefetchStats::default() };
+        let state = State {
+            last: vec![Vec::new(); num_layers],
+            pending: vec![None; num_layers],
+            stats: PrefetchStats::default(),
+        };
         Self { mode, max_experts: max_experts.max(1), state: Mutex::new(state) }
     }
 
@@ -224,7 +244,12 @@ mod tests {
     use super::*;
 
     fn routing(layer: usize, ids: &[u32]) -> LayerRouting {
-        LayerRouting { layer, top_k: 2, expert_ids: ids.to_vec(), weights: ids.iter().map(|&e| 1.0 / (1.0 + e as f32)).collect() }
+        LayerRouting {
+            layer,
+            top_k: 2,
+            expert_ids: ids.to_vec(),
+            weights: ids.iter().map(|&e| 1.0 / (1.0 + e as f32)).collect(),
+        }
     }
 
     #[test]

@@ -25,7 +25,14 @@ pub struct GdnDims {
 
 impl GdnDims {
     pub fn new(c: &LinearAttnConfig) -> Self {
-        Self { k_heads: c.num_k_heads, v_heads: c.num_v_heads, k_dim: c.head_k_dim, v_dim: c.head_v_dim, kernel: c.conv_kernel, order: c.head_order }
+        Self {
+            k_heads: c.num_k_heads,
+            v_heads: c.num_v_heads,
+            k_dim: c.head_k_dim,
+            v_dim: c.head_v_dim,
+            kernel: c.conv_kernel,
+            order: c.head_order,
+        }
     }
 
     /// q (or k) channels: `k_heads · k_dim`.
@@ -63,7 +70,10 @@ pub struct LinearState {
 
 impl LinearState {
     fn zeros(d: &GdnDims) -> Self {
-        Self { conv: vec![0.0; (d.kernel - 1) * d.conv_dim()], ssm: vec![0.0; d.v_heads * d.k_dim * d.v_dim] }
+        Self {
+            conv: vec![0.0; (d.kernel - 1) * d.conv_dim()],
+            ssm: vec![0.0; d.v_heads * d.k_dim * d.v_dim],
+        }
     }
 
     /// Shifts the conv window by one input row `raw: [conv_dim]`.
@@ -197,7 +207,9 @@ impl RecurrentCache {
     pub fn new(cfg: Option<&LinearAttnConfig>) -> Self {
         let dims = cfg.map(GdnDims::new);
         let states = match (cfg, &dims) {
-            (Some(c), Some(d)) => c.recurrent_layers.iter().map(|&r| r.then(|| LinearState::zeros(d))).collect(),
+            (Some(c), Some(d)) => {
+                c.recurrent_layers.iter().map(|&r| r.then(|| LinearState::zeros(d))).collect()
+            }
             _ => Vec::new(),
         };
         Self { dims, states, checkpoint: None }
@@ -211,7 +223,12 @@ impl RecurrentCache {
     /// Layer `layer`'s state and, while a checkpoint is held, its log.
     pub fn layer_mut(&mut self, layer: usize) -> Option<(&mut LinearState, Option<&mut StepLog>)> {
         let state = self.states.get_mut(layer)?.as_mut()?;
-        let log = self.checkpoint.as_mut().filter(|c| c.active).and_then(|c| c.logs.get_mut(layer)).and_then(Option::as_mut);
+        let log = self
+            .checkpoint
+            .as_mut()
+            .filter(|c| c.active)
+            .and_then(|c| c.logs.get_mut(layer))
+            .and_then(Option::as_mut);
         Some((state, log))
     }
 
@@ -234,7 +251,10 @@ impl RecurrentCache {
                 }
                 (c.states, c.logs)
             }
-            None => (self.states.clone(), self.states.iter().map(|s| s.as_ref().map(|_| StepLog::default())).collect()),
+            None => (
+                self.states.clone(),
+                self.states.iter().map(|s| s.as_ref().map(|_| StepLog::default())).collect(),
+            ),
         };
         self.checkpoint = Some(Checkpoint { len, states, logs, active: true });
     }
@@ -268,7 +288,9 @@ impl RecurrentCache {
         let d = self.dims.expect("active recurrent cache has dims");
         let n = len - c.len;
         for ((state, saved), log) in self.states.iter_mut().zip(&c.states).zip(c.logs.iter_mut()) {
-            if let (Some(s), Some(saved), Some(log)) = (state.as_mut(), saved.as_ref(), log.as_mut()) {
+            if let (Some(s), Some(saved), Some(log)) =
+                (state.as_mut(), saved.as_ref(), log.as_mut())
+            {
                 s.conv.copy_from_slice(&saved.conv);
                 s.ssm.copy_from_slice(&saved.ssm);
                 log.replay(&d, s, n);
@@ -293,7 +315,13 @@ impl RecurrentCache {
         let live: usize = self.states.iter().flatten().map(state).sum();
         let saved: usize = self.checkpoint.as_ref().map_or(0, |c| {
             c.states.iter().flatten().map(state).sum::<usize>()
-                + c.logs.iter().flatten().map(|l| 4 * (l.raw.len() + l.k.len() + l.v.len() + l.decay.len() + l.beta.len())).sum::<usize>()
+                + c.logs
+                    .iter()
+                    .flatten()
+                    .map(|l| {
+                        4 * (l.raw.len() + l.k.len() + l.v.len() + l.decay.len() + l.beta.len())
+                    })
+                    .sum::<usize>()
         });
         live + saved
     }
@@ -355,7 +383,14 @@ mod tests {
             s.push_conv_row(&raw);
             let mut mem = [0f32; 2];
             for h in 0..2 {
-                delta_update(&mut s.ssm[h * 4..(h + 1) * 4], &k, &v[h * 2..h * 2 + 2], decay[h], beta[h], &mut mem);
+                delta_update(
+                    &mut s.ssm[h * 4..(h + 1) * 4],
+                    &k,
+                    &v[h * 2..h * 2 + 2],
+                    decay[h],
+                    beta[h],
+                    &mut mem,
+                );
             }
             if let Some(l) = log {
                 l.push(&raw, &k, &v, &decay, &beta);

@@ -17,11 +17,17 @@ pub struct RotaryEmbedding {
 /// Inverse frequencies `[rope_dim / 2]` and the attention (magnitude) factor.
 pub fn inv_freq(theta: f64, rope_dim: usize, scaling: &RopeScaling) -> (Vec<f64>, f64) {
     let half = rope_dim / 2;
-    let base: Vec<f64> = (0..half).map(|i| 1.0 / theta.powf(2.0 * i as f64 / rope_dim as f64)).collect();
+    let base: Vec<f64> =
+        (0..half).map(|i| 1.0 / theta.powf(2.0 * i as f64 / rope_dim as f64)).collect();
     match *scaling {
         RopeScaling::None => (base, 1.0),
         RopeScaling::Linear { factor } => (base.iter().map(|f| f / factor).collect(), 1.0),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } => {
             let old = original_max_position as f64;
             let low_wl = old / low_freq_factor;
             let high_wl = old / high_freq_factor;
@@ -34,16 +40,26 @@ pub fn inv_freq(theta: f64, rope_dim: usize, scaling: &RopeScaling) -> (Vec<f64>
                     } else if wl > low_wl {
                         freq / factor
                     } else {
-                        let smooth = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth =
+                            (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * freq / factor + smooth * freq
                     }
                 })
                 .collect();
             (f, 1.0)
         }
-        RopeScaling::Yarn { factor, original_max_position, beta_fast, beta_slow, attention_factor } => {
+        RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+        } => {
             let d = rope_dim as f64;
-            let corr = |rot: f64| (d * (original_max_position as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
+            let corr = |rot: f64| {
+                (d * (original_max_position as f64 / (rot * 2.0 * std::f64::consts::PI)).ln())
+                    / (2.0 * theta.ln())
+            };
             let low = corr(beta_fast).floor().max(0.0);
             let high = corr(beta_slow).ceil().min(d - 1.0);
             let high = if (high - low).abs() < f64::EPSILON { high + 0.001 } else { high };
@@ -57,14 +73,25 @@ pub fn inv_freq(theta: f64, rope_dim: usize, scaling: &RopeScaling) -> (Vec<f64>
                     inter * (1.0 - extra_factor) + extra * extra_factor
                 })
                 .collect();
-            let mscale = attention_factor.unwrap_or(if factor > 1.0 { 0.1 * factor.ln() + 1.0 } else { 1.0 });
+            let mscale = attention_factor.unwrap_or(if factor > 1.0 {
+                0.1 * factor.ln() + 1.0
+            } else {
+                1.0
+            });
             (f, mscale)
         }
     }
 }
 
 impl RotaryEmbedding {
-    pub fn new(theta: f64, rope_dim: usize, scaling: &RopeScaling, style: RopeStyle, max_positions: usize, device: &Device) -> candle_core::Result<Self> {
+    pub fn new(
+        theta: f64,
+        rope_dim: usize,
+        scaling: &RopeScaling,
+        style: RopeStyle,
+        max_positions: usize,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         let (freqs, mscale) = inv_freq(theta, rope_dim, scaling);
         let half = rope_dim / 2;
         let mut cos = Vec::with_capacity(max_positions * half);

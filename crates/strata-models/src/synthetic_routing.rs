@@ -126,7 +126,13 @@ impl SyntheticRouter {
         }
         let s = position as f64 / self.cfg.drift_period as f64;
         let (i, f) = (s.floor() as u64, s.fract());
-        (0..self.experts()).map(|e| (self.base[e] + self.cfg.drift * ((1.0 - f) * self.knot(e, i) + f * self.knot(e, i + 1))).exp()).collect()
+        (0..self.experts())
+            .map(|e| {
+                (self.base[e]
+                    + self.cfg.drift * ((1.0 - f) * self.knot(e, i) + f * self.knot(e, i + 1)))
+                .exp()
+            })
+            .collect()
     }
 
     /// Draws from `weights` among experts not `excluded`, or `None` if none is left.
@@ -180,7 +186,14 @@ impl SyntheticRouter {
             RoutingMode::Uniform => vec![1.0; e],
             RoutingMode::Realistic => {
                 for &x in prev.unwrap_or_default() {
-                    let keep = unit(hash(&[self.cfg.seed, KEEP, self.layer, position as u64, token as u64, x as u64])) < self.cfg.reuse;
+                    let keep = unit(hash(&[
+                        self.cfg.seed,
+                        KEEP,
+                        self.layer,
+                        position as u64,
+                        token as u64,
+                        x as u64,
+                    ])) < self.cfg.reuse;
                     if let Some(slot) = excluded.get_mut(x as usize) {
                         *slot = true;
                         if keep && chosen.len() < self.top_k {
@@ -202,13 +215,30 @@ impl SyntheticRouter {
         let e = self.experts();
         let mut excluded = vec![false; e];
         actual.iter().for_each(|&x| excluded[x as usize] = true);
-        let mut chosen: Vec<u32> =
-            actual.iter().copied().filter(|&x| unit(hash(&[self.cfg.seed, PREGATE_KEEP, self.layer, position as u64, token as u64, x as u64])) < self.cfg.pregate_recall).collect();
+        let mut chosen: Vec<u32> = actual
+            .iter()
+            .copied()
+            .filter(|&x| {
+                unit(hash(&[
+                    self.cfg.seed,
+                    PREGATE_KEEP,
+                    self.layer,
+                    position as u64,
+                    token as u64,
+                    x as u64,
+                ])) < self.cfg.pregate_recall
+            })
+            .collect();
         let weights = match self.cfg.mode {
             RoutingMode::Uniform => vec![1.0; e],
             RoutingMode::Realistic => self.popularity(position),
         };
-        self.fill(&mut chosen, &mut excluded, &weights, [PREGATE_DRAW, position as u64, token as u64, 0]);
+        self.fill(
+            &mut chosen,
+            &mut excluded,
+            &weights,
+            [PREGATE_DRAW, position as u64, token as u64, 0],
+        );
         chosen
     }
 }
@@ -238,10 +268,19 @@ mod tests {
 
     #[test]
     fn every_choice_is_top_k_distinct_and_reproducible() {
-        for cfg in [SyntheticRouting::realistic(5), SyntheticRouting::uniform(5), SyntheticRouting { reuse: 1.0, ..SyntheticRouting::realistic(5) }] {
+        for cfg in [
+            SyntheticRouting::realistic(5),
+            SyntheticRouting::uniform(5),
+            SyntheticRouting { reuse: 1.0, ..SyntheticRouting::realistic(5) },
+        ] {
             for (e, k) in [(128, 8), (16, 4), (8, 4), (4, 4)] {
                 let t = trace(cfg, e, k, 200);
-                assert!(t.iter().all(|ids| ids.len() == k && distinct(ids) && ids.iter().all(|&x| (x as usize) < e)), "{cfg:?} {e}/{k}");
+                assert!(
+                    t.iter().all(|ids| ids.len() == k
+                        && distinct(ids)
+                        && ids.iter().all(|&x| (x as usize) < e)),
+                    "{cfg:?} {e}/{k}"
+                );
                 assert_eq!(t, trace(cfg, e, k, 200));
             }
         }
@@ -250,7 +289,8 @@ mod tests {
     #[test]
     fn measured_reuse_is_the_parameter_and_uniform_has_chance_reuse() {
         let reuse = |t: &[Vec<u32>], k: usize| {
-            let n: usize = t.windows(2).map(|w| w[1].iter().filter(|e| w[0].contains(e)).count()).sum();
+            let n: usize =
+                t.windows(2).map(|w| w[1].iter().filter(|e| w[0].contains(e)).count()).sum();
             n as f64 / ((t.len() - 1) * k) as f64
         };
         let r = reuse(&trace(SyntheticRouting::realistic(1), 128, 8, 4000), 8);

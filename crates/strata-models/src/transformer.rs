@@ -16,10 +16,10 @@ use strata_formats::{ModelConfig, ModelFiles, Weight};
 
 use crate::attention::{causal_mask, Attention};
 use crate::error::{ModelError, Result};
-use crate::kv_cache::KvCache;
-use crate::layers::{Linear, RmsNorm, WeightLoader};
 use crate::experts::{ExpertProvider, ResidentExperts};
 use crate::gated_delta_net::GatedDeltaNet;
+use crate::kv_cache::KvCache;
+use crate::layers::{Linear, RmsNorm, WeightLoader};
 use crate::mlp::Mlp;
 use crate::moe::{LayerRouting, SeqRoute, SparseMoe};
 use crate::prefetch::{PrefetchMode, PrefetchStats, Prefetcher};
@@ -90,7 +90,12 @@ impl Transformer {
     /// Loads every weight, routed experts included (held by a [`ResidentExperts`]), checking shapes
     /// against the config. `max_positions` sizes the RoPE tables (at least the context size that
     /// caches will use). `progress` is called after each layer with `(done, total)`.
-    pub fn load(files: &ModelFiles, device: &Device, max_positions: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+    pub fn load(
+        files: &ModelFiles,
+        device: &Device,
+        max_positions: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         Self::load_with_experts(files, device, max_positions, None, progress)
     }
 
@@ -112,7 +117,10 @@ impl Transformer {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed_w = match l.weight("token_embd.weight", &[v, h])? {
             Weight::Quantized(q) => std::sync::Arc::new(q),
-            Weight::Dense(t) => std::sync::Arc::new(candle_core::quantized::QTensor::quantize(&t, candle_core::quantized::GgmlDType::F32)?),
+            Weight::Dense(t) => std::sync::Arc::new(candle_core::quantized::QTensor::quantize(
+                &t,
+                candle_core::quantized::GgmlDType::F32,
+            )?),
         };
         let embed = Embedding(QMatMul::QTensor(embed_w.clone()));
         let total = cfg.num_layers + 1;
@@ -120,11 +128,17 @@ impl Transformer {
         for i in 0..cfg.num_layers {
             let p = |s: &str| format!("blk.{i}.{s}");
             let mixer = match &cfg.linear_attn {
-                Some(la) if la.is_recurrent(i) => Mixer::Linear(GatedDeltaNet::load(&l, &cfg, la, i)?),
+                Some(la) if la.is_recurrent(i) => {
+                    Mixer::Linear(GatedDeltaNet::load(&l, &cfg, la, i)?)
+                }
                 _ => Mixer::Attention(Attention::load(&l, &cfg, i)?),
             };
             // llama.cpp names the second norm of qwen3next / qwen35moe `post_attention_norm`.
-            let ffn_norm = if l.has(&p("ffn_norm.weight")) { p("ffn_norm.weight") } else { p("post_attention_norm.weight") };
+            let ffn_norm = if l.has(&p("ffn_norm.weight")) {
+                p("ffn_norm.weight")
+            } else {
+                p("post_attention_norm.weight")
+            };
             layers.push(DecoderLayer {
                 attn_norm: RmsNorm::load(&l, &p("attn_norm.weight"), h, cfg.rms_norm_eps)?,
                 mixer,
@@ -149,9 +163,26 @@ impl Transformer {
         };
         progress(total, total);
         let positions = max_positions.max(1);
-        let rope = RotaryEmbedding::new(cfg.rope_theta, cfg.rope_dim, &cfg.rope_scaling, cfg.rope_style, positions, device)?;
+        let rope = RotaryEmbedding::new(
+            cfg.rope_theta,
+            cfg.rope_dim,
+            &cfg.rope_scaling,
+            cfg.rope_style,
+            positions,
+            device,
+        )?;
         let experts = experts.unwrap_or_else(|| Arc::new(resident));
-        let mut model = Self { cfg, embed, layers, norm, lm_head, rope, experts, prefetcher: None, device: device.clone() };
+        let mut model = Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            experts,
+            prefetcher: None,
+            device: device.clone(),
+        };
         model.set_prefetch(PrefetchMode::default());
         Ok(model)
     }
@@ -180,7 +211,8 @@ impl Transformer {
     pub fn set_prefetch(&mut self, mode: PrefetchMode) {
         let limit = self.experts.prefetch_limit();
         let moe = self.layers.iter().any(|l| matches!(l.ffn, FeedForward::Moe(_)));
-        self.prefetcher = (limit > 0 && moe).then(|| Prefetcher::new(mode, self.layers.len(), limit));
+        self.prefetcher =
+            (limit > 0 && moe).then(|| Prefetcher::new(mode, self.layers.len(), limit));
     }
 
     /// Scores the prefetch predictors on every pass without reading anything, also where the
@@ -211,7 +243,13 @@ impl Transformer {
     /// Predicts MoE layer `j`'s experts from the residual stream `x: [seq, hidden]` (pre-gating:
     /// layer `j`'s ffn_norm and router on `x`) and the layer's last routing, and hands the
     /// prediction to the provider.
-    fn prefetch_layer(&self, p: &Prefetcher, j: usize, x: &Tensor, seq: Option<SeqRoute<'_>>) -> Result<()> {
+    fn prefetch_layer(
+        &self,
+        p: &Prefetcher,
+        j: usize,
+        x: &Tensor,
+        seq: Option<SeqRoute<'_>>,
+    ) -> Result<()> {
         let FeedForward::Moe(moe) = &self.layers[j].ffn else { return Ok(()) };
         let pregate = moe.route_seq(&self.layers[j].ffn_norm.forward(x)?, seq, true)?;
         let ids = p.predict(j, Some(&pregate));
@@ -236,7 +274,13 @@ impl Transformer {
     /// Runs `tokens` at positions `cache.len()..` and commits them to the cache.
     ///
     /// Errors: the cache is full (`ModelError::ContextFull`), a token id is outside the vocabulary.
-    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize]) -> Result<ForwardOutput> {
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+        taps: &[usize],
+    ) -> Result<ForwardOutput> {
         self.forward_layers(tokens, cache, logits, taps, self.layers.len())
     }
 
@@ -272,7 +316,14 @@ impl Transformer {
     /// Verify, Zhang et al. 2023) sharing every weight with the target. The cache advances by
     /// `tokens.len()`, but only layers `0..n_layers` are written at those positions: roll back
     /// ([`Self::rollback`]) before a full forward over the same positions.
-    pub fn forward_layers(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize], n_layers: usize) -> Result<ForwardOutput> {
+    pub fn forward_layers(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+        taps: &[usize],
+        n_layers: usize,
+    ) -> Result<ForwardOutput> {
         self.forward_impl(tokens, cache, logits, taps, n_layers, None)
     }
 
@@ -280,11 +331,26 @@ impl Transformer {
     /// `ModelError::Interrupted` when it says so (a long prefill cut short by a server's
     /// shutdown). The cache's length is unchanged then, but layers already run have written
     /// their KV entries and recurrent state: clear the cache before using it again.
-    pub fn forward_interruptible(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize], stop: &dyn Fn() -> bool) -> Result<ForwardOutput> {
+    pub fn forward_interruptible(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+        taps: &[usize],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<ForwardOutput> {
         self.forward_impl(tokens, cache, logits, taps, self.layers.len(), Some(stop))
     }
 
-    fn forward_impl(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits, taps: &[usize], n_layers: usize, stop: Option<&dyn Fn() -> bool>) -> Result<ForwardOutput> {
+    fn forward_impl(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+        taps: &[usize],
+        n_layers: usize,
+        stop: Option<&dyn Fn() -> bool>,
+    ) -> Result<ForwardOutput> {
         let seq = tokens.len();
         cache.check_room(seq)?;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {

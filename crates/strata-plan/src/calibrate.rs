@@ -33,7 +33,14 @@ pub struct Bandwidths {
 
 impl Bandwidths {
     /// Used when nothing was measured: a SATA-class SSD and a modest 2-core machine.
-    pub const DEFAULTS: Bandwidths = Bandwidths { drive_gbps: 1.0, ram_gbps: 20.0, matvec_gbps: 8.0, dense_matvec_gbps: None, gemm_gflops: 200.0, threads: 2 };
+    pub const DEFAULTS: Bandwidths = Bandwidths {
+        drive_gbps: 1.0,
+        ram_gbps: 20.0,
+        matvec_gbps: 8.0,
+        dense_matvec_gbps: None,
+        gemm_gflops: 200.0,
+        threads: 2,
+    };
 }
 
 /// Where the rates come from.
@@ -71,10 +78,14 @@ pub fn load(model: &Path) -> (Bandwidths, RatesSource) {
     let key = device_key(model);
     let cached = std::fs::read_to_string(&file)
         .ok()
-        .and_then(|s| serde_json::from_str::<std::collections::BTreeMap<String, Bandwidths>>(&s).ok())
+        .and_then(|s| {
+            serde_json::from_str::<std::collections::BTreeMap<String, Bandwidths>>(&s).ok()
+        })
         .and_then(|m| m.get(&key).copied());
     match cached {
-        Some(b) => (b, RatesSource::Calibrated { cache_file: file.display().to_string(), device: key }),
+        Some(b) => {
+            (b, RatesSource::Calibrated { cache_file: file.display().to_string(), device: key })
+        }
         None => (Bandwidths::DEFAULTS, RatesSource::Defaults),
     }
 }
@@ -85,7 +96,15 @@ pub fn load(model: &Path) -> (Bandwidths, RatesSource) {
 pub fn calibrate(model: &Path, threads: usize) -> Result<Bandwidths, String> {
     let file = if model.is_dir() { largest_file(model)? } else { model.to_path_buf() };
     // The way the expert store reads (`--direct-io auto`): O_DIRECT where the file system takes it.
-    let bench = |direct: bool| strata_expert_store::disk_bench::bench_disk(&file, &[4 << 20], &[32], &[direct], Duration::from_secs(3));
+    let bench = |direct: bool| {
+        strata_expert_store::disk_bench::bench_disk(
+            &file,
+            &[4 << 20],
+            &[32],
+            &[direct],
+            Duration::from_secs(3),
+        )
+    };
     let drive = bench(true).or_else(|_| bench(false))?;
     let b = Bandwidths {
         drive_gbps: drive.first().map_or(Bandwidths::DEFAULTS.drive_gbps, |r| r.gbps),
@@ -96,13 +115,16 @@ pub fn calibrate(model: &Path, threads: usize) -> Result<Bandwidths, String> {
         threads,
     };
     let path = cache_file();
-    let mut all: std::collections::BTreeMap<String, Bandwidths> =
-        std::fs::read_to_string(&path).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
+    let mut all: std::collections::BTreeMap<String, Bandwidths> = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_default();
     all.insert(device_key(model), b);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     }
-    std::fs::write(&path, serde_json::to_string_pretty(&all).unwrap_or_default()).map_err(|e| format!("{}: {e}", path.display()))?;
+    std::fs::write(&path, serde_json::to_string_pretty(&all).unwrap_or_default())
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(b)
 }
 
@@ -145,14 +167,17 @@ pub fn matvec_gbps() -> f64 {
     let (h, i) = (2048, 768);
     let make = |rows: usize, cols: usize, seed: u8| {
         let bytes = rows * cols / strata_kernels::q4k::QK_K * strata_kernels::q4k::BLOCK_BYTES;
-        let mut data: Vec<u8> = (0..bytes).map(|j| (j as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+        let mut data: Vec<u8> =
+            (0..bytes).map(|j| (j as u8).wrapping_mul(31).wrapping_add(seed)).collect();
         for blk in data.chunks_exact_mut(strata_kernels::q4k::BLOCK_BYTES) {
             blk[0..2].copy_from_slice(&half::f16::from_f32(2.5e-4).to_le_bytes());
             blk[2..4].copy_from_slice(&half::f16::from_f32(1.9e-3).to_le_bytes());
         }
-        strata_kernels::QuantMatrix::new(strata_kernels::BlockFormat::Q4K, data, rows, cols).expect("valid Q4_K matrix")
+        strata_kernels::QuantMatrix::new(strata_kernels::BlockFormat::Q4K, data, rows, cols)
+            .expect("valid Q4_K matrix")
     };
-    let experts: Vec<_> = (0..24u8).map(|e| (make(2 * i, h, e), make(h, i, e.wrapping_add(100)))).collect();
+    let experts: Vec<_> =
+        (0..24u8).map(|e| (make(2 * i, h, e), make(h, i, e.wrapping_add(100)))).collect();
     let bytes: usize = experts.iter().map(|(a, b)| a.size_in_bytes() + b.size_in_bytes()).sum();
     let x: Vec<f32> = (0..h).map(|j| (j as f32 * 0.37).sin()).collect();
     let (mut gu, mut y) = (vec![0f32; 2 * i], vec![0f32; h]);
@@ -173,11 +198,20 @@ pub fn matvec_gbps() -> f64 {
 /// decode step makes them), one token, best of 4 after a warm-up, GB/s.
 pub fn dense_matvec_gbps() -> candle_core::Result<f64> {
     let mut mats = Vec::new();
-    for (rows, cols, dtype, n) in [(4096, 2048, GgmlDType::Q4K, 5), (2048, 4096, GgmlDType::Q4K, 5), (16384, 2048, GgmlDType::Q6K, 2)] {
+    for (rows, cols, dtype, n) in [
+        (4096, 2048, GgmlDType::Q4K, 5),
+        (2048, 4096, GgmlDType::Q4K, 5),
+        (16384, 2048, GgmlDType::Q6K, 2),
+    ] {
         for _ in 0..n {
-            let w = QTensor::quantize(&Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu)?, dtype)?;
+            let w =
+                QTensor::quantize(&Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu)?, dtype)?;
             let bytes = w.storage_size_in_bytes();
-            mats.push((QMatMul::from_qtensor(w)?, Tensor::randn(0f32, 1.0, (1, cols), &Device::Cpu)?, bytes));
+            mats.push((
+                QMatMul::from_qtensor(w)?,
+                Tensor::randn(0f32, 1.0, (1, cols), &Device::Cpu)?,
+                bytes,
+            ));
         }
     }
     let bytes: usize = mats.iter().map(|m| m.2).sum();

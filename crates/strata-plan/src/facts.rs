@@ -58,10 +58,23 @@ impl ModelFacts {
         let cfg: ModelConfig = files.config()?;
         let table = files.tensor_table();
         let mut by_type: std::collections::HashMap<String, u64> = Default::default();
-        let (mut total_params, mut expert_params, mut dense_bytes, mut expert_bytes, mut repack, mut per_token) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+        let (
+            mut total_params,
+            mut expert_params,
+            mut dense_bytes,
+            mut expert_bytes,
+            mut repack,
+            mut per_token,
+        ) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
         let (mut dense_mem, mut expert_mem) = (0u64, 0u64);
         // Safetensors weights are held as f32.
-        let memory = |t: &strata_formats::TensorEntry| if matches!(files, ModelFiles::Hf(_)) { t.elements() * 4 } else { t.bytes };
+        let memory = |t: &strata_formats::TensorEntry| {
+            if matches!(files, ModelFiles::Hf(_)) {
+                t.elements() * 4
+            } else {
+                t.bytes
+            }
+        };
         let tied = !table.iter().any(|t| t.name == "output.weight" || t.name == "lm_head.weight");
         for t in &table {
             *by_type.entry(t.dtype.clone()).or_default() += t.bytes;
@@ -78,20 +91,29 @@ impl ModelFacts {
             if !is_embedding || tied {
                 per_token += t.bytes;
             }
-            if t.shape.len() == 2 && matches!(t.dtype.as_str(), "Q4K" | "Q6K") && (!is_embedding || tied) && cfg!(target_arch = "x86_64") {
+            if t.shape.len() == 2
+                && matches!(t.dtype.as_str(), "Q4K" | "Q6K")
+                && (!is_embedding || tied)
+                && cfg!(target_arch = "x86_64")
+            {
                 repack += t.bytes * 4 / 3;
-                let lm_head = is_embedding || t.name == "output.weight" || t.name == "lm_head.weight";
+                let lm_head =
+                    is_embedding || t.name == "output.weight" || t.name == "lm_head.weight";
                 if !lm_head && avx512_vnni() {
                     repack += t.bytes * 2;
                 }
             }
         }
-        let quantization = by_type.into_iter().max_by_key(|(_, b)| *b).map(|(d, _)| d).unwrap_or_default();
-        let (experts, k) = cfg.moe.as_ref().map_or((0, 0), |m| (m.num_experts, m.experts_per_token));
-        let moe_layers = (0..cfg.num_layers).filter(|&l| cfg.moe.is_some() && cfg.is_moe_layer(l)).count();
+        let quantization =
+            by_type.into_iter().max_by_key(|(_, b)| *b).map(|(d, _)| d).unwrap_or_default();
+        let (experts, k) =
+            cfg.moe.as_ref().map_or((0, 0), |m| (m.num_experts, m.experts_per_token));
+        let moe_layers =
+            (0..cfg.num_layers).filter(|&l| cfg.moe.is_some() && cfg.is_moe_layer(l)).count();
         let n_experts = (experts * moe_layers) as u64;
         let bytes_per_expert = if n_experts > 0 { expert_bytes / n_experts } else { 0 };
-        let active_params = total_params - expert_params + if n_experts > 0 { expert_params / n_experts * (k * moe_layers) as u64 } else { 0 };
+        let active_params = total_params - expert_params
+            + if n_experts > 0 { expert_params / n_experts * (k * moe_layers) as u64 } else { 0 };
         Ok(Self {
             path: files.path().display().to_string(),
             architecture: format!("{:?}", cfg.arch),
@@ -126,7 +148,8 @@ impl ModelFacts {
 fn avx512_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512vnni") && std::arch::is_x86_feature_detected!("avx512bw")
+        std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("avx512bw")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -53,7 +53,13 @@ impl GpuRates {
     /// device sessions: pinned H2D 52.5–55.1 GB/s; resident decode 57–84 tok/s (100–147 GB/s);
     /// through the VRAM pool 53–63 tok/s (93–111 GB/s), per expert 26–27 tok/s (46 GB/s); pp512
     /// 939 tok/s on 3.3 B active params. The lower ends: the plan is a floor.
-    pub const H100: GpuRates = GpuRates { h2d_gbps: 52.5, resident_gbps: 100.0, tiered_gbps: 93.0, tiered_per_expert_gbps: 46.0, prefill_gflops: 6000.0 };
+    pub const H100: GpuRates = GpuRates {
+        h2d_gbps: 52.5,
+        resident_gbps: 100.0,
+        tiered_gbps: 93.0,
+        tiered_per_expert_gbps: 46.0,
+        prefill_gflops: 6000.0,
+    };
 }
 
 /// The GPU part of a plan.
@@ -152,7 +158,9 @@ pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuP
         rates,
     };
     let reason = match &decision {
-        GpuDecision::Resident => format!("everything fits in VRAM: {} needed of {} free", gb(resident_total), gb(free)),
+        GpuDecision::Resident => {
+            format!("everything fits in VRAM: {} needed of {} free", gb(resident_total), gb(free))
+        }
         GpuDecision::TooLarge(r) => r.clone(),
         GpuDecision::Offload => {
             let vram_left = free.saturating_sub(fixed);
@@ -160,14 +168,18 @@ pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuP
                 CacheBudget::Auto => vram_left,
                 b => b.resolve(model.expert_memory_bytes, dense, free),
             };
-            let vram_experts = (vram_bytes / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
+            let vram_experts =
+                (vram_bytes / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
             let host_bytes = match x.host_expert_cache {
                 CacheBudget::Auto => x.host_available.min(model.expert_bytes),
                 b => b.resolve(model.expert_bytes, model.dense_bytes, x.host_available),
             };
             let host_experts = (host_bytes / model.bytes_per_expert.max(1)).min(n_experts);
             let share = |n: u64| n as f64 / n_experts.max(1) as f64;
-            let (hv, hh) = (crate::hit_curve::typical_hit_rate(share(vram_experts)), crate::hit_curve::typical_hit_rate(share(host_experts)));
+            let (hv, hh) = (
+                crate::hit_curve::typical_hit_rate(share(vram_experts)),
+                crate::hit_curve::typical_hit_rate(share(host_experts)),
+            );
             plan.vram_expert_cache_bytes = Some(vram_experts * entry);
             plan.vram_expert_cache_experts = Some(vram_experts);
             plan.host_expert_cache_bytes = Some(host_experts * model.bytes_per_expert);
@@ -175,12 +187,19 @@ pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuP
             plan.expected_vram_hit_rate = Some(hv);
             plan.expected_host_hit_rate = Some(hh);
             // The pool takes Q4_K experts (strata_models::FusedExperts::supports).
-            let rate = if model.quantization == "Q4K" { rates.tiered_gbps } else { rates.tiered_per_expert_gbps };
+            let rate = if model.quantization == "Q4K" {
+                rates.tiered_gbps
+            } else {
+                rates.tiered_per_expert_gbps
+            };
             plan.decode_compute_ms = per_token as f64 / (rate * 1e9) * 1e3;
-            plan.decode_copy_ms = model.expert_bytes_per_token as f64 * (1.0 - hv) / (rates.h2d_gbps * 1e9) * 1e3;
+            plan.decode_copy_ms =
+                model.expert_bytes_per_token as f64 * (1.0 - hv) / (rates.h2d_gbps * 1e9) * 1e3;
             // Both caches keep the most recently used experts: a VRAM miss reads the drive unless
             // the host cache is the larger one and holds it.
-            plan.decode_read_ms = model.expert_bytes_per_token as f64 * (1.0 - hv.max(hh)) / (x.drive_gbps * 1e9) * 1e3;
+            plan.decode_read_ms = model.expert_bytes_per_token as f64 * (1.0 - hv.max(hh))
+                / (x.drive_gbps * 1e9)
+                * 1e3;
             format!(
                 "{} of VRAM for everything but {} free: dense weights + KV in VRAM, VRAM expert cache {} ({vram_experts} of {n_experts} experts), page-locked host expert cache {} ({host_experts}){}",
                 gb(resident_total),
@@ -192,6 +211,7 @@ pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuP
         }
     };
     let c = x.prefill_chunk.clamp(1, 512) as f64;
-    let prefill = c / (2.0 * model.active_params as f64 * c / (rates.prefill_gflops * 1e9)).max(1e-9);
+    let prefill =
+        c / (2.0 * model.active_params as f64 * c / (rates.prefill_gflops * 1e9)).max(1e-9);
     (decision, reason, plan, prefill)
 }

@@ -9,7 +9,15 @@
 //! The engine's own cache measured 42.6% at 15% and 52.4% at 25% on that routing.
 
 /// `(cache share, hit rate)` points, linearly interpolated.
-const TYPICAL: [(f64, f64); 7] = [(0.0, 0.0), (0.05, 0.262), (0.10, 0.399), (0.125, 0.428), (0.25, 0.556), (0.50, 0.743), (1.0, 1.0)];
+const TYPICAL: [(f64, f64); 7] = [
+    (0.0, 0.0),
+    (0.05, 0.262),
+    (0.10, 0.399),
+    (0.125, 0.428),
+    (0.25, 0.556),
+    (0.50, 0.743),
+    (1.0, 1.0),
+];
 
 /// Hit rate of typical decode routing with `f` of the experts cached (never below `f`).
 pub fn typical_hit_rate(f: f64) -> f64 {

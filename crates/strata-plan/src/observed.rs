@@ -54,7 +54,10 @@ pub fn model_key(path: &Path) -> String {
 }
 
 fn read_all() -> BTreeMap<String, Observed> {
-    std::fs::read_to_string(file()).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default()
+    std::fs::read_to_string(file())
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_default()
 }
 
 /// What was measured for `model`, if anything.
@@ -85,12 +88,20 @@ pub fn record(model: &Path, run: Observed) -> Result<(), String> {
                 cache_fraction: locality.cache_fraction,
                 hit_rate: locality.hit_rate,
                 hidden_read_ms_per_token: locality.hidden_read_ms_per_token,
-                compute_ms_per_token: if streamed || !old_streamed { run.compute_ms_per_token } else { old.compute_ms_per_token },
+                compute_ms_per_token: if streamed || !old_streamed {
+                    run.compute_ms_per_token
+                } else {
+                    old.compute_ms_per_token
+                },
                 resident_compute_ms_per_token: resident,
                 tokens: old.tokens + run.tokens,
             }
         }
-        None => Observed { resident_compute_ms_per_token: (run.cache_fraction >= 1.0).then_some(run.compute_ms_per_token), ..run },
+        None => Observed {
+            resident_compute_ms_per_token: (run.cache_fraction >= 1.0)
+                .then_some(run.compute_ms_per_token),
+            ..run
+        },
     };
     all.insert(key, merged);
     let path = file();
@@ -99,7 +110,8 @@ pub fn record(model: &Path, run: Observed) -> Result<(), String> {
     }
     // Write and rename: concurrent runs never leave a half-written file.
     let tmp = path.with_extension(format!("json.{}", std::process::id()));
-    std::fs::write(&tmp, serde_json::to_string_pretty(&all).unwrap_or_default()).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::write(&tmp, serde_json::to_string_pretty(&all).unwrap_or_default())
+        .map_err(|e| format!("{}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))
 }
 

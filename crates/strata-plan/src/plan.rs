@@ -159,10 +159,19 @@ fn gb(b: u64) -> String {
 }
 
 /// Makes the plan. Never fails: a model that cannot run gets `TOO-LARGE` with the reason.
-pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, RatesSource), req: &PlanRequest) -> Plan {
+pub fn make_plan(
+    model: &ModelFacts,
+    system: &SystemMemory,
+    rates: (Bandwidths, RatesSource),
+    req: &PlanRequest,
+) -> Plan {
     let kv = req.ctx_size as u64 * model.kv_bytes_per_token + model.recurrent_state_bytes;
-    let compute = (req.prefill_chunk.min(req.ctx_size) * model.hidden * 64 + model.vocab * 8) as u64 + (64 << 20);
-    let draft = req.draft.as_ref().map_or(0, |d| d.dense_memory_bytes + d.expert_memory_bytes + req.ctx_size as u64 * d.kv_bytes_per_token);
+    let compute = (req.prefill_chunk.min(req.ctx_size) * model.hidden * 64 + model.vocab * 8)
+        as u64
+        + (64 << 20);
+    let draft = req.draft.as_ref().map_or(0, |d| {
+        d.dense_memory_bytes + d.expert_memory_bytes + req.ctx_size as u64 * d.kv_bytes_per_token
+    });
     let available = system.available;
     let reserve = (512 << 20) + available / 20;
     let fixed = model.dense_memory_bytes + kv + compute + draft;
@@ -223,9 +232,19 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
             observed: None,
         };
         let recommended_command = (strategy != Strategy::TooLarge).then(|| {
-            let mut c = format!("strata serve --model {} --ctx-size {} --device cuda", shell_quote(&model.path), req.ctx_size);
+            let mut c = format!(
+                "strata serve --model {} --ctx-size {} --device cuda",
+                shell_quote(&model.path),
+                req.ctx_size
+            );
             match (gpu.host_expert_cache_bytes, gpu.vram_expert_cache_bytes) {
-                (Some(h), Some(v)) => c += &format!(" --stream-experts on --expert-cache {}MiB --gpu-expert-cache {}MiB", h >> 20, v >> 20),
+                (Some(h), Some(v)) => {
+                    c += &format!(
+                        " --stream-experts on --expert-cache {}MiB --gpu-expert-cache {}MiB",
+                        h >> 20,
+                        v >> 20
+                    )
+                }
                 _ => c += " --stream-experts off",
             }
             c
@@ -241,7 +260,9 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
             expert_cache_bytes: gpu.host_expert_cache_bytes,
             expert_cache_experts: gpu.host_expert_cache_experts,
             expected_hit_rate: gpu.expected_vram_hit_rate,
-            hit_rate_floor: gpu.vram_expert_cache_experts.map(|n| n as f64 / (model.experts * model.moe_layers).max(1) as f64),
+            hit_rate_floor: gpu
+                .vram_expert_cache_experts
+                .map(|n| n as f64 / (model.experts * model.moe_layers).max(1) as f64),
             estimate,
             warnings,
             recommended_command,
@@ -249,15 +270,32 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
         };
     }
     // Memory one cached expert costs: its slot, plus f32 tensors decoded beside it for safetensors.
-    let entry = if model.expert_memory_bytes > model.expert_bytes { model.bytes_per_expert + model.expert_memory_bytes / (model.experts * model.moe_layers).max(1) as u64 } else { model.bytes_per_expert };
+    let entry = if model.expert_memory_bytes > model.expert_bytes {
+        model.bytes_per_expert
+            + model.expert_memory_bytes / (model.experts * model.moe_layers).max(1) as u64
+    } else {
+        model.bytes_per_expert
+    };
     let min_cache = entry * (model.experts_per_token as u64 + 1);
     let fits_resident = resident_total + reserve <= available;
     let can_stream = model.is_moe() && fixed + min_cache + reserve <= available;
     let (strategy, reason) = match req.stream {
-        StreamMode::Off | StreamMode::Auto if fits_resident => (Strategy::Resident, format!("everything fits: {} needed of {} available", gb(resident_total + reserve), gb(available))),
+        StreamMode::Off | StreamMode::Auto if fits_resident => (
+            Strategy::Resident,
+            format!(
+                "everything fits: {} needed of {} available",
+                gb(resident_total + reserve),
+                gb(available)
+            ),
+        ),
         StreamMode::On if !model.is_moe() && fits_resident => {
-            warnings.push("--stream-experts on: the model has no routed experts; loading it resident".into());
-            (Strategy::Resident, format!("dense model, fits: {} of {}", gb(resident_total + reserve), gb(available)))
+            warnings.push(
+                "--stream-experts on: the model has no routed experts; loading it resident".into(),
+            );
+            (
+                Strategy::Resident,
+                format!("dense model, fits: {} of {}", gb(resident_total + reserve), gb(available)),
+            )
         }
         StreamMode::On | StreamMode::Auto if can_stream => (
             Strategy::ExpertStreaming,
@@ -268,8 +306,17 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
             },
         ),
         mode => {
-            let need = if model.is_moe() && mode != StreamMode::Off { fixed + min_cache + reserve } else { resident_total + reserve };
-            let mut reason = format!("needs {} but {} is available ({} short)", gb(need), gb(available), gb(need.saturating_sub(available)));
+            let need = if model.is_moe() && mode != StreamMode::Off {
+                fixed + min_cache + reserve
+            } else {
+                resident_total + reserve
+            };
+            let mut reason = format!(
+                "needs {} but {} is available ({} short)",
+                gb(need),
+                gb(available),
+                gb(need.saturating_sub(available))
+            );
             if mode == StreamMode::Off && model.is_moe() && can_stream {
                 reason += "; --stream-experts auto would stream the experts";
             }
@@ -280,9 +327,13 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
                     reason += &format!("; --ctx-size {} would fit", ctx / 256 * 256);
                 }
             }
-            let bits = (model.dense_bytes + model.expert_bytes) as f64 * 8.0 / model.total_params.max(1) as f64;
+            let bits = (model.dense_bytes + model.expert_bytes) as f64 * 8.0
+                / model.total_params.max(1) as f64;
             if bits > 5.0 {
-                reason += &format!("; a ~4.5-bit quantization (Q4_K) would store the weights in about {}", gb((model.total_params as f64 * 4.5 / 8.0) as u64));
+                reason += &format!(
+                    "; a ~4.5-bit quantization (Q4_K) would store the weights in about {}",
+                    gb((model.total_params as f64 * 4.5 / 8.0) as u64)
+                );
             }
             (Strategy::TooLarge, reason)
         }
@@ -295,19 +346,32 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
         };
         let asked = match (asked > left, req.draft.is_some()) {
             (true, true) => {
-                warnings.push(format!("--expert-cache {} shrunk to {}: the draft model's {} leaves no more", gb(asked), gb(left), gb(draft)));
+                warnings.push(format!(
+                    "--expert-cache {} shrunk to {}: the draft model's {} leaves no more",
+                    gb(asked),
+                    gb(left),
+                    gb(draft)
+                ));
                 left
             }
             (true, false) => {
-                warnings.push(format!("--expert-cache {} exceeds the {} left after dense weights, KV and reserve", gb(asked), gb(left)));
+                warnings.push(format!(
+                    "--expert-cache {} exceeds the {} left after dense weights, KV and reserve",
+                    gb(asked),
+                    gb(left)
+                ));
                 asked
             }
             (false, _) => asked,
         };
         let n_experts = (model.experts * model.moe_layers) as u64;
-        let cache_experts = (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
+        let cache_experts =
+            (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
         let f = cache_experts as f64 / n_experts.max(1) as f64;
-        let miss = req.observed.as_ref().map_or(1.0 - crate::hit_curve::typical_hit_rate(f), |o| miss_rate_at(o, f));
+        let miss = req
+            .observed
+            .as_ref()
+            .map_or(1.0 - crate::hit_curve::typical_hit_rate(f), |o| miss_rate_at(o, f));
         (Some(cache_experts * entry), Some(cache_experts), Some((1.0 - miss, f)))
     } else {
         (None, None, None)
@@ -315,9 +379,15 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
     let (hit, hit_rate_floor) = (hit.map(|h| h.0), hit.map(|h| h.1));
     let estimate = estimate(model, req, hit, rates);
     let recommended_command = (strategy != Strategy::TooLarge).then(|| {
-        let mut c = format!("strata serve --model {} --ctx-size {}", shell_quote(&model.path), req.ctx_size);
+        let mut c = format!(
+            "strata serve --model {} --ctx-size {}",
+            shell_quote(&model.path),
+            req.ctx_size
+        );
         match (strategy, cache) {
-            (Strategy::ExpertStreaming, Some(b)) => c += &format!(" --stream-experts on --expert-cache {}MiB", b >> 20),
+            (Strategy::ExpertStreaming, Some(b)) => {
+                c += &format!(" --stream-experts on --expert-cache {}MiB", b >> 20)
+            }
             _ => c += " --stream-experts off",
         }
         c
@@ -341,21 +411,45 @@ pub fn make_plan(model: &ModelFacts, system: &SystemMemory, rates: (Bandwidths, 
     }
 }
 
-fn estimate(model: &ModelFacts, req: &PlanRequest, hit: Option<f64>, (rates, source): (Bandwidths, RatesSource)) -> Estimate {
+fn estimate(
+    model: &ModelFacts,
+    req: &PlanRequest,
+    hit: Option<f64>,
+    (rates, source): (Bandwidths, RatesSource),
+) -> Estimate {
     let miss = 1.0 - hit.unwrap_or(1.0);
     // Reads stall decoding except for what prefetch hid behind compute in previous runs.
-    let hidden_s = req.observed.as_ref().filter(|o| o.cache_fraction < 1.0).map_or(0.0, |o| o.hidden_read_ms_per_token / 1e3);
-    let read_s = (model.expert_bytes_per_token as f64 * miss / (rates.drive_gbps * GB) - hidden_s).max(0.0);
+    let hidden_s = req
+        .observed
+        .as_ref()
+        .filter(|o| o.cache_fraction < 1.0)
+        .map_or(0.0, |o| o.hidden_read_ms_per_token / 1e3);
+    let read_s =
+        (model.expert_bytes_per_token as f64 * miss / (rates.drive_gbps * GB) - hidden_s).max(0.0);
     // Streaming plans take streamed runs' compute time (their reads' CPU work included), resident
     // plans resident runs'; the calibrated matvec rate otherwise.
-    let measured = req.observed.as_ref().and_then(|o| if hit.is_some() { (o.cache_fraction < 1.0).then_some(o.compute_ms_per_token) } else { o.resident_compute_ms_per_token });
+    let measured = req.observed.as_ref().and_then(|o| {
+        if hit.is_some() {
+            (o.cache_fraction < 1.0).then_some(o.compute_ms_per_token)
+        } else {
+            o.resident_compute_ms_per_token
+        }
+    });
     let compute_s = match measured {
         Some(ms) => ms / 1e3,
-        None => model.dense_bytes_per_token as f64 / (rates.dense_matvec_gbps.unwrap_or(rates.matvec_gbps) * GB) + model.expert_bytes_per_token as f64 / (rates.matvec_gbps * GB),
+        None => {
+            model.dense_bytes_per_token as f64
+                / (rates.dense_matvec_gbps.unwrap_or(rates.matvec_gbps) * GB)
+                + model.expert_bytes_per_token as f64 / (rates.matvec_gbps * GB)
+        }
     };
     let c = req.prefill_chunk.clamp(1, 512) as f64;
     let prefill_compute = 2.0 * model.active_params as f64 * c / (rates.gemm_gflops * 1e9);
-    let touched = if model.experts > 0 { 1.0 - (1.0 - model.experts_per_token as f64 / model.experts as f64).powf(c) } else { 0.0 };
+    let touched = if model.experts > 0 {
+        1.0 - (1.0 - model.experts_per_token as f64 / model.experts as f64).powf(c)
+    } else {
+        0.0
+    };
     let prefill_read = model.expert_bytes as f64 * touched * miss / (rates.drive_gbps * GB);
     Estimate {
         decode_tok_s: 1.0 / (read_s + compute_s).max(1e-9),
@@ -380,12 +474,25 @@ impl Plan {
     /// One line for start-up logs.
     pub fn summary(&self) -> String {
         let mut s = format!("plan: {} ({})", self.strategy.name(), self.reason);
-        if let (Some(c), Some(n), Some(h)) = (self.expert_cache_bytes, self.expert_cache_experts, self.expected_hit_rate) {
-            let basis = if self.estimate.observed.is_some() { "from previous runs" } else { "typical routing" };
-            s += &format!(" | expert cache {} ({n} experts, expected hit rate {:.0}%, {basis})", gb(c), h * 100.0);
+        if let (Some(c), Some(n), Some(h)) =
+            (self.expert_cache_bytes, self.expert_cache_experts, self.expected_hit_rate)
+        {
+            let basis = if self.estimate.observed.is_some() {
+                "from previous runs"
+            } else {
+                "typical routing"
+            };
+            s += &format!(
+                " | expert cache {} ({n} experts, expected hit rate {:.0}%, {basis})",
+                gb(c),
+                h * 100.0
+            );
         }
         if self.strategy != Strategy::TooLarge {
-            s += &format!(" | est. decode {:.1} tok/s, prefill {:.0} tok/s", self.estimate.decode_tok_s, self.estimate.prefill_tok_s);
+            s += &format!(
+                " | est. decode {:.1} tok/s, prefill {:.0} tok/s",
+                self.estimate.decode_tok_s, self.estimate.prefill_tok_s
+            );
             if self.estimate.rates_source == RatesSource::Defaults {
                 s += " (default bandwidths: run `strata info --calibrate`)";
             }

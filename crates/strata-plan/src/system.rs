@@ -21,12 +21,20 @@ impl SystemMemory {
     /// Detects the machine's figures, or uses `ram_override` (else `STRATA_RAM_BYTES`) as both
     /// total and available memory.
     pub fn detect(ram_override: Option<u64>) -> Self {
-        let env = std::env::var("STRATA_RAM_BYTES").ok().and_then(|v| strata_expert_store::parse_bytes(&v).ok());
+        let env = std::env::var("STRATA_RAM_BYTES")
+            .ok()
+            .and_then(|v| strata_expert_store::parse_bytes(&v).ok());
         if let Some(r) = ram_override.or(env) {
             return Self { ram_total: r, available: r, cgroup_limit: None, simulated: true };
         }
-        let total = strata_expert_store::budget::proc_kb_field("/proc/meminfo", "MemTotal:").unwrap_or(8 << 30);
+        let total = strata_expert_store::budget::proc_kb_field("/proc/meminfo", "MemTotal:")
+            .unwrap_or(8 << 30);
         let available = strata_expert_store::available_memory().unwrap_or(total / 2);
-        Self { ram_total: total, available, cgroup_limit: strata_expert_store::budget::cgroup_limit(), simulated: false }
+        Self {
+            ram_total: total,
+            available,
+            cgroup_limit: strata_expert_store::budget::cgroup_limit(),
+            simulated: false,
+        }
     }
 }

@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 
 use strata_expert_store::CacheBudget;
 use strata_formats::ModelFiles;
-use strata_plan::{make_plan, Bandwidths, ModelFacts, Plan, PlanRequest, RatesSource, Strategy, StreamMode, SystemMemory};
+use strata_plan::{
+    make_plan, Bandwidths, ModelFacts, Plan, PlanRequest, RatesSource, Strategy, StreamMode,
+    SystemMemory,
+};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -20,14 +23,32 @@ fn ram(bytes: u64) -> SystemMemory {
 }
 
 fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
-    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None, observed: None, gpu: None, gpu_expert_cache: CacheBudget::Auto };
+    let req = PlanRequest {
+        ctx_size: 1024,
+        prefill_chunk: 512,
+        stream,
+        expert_cache: CacheBudget::Auto,
+        draft: None,
+        observed: None,
+        gpu: None,
+        gpu_expert_cache: CacheBudget::Auto,
+    };
     make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }
 
 fn synth(name: &str, layers: usize) -> PathBuf {
     let out = std::env::temp_dir().join(format!("strata-plan-{}-{name}.gguf", std::process::id()));
-    let preset = strata_engine::synth::SynthPreset { layers, ..strata_engine::synth::SynthPreset::by_name("tiny-moe").unwrap() };
-    let o = strata_engine::synth::SynthOptions { preset, quant: candle_core::quantized::GgmlDType::Q8_0, seed: 1, routing_skew: None, routing: None };
+    let preset = strata_engine::synth::SynthPreset {
+        layers,
+        ..strata_engine::synth::SynthPreset::by_name("tiny-moe").unwrap()
+    };
+    let o = strata_engine::synth::SynthOptions {
+        preset,
+        quant: candle_core::quantized::GgmlDType::Q8_0,
+        seed: 1,
+        routing_skew: None,
+        routing: None,
+    };
     strata_engine::synth::synth(&out, &o, &mut |_, _| {}).unwrap();
     out
 }
@@ -51,7 +72,10 @@ fn synthetic_models_pick_the_strategy_their_memory_allows() {
         let m = facts(&path);
         let file = std::fs::metadata(&path).unwrap().len();
         let tensors = m.dense_bytes + m.expert_bytes;
-        assert!(tensors <= file && tensors > file / 10 * 9, "tensor bytes {tensors} vs file {file}");
+        assert!(
+            tensors <= file && tensors > file / 10 * 9,
+            "tensor bytes {tensors} vs file {file}"
+        );
         assert_eq!(m.bytes_per_expert * (m.experts * m.moe_layers) as u64, m.expert_bytes);
         let kv = 1024 * m.kv_bytes_per_token;
         // Plenty of RAM: resident.
@@ -60,15 +84,26 @@ fn synthetic_models_pick_the_strategy_their_memory_allows() {
         // than the experts and a hit rate below 1.
         // (available = fixed + reserve + experts/4, where reserve = 512 MiB + 5% of available.)
         let compute = plan(&m, 64 << 30, StreamMode::Auto).memory.compute_buffers;
-        let tight = ((m.dense_memory_bytes + kv + compute + (512 << 20) + m.expert_bytes / 4) as f64 / 0.95) as u64;
+        let tight = ((m.dense_memory_bytes + kv + compute + (512 << 20) + m.expert_bytes / 4)
+            as f64
+            / 0.95) as u64;
         let p = plan(&m, tight, StreamMode::Auto);
-        assert_eq!(p.strategy, Strategy::ExpertStreaming, "{layers} layers at {tight}: {}", p.reason);
+        assert_eq!(
+            p.strategy,
+            Strategy::ExpertStreaming,
+            "{layers} layers at {tight}: {}",
+            p.reason
+        );
         let cache = p.expert_cache_bytes.unwrap();
         assert!(cache < m.expert_bytes && cache > 0, "{cache}");
         let hit = p.expected_hit_rate.unwrap();
         assert!(hit > 0.0 && hit < 1.0);
         assert!(p.estimate.decode_read_ms > 0.0, "misses cost reads");
-        assert!(p.recommended_command.as_deref().unwrap().contains("--stream-experts on --expert-cache"));
+        assert!(p
+            .recommended_command
+            .as_deref()
+            .unwrap()
+            .contains("--stream-experts on --expert-cache"));
         // The same memory with streaming off: too large, and the reason says streaming would work.
         let off = plan(&m, tight, StreamMode::Off);
         assert_eq!(off.strategy, Strategy::TooLarge);
@@ -87,7 +122,16 @@ fn synthetic_models_pick_the_strategy_their_memory_allows() {
 #[test]
 fn a_big_context_is_what_does_not_fit() {
     let m = facts(&repo().join("tests/fixtures/moe-tiny/mixtral.gguf"));
-    let req = PlanRequest { ctx_size: 1 << 22, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: None, gpu: None, gpu_expert_cache: CacheBudget::Auto };
+    let req = PlanRequest {
+        ctx_size: 1 << 22,
+        prefill_chunk: 512,
+        stream: StreamMode::Auto,
+        expert_cache: CacheBudget::Auto,
+        draft: None,
+        observed: None,
+        gpu: None,
+        gpu_expert_cache: CacheBudget::Auto,
+    };
     let p = make_plan(&m, &ram(2 << 30), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert_eq!(p.strategy, Strategy::TooLarge);
     assert!(p.reason.contains("--ctx-size"), "{}", p.reason);
@@ -98,7 +142,16 @@ fn a_draft_model_over_70_percent_of_ram_warns_and_shrinks_the_cache() {
     let path = synth("draft", 32);
     let m = facts(&path);
     let ram_bytes = m.dense_memory_bytes * 3 + m.expert_bytes / 2;
-    let req = |draft: Option<ModelFacts>| PlanRequest { ctx_size: 512, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft, observed: None, gpu: None, gpu_expert_cache: CacheBudget::Auto };
+    let req = |draft: Option<ModelFacts>| PlanRequest {
+        ctx_size: 512,
+        prefill_chunk: 512,
+        stream: StreamMode::Auto,
+        expert_cache: CacheBudget::Auto,
+        draft,
+        observed: None,
+        gpu: None,
+        gpu_expert_cache: CacheBudget::Auto,
+    };
     let rates = || (Bandwidths::DEFAULTS, RatesSource::Defaults);
     let alone = make_plan(&m, &ram(ram_bytes), rates(), &req(None));
     let with = make_plan(&m, &ram(ram_bytes), rates(), &req(Some(m.clone())));
@@ -136,17 +189,47 @@ fn observed_runs_replace_the_typical_curve() {
     let path = synth("obs", 32);
     let m = facts(&path);
     let compute = plan(&m, 64 << 30, StreamMode::Auto).memory.compute_buffers;
-    let tight = ((m.dense_memory_bytes + 1024 * m.kv_bytes_per_token + compute + (512 << 20) + m.expert_bytes / 4) as f64 / 0.95) as u64;
+    let tight = ((m.dense_memory_bytes
+        + 1024 * m.kv_bytes_per_token
+        + compute
+        + (512 << 20)
+        + m.expert_bytes / 4) as f64
+        / 0.95) as u64;
     let base = plan(&m, tight, StreamMode::Auto);
     let f = base.expert_cache_experts.unwrap() as f64 / (m.experts * m.moe_layers) as f64;
-    assert!((base.hit_rate_floor.unwrap() - f).abs() < 1e-9, "the uniform floor is the cached share");
+    assert!(
+        (base.hit_rate_floor.unwrap() - f).abs() < 1e-9,
+        "the uniform floor is the cached share"
+    );
     let typical = strata_plan::hit_curve::typical_hit_rate(f);
-    assert!((base.expected_hit_rate.unwrap() - typical).abs() < 1e-9, "without observations: typical routing's hit rate");
+    assert!(
+        (base.expected_hit_rate.unwrap() - typical).abs() < 1e-9,
+        "without observations: typical routing's hit rate"
+    );
     assert!(typical > f, "typical routing caches better than uniform");
-    let o = strata_plan::Observed { cache_fraction: f, hit_rate: 0.9, hidden_read_ms_per_token: 0.0, compute_ms_per_token: 40.0, resident_compute_ms_per_token: None, tokens: 31 };
-    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream: StreamMode::Auto, expert_cache: CacheBudget::Auto, draft: None, observed: Some(o), gpu: None, gpu_expert_cache: CacheBudget::Auto };
+    let o = strata_plan::Observed {
+        cache_fraction: f,
+        hit_rate: 0.9,
+        hidden_read_ms_per_token: 0.0,
+        compute_ms_per_token: 40.0,
+        resident_compute_ms_per_token: None,
+        tokens: 31,
+    };
+    let req = PlanRequest {
+        ctx_size: 1024,
+        prefill_chunk: 512,
+        stream: StreamMode::Auto,
+        expert_cache: CacheBudget::Auto,
+        draft: None,
+        observed: Some(o),
+        gpu: None,
+        gpu_expert_cache: CacheBudget::Auto,
+    };
     let p = make_plan(&m, &ram(tight), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
-    assert!((p.expected_hit_rate.unwrap() - 0.9).abs() < 1e-9, "same cache share: the observed hit rate");
+    assert!(
+        (p.expected_hit_rate.unwrap() - 0.9).abs() < 1e-9,
+        "same cache share: the observed hit rate"
+    );
     assert!((p.estimate.decode_compute_ms - 40.0).abs() < 1e-9);
     // Read time that prefetch hid behind compute in the recorded run is not charged again.
     assert!(p.estimate.decode_read_ms > 1.0, "a 10% byte miss rate reads something");
@@ -158,14 +241,25 @@ fn observed_runs_replace_the_typical_curve() {
     // A bigger cache misses less, along the typical curve's shape; a full one never.
     let miss = |x: f64| 1.0 - strata_plan::hit_curve::typical_hit_rate(x);
     let half = (1.0 + f) / 2.0;
-    assert!((strata_plan::observed::miss_rate_at(&o, half) - 0.1 * miss(half) / miss(f)).abs() < 1e-9);
+    assert!(
+        (strata_plan::observed::miss_rate_at(&o, half) - 0.1 * miss(half) / miss(f)).abs() < 1e-9
+    );
     assert_eq!(strata_plan::observed::miss_rate_at(&o, 1.0), 0.0);
     let _ = std::fs::remove_file(&path);
 }
 
 fn gpu_plan(m: &ModelFacts, vram: u64, ram_bytes: u64, stream: StreamMode) -> Plan {
     let gpu = strata_plan::GpuMemory { vram_total: vram, vram_free: vram, simulated: true };
-    let req = PlanRequest { ctx_size: 1024, prefill_chunk: 512, stream, expert_cache: CacheBudget::Auto, draft: None, observed: None, gpu: Some(gpu), gpu_expert_cache: CacheBudget::Auto };
+    let req = PlanRequest {
+        ctx_size: 1024,
+        prefill_chunk: 512,
+        stream,
+        expert_cache: CacheBudget::Auto,
+        draft: None,
+        observed: None,
+        gpu: Some(gpu),
+        gpu_expert_cache: CacheBudget::Auto,
+    };
     make_plan(m, &ram(ram_bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }
 
@@ -177,7 +271,11 @@ fn gpu_plans_use_vram_then_pinned_host_memory_then_the_drive() {
     assert_eq!(roomy.strategy, Strategy::Resident, "{}", roomy.reason);
     let g = roomy.gpu.as_ref().unwrap();
     assert!(g.vram_expert_cache_bytes.is_none() && g.decode_copy_ms == 0.0);
-    assert!(roomy.recommended_command.as_deref().unwrap().contains("--device cuda --stream-experts off"));
+    assert!(roomy
+        .recommended_command
+        .as_deref()
+        .unwrap()
+        .contains("--device cuda --stream-experts off"));
     // VRAM for the dense weights, KV and about a quarter of the experts: GPU-OFFLOAD, every expert
     // in (page-locked) host RAM, none from the drive.
     let fixed = g.vram_fixed;
@@ -187,7 +285,11 @@ fn gpu_plans_use_vram_then_pinned_host_memory_then_the_drive() {
     assert!(p.strategy.streams_experts());
     let g = p.gpu.as_ref().unwrap();
     let (vb, hit) = (g.vram_expert_cache_bytes.unwrap(), g.expected_vram_hit_rate.unwrap());
-    assert!(vb <= vram - fixed && vb * 5 > m.expert_memory_bytes, "VRAM cache {vb} of {}", m.expert_memory_bytes);
+    assert!(
+        vb <= vram - fixed && vb * 5 > m.expert_memory_bytes,
+        "VRAM cache {vb} of {}",
+        m.expert_memory_bytes
+    );
     let share = g.vram_expert_cache_experts.unwrap() as f64 / (m.experts * m.moe_layers) as f64;
     assert!(share > 0.2 && share < 0.3, "{share}");
     assert!((hit - strata_plan::hit_curve::typical_hit_rate(share)).abs() < 1e-9, "{hit}");
@@ -196,7 +298,8 @@ fn gpu_plans_use_vram_then_pinned_host_memory_then_the_drive() {
     let cmd = p.recommended_command.as_deref().unwrap();
     assert!(cmd.contains("--stream-experts on") && cmd.contains("--gpu-expert-cache"), "{cmd}");
     // Little RAM too: the host cache shrinks and misses read the drive.
-    let host = ((m.expert_bytes / 2 + (512 << 20) + roomy.memory.compute_buffers) as f64 / 0.95) as u64;
+    let host =
+        ((m.expert_bytes / 2 + (512 << 20) + roomy.memory.compute_buffers) as f64 / 0.95) as u64;
     let small_ram = gpu_plan(&m, vram, host, StreamMode::Auto);
     let g = small_ram.gpu.as_ref().unwrap();
     assert_eq!(small_ram.strategy, Strategy::GpuOffload);

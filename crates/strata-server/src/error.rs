@@ -16,15 +16,31 @@ pub struct ApiError {
 impl ApiError {
     /// 400 `invalid_request_error`, naming the offending field.
     pub fn invalid(param: &str, message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: Some(param.to_string()), code: None }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.to_string()),
+            code: None,
+        }
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: None, code: None }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
     }
 
     pub fn context_length(message: impl Into<String>) -> Self {
-        Self { code: Some("context_length_exceeded"), param: Some("messages".into()), ..Self::bad_request(message) }
+        Self {
+            code: Some("context_length_exceeded"),
+            param: Some("messages".into()),
+            ..Self::bad_request(message)
+        }
     }
 
     pub fn unauthorized() -> Self {
@@ -38,7 +54,13 @@ impl ApiError {
     }
 
     pub fn not_found(path: &str) -> Self {
-        Self { status: StatusCode::NOT_FOUND, message: format!("Unknown route {path}"), kind: "invalid_request_error", param: None, code: Some("not_found") }
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("Unknown route {path}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("not_found"),
+        }
     }
 
     /// 404 `model_not_found` (OpenAI's answer for an unknown model).
@@ -66,12 +88,19 @@ impl ApiError {
 
     /// 408: the client did not send its request body in time.
     pub fn body_timeout(secs: u64) -> Self {
-        Self { status: StatusCode::REQUEST_TIMEOUT, code: Some("request_timeout"), ..Self::bad_request(format!("The request body did not arrive within {secs} s")) }
+        Self {
+            status: StatusCode::REQUEST_TIMEOUT,
+            code: Some("request_timeout"),
+            ..Self::bad_request(format!("The request body did not arrive within {secs} s"))
+        }
     }
 
     /// 415: POST bodies must be JSON (so that a web page cannot send a simple cross-site form post).
     pub fn unsupported_media_type() -> Self {
-        Self { status: StatusCode::UNSUPPORTED_MEDIA_TYPE, ..Self::bad_request("Send the body as JSON with `Content-Type: application/json`") }
+        Self {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ..Self::bad_request("Send the body as JSON with `Content-Type: application/json`")
+        }
     }
 
     pub fn overloaded(queue: usize) -> Self {
@@ -85,7 +114,13 @@ impl ApiError {
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "server_error", param: None, code: None }
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
     }
 
     pub fn body(&self) -> serde_json::Value {

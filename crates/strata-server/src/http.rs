@@ -27,7 +27,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// no key is configured.
 pub fn authorized(st: &AppState, headers: &HeaderMap) -> bool {
     let Some(key) = &st.config.api_key else { return true };
-    let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else { return false };
+    let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
     let mut parts = v.trim().splitn(2, ' ');
     let scheme_ok = parts.next().is_some_and(|s| s.eq_ignore_ascii_case("bearer"));
     let token = parts.next().unwrap_or("").trim();
@@ -47,7 +49,8 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
 /// without a CORS preflight, never an `application/json` one.
 async fn json_only(req: Request, next: Next) -> Response {
     if req.method() == Method::POST {
-        let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let ct =
+            req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
         let mime = ct.split(';').next().unwrap_or("").trim();
         if !mime.eq_ignore_ascii_case("application/json") {
             return ApiError::unsupported_media_type().into_response();
@@ -60,7 +63,10 @@ async fn json_only(req: Request, next: Next) -> Response {
 async fn json_errors(req: Request, next: Next) -> Response {
     let res = next.run(req).await;
     let status = res.status();
-    let is_json = res.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    let is_json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
     if (status.is_client_error() || status.is_server_error()) && !is_json {
         let body = axum::body::to_bytes(res.into_body(), 1 << 16).await.unwrap_or_default();
         let msg = String::from_utf8_lossy(&body).into_owned();
@@ -91,7 +97,9 @@ pub fn router(st: Arc<AppState>) -> Router {
         let cors = if origin == "*" {
             cors.allow_origin(tower_http::cors::Any)
         } else {
-            cors.allow_origin(HeaderValue::from_str(origin).unwrap_or(HeaderValue::from_static("null")))
+            cors.allow_origin(
+                HeaderValue::from_str(origin).unwrap_or(HeaderValue::from_static("null")),
+            )
         };
         r = r.layer(cors);
     }
@@ -101,18 +109,33 @@ pub fn router(st: Arc<AppState>) -> Router {
 /// Binds and serves until `shutdown` resolves; then stops accepting, ends every in-flight
 /// generation explicitly (streams get a `server_shutting_down` error event and `[DONE]`, other
 /// requests a 503 body) and returns once connections close (at most `grace` later).
-pub async fn serve(st: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static, grace: Duration) -> std::io::Result<()> {
-    let addr: SocketAddr = format!("{}:{}", st.config.host, st.config.port)
-        .parse()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("bad address: {e}")))?;
+pub async fn serve(
+    st: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let addr: SocketAddr =
+        format!("{}:{}", st.config.host, st.config.port).parse().map_err(|e| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("bad address: {e}"))
+        })?;
     let listener = tokio::net::TcpListener::bind(addr).await?;
     serve_on(listener, st, shutdown, grace).await
 }
 
 /// [`serve`] on an already bound listener (tests bind port 0).
-pub async fn serve_on(listener: tokio::net::TcpListener, st: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static, grace: Duration) -> std::io::Result<()> {
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    st: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
-    tracing::info!("strata listening on http://{addr} (model {}, {} slot(s), ctx {})", st.model_name, st.config.parallel, st.config.ctx_size);
+    tracing::info!(
+        "strata listening on http://{addr} (model {}, {} slot(s), ctx {})",
+        st.model_name,
+        st.config.parallel,
+        st.config.ctx_size
+    );
     let sched = st.scheduler.clone();
     let header_timeout = st.config.header_timeout;
     let app = router(st);
@@ -159,7 +182,8 @@ pub async fn shutdown_signal() {
     };
     #[cfg(unix)]
     let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
             s.recv().await;
         }
     };

@@ -105,14 +105,27 @@ impl AppState {
         if config.parallel == 0 {
             return Err("--parallel must be at least 1".into());
         }
-        let metrics = Metrics::with_families(engine.model.experts().stats().is_some(), engine.spec.is_some());
+        let metrics =
+            Metrics::with_families(engine.model.experts().stats().is_some(), engine.spec.is_some());
         #[cfg(feature = "test-hooks")]
         let trigger = config.panic_trigger.clone();
         #[cfg(not(feature = "test-hooks"))]
         let trigger = None;
-        let scheduler = Scheduler::start(engine.clone(), &config, metrics.cancellations.clone(), trigger)?;
-        let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let scheduler =
+            Scheduler::start(engine.clone(), &config, metrics.cancellations.clone(), trigger)?;
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Ok(Arc::new(Self { model_name: engine.name.clone(), engine, config, scheduler, metrics, started, prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores)) }))
+        Ok(Arc::new(Self {
+            model_name: engine.name.clone(),
+            engine,
+            config,
+            scheduler,
+            metrics,
+            started,
+            prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores)),
+        }))
     }
 }

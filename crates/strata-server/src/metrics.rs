@@ -28,19 +28,63 @@ pub struct ExpertMetrics {
 
 impl ExpertMetrics {
     fn register(&self, r: &mut Registry) {
-        r.register("expert_cache_hits", "Routed-expert lookups served from the expert cache", self.hits.clone());
-        r.register("expert_cache_misses", "Routed-expert lookups that waited for a read", self.misses.clone());
-        r.register("expert_read_bytes", "Bytes of expert weights read from the model files", self.read_bytes.clone());
+        r.register(
+            "expert_cache_hits",
+            "Routed-expert lookups served from the expert cache",
+            self.hits.clone(),
+        );
+        r.register(
+            "expert_cache_misses",
+            "Routed-expert lookups that waited for a read",
+            self.misses.clone(),
+        );
+        r.register(
+            "expert_read_bytes",
+            "Bytes of expert weights read from the model files",
+            self.read_bytes.clone(),
+        );
         r.register("expert_reads", "Expert read requests issued", self.reads.clone());
-        r.register("expert_touched_bytes", "Stored bytes of every routed expert used (hits and misses)", self.touched_bytes.clone());
-        r.register("expert_prefetch_reads", "Experts read ahead on a prediction of the next layer's routing", self.prefetch_reads.clone());
-        r.register("expert_prefetch_used", "Experts read ahead that the layer then used", self.prefetch_used.clone());
+        r.register(
+            "expert_touched_bytes",
+            "Stored bytes of every routed expert used (hits and misses)",
+            self.touched_bytes.clone(),
+        );
+        r.register(
+            "expert_prefetch_reads",
+            "Experts read ahead on a prediction of the next layer's routing",
+            self.prefetch_reads.clone(),
+        );
+        r.register(
+            "expert_prefetch_used",
+            "Experts read ahead that the layer then used",
+            self.prefetch_used.clone(),
+        );
         r.register("expert_prefetch_candidates", "Predicted experts the cache lacked (read ahead or, with the prefetch gate closed, not)", self.prefetch_candidates.clone());
-        r.register("expert_prefetch_candidates_used", "Predicted uncached experts the layer then used", self.prefetch_candidates_used.clone());
-        r.register("expert_upload_bytes", "Bytes of experts copied from host memory to the GPU's expert cache", self.upload_bytes.clone());
-        r.register("expert_stall_seconds", "Time decode waited for expert reads", self.stall_seconds.clone());
-        r.register("ssd_read_bytes_per_second", "Achieved expert read rate while reads were in flight", self.read_bytes_per_second.clone());
-        r.register("expert_cache_hit_rate", "Fraction of expert lookups served from the cache", self.hit_rate.clone());
+        r.register(
+            "expert_prefetch_candidates_used",
+            "Predicted uncached experts the layer then used",
+            self.prefetch_candidates_used.clone(),
+        );
+        r.register(
+            "expert_upload_bytes",
+            "Bytes of experts copied from host memory to the GPU's expert cache",
+            self.upload_bytes.clone(),
+        );
+        r.register(
+            "expert_stall_seconds",
+            "Time decode waited for expert reads",
+            self.stall_seconds.clone(),
+        );
+        r.register(
+            "ssd_read_bytes_per_second",
+            "Achieved expert read rate while reads were in flight",
+            self.read_bytes_per_second.clone(),
+        );
+        r.register(
+            "expert_cache_hit_rate",
+            "Fraction of expert lookups served from the cache",
+            self.hit_rate.clone(),
+        );
     }
 
     /// Advances the counters to `now` (the provider's cumulative figures).
@@ -88,7 +132,9 @@ impl SpecMetrics {
             fanout: Histogram::new(exponential_buckets(1.0, 1.5, 14)),
             acceptance_rate: Gauge::default(),
             mean_accepted_length: Gauge::default(),
-            draft_len: Histogram::new([0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 31.0].into_iter()),
+            draft_len: Histogram::new(
+                [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 31.0].into_iter(),
+            ),
         }
     }
 
@@ -97,11 +143,31 @@ impl SpecMetrics {
         r.register("spec_draft_tokens", "Draft tokens proposed and verified", self.drafted.clone());
         r.register("spec_accepted_tokens", "Draft tokens accepted", self.accepted.clone());
         r.register("spec_draft_seconds", "Time spent drafting", self.draft_seconds.clone());
-        r.register("spec_verify_seconds", "Time spent in target verify passes", self.verify_seconds.clone());
-        r.register("spec_acceptance_rate", "Accepted / drafted tokens since start", self.acceptance_rate.clone());
-        r.register("spec_mean_accepted_length", "Tokens emitted per round since start", self.mean_accepted_length.clone());
-        r.register("spec_draft_length", "Draft tokens chosen per round (N)", self.draft_len.clone());
-        r.register("spec_expert_fanout", "Mean distinct experts per MoE layer per verify pass, per request", self.fanout.clone());
+        r.register(
+            "spec_verify_seconds",
+            "Time spent in target verify passes",
+            self.verify_seconds.clone(),
+        );
+        r.register(
+            "spec_acceptance_rate",
+            "Accepted / drafted tokens since start",
+            self.acceptance_rate.clone(),
+        );
+        r.register(
+            "spec_mean_accepted_length",
+            "Tokens emitted per round since start",
+            self.mean_accepted_length.clone(),
+        );
+        r.register(
+            "spec_draft_length",
+            "Draft tokens chosen per round (N)",
+            self.draft_len.clone(),
+        );
+        r.register(
+            "spec_expert_fanout",
+            "Mean distinct experts per MoE layer per verify pass, per request",
+            self.fanout.clone(),
+        );
     }
 
     /// Adds a finished request's counters.
@@ -120,7 +186,12 @@ impl SpecMetrics {
             self.fanout.observe(f);
         }
         // Since start: the counters' totals through SpecStats' own formulas.
-        let total = SpecStats { rounds: self.rounds.get(), drafted: self.drafted.get(), accepted: self.accepted.get(), ..SpecStats::default() };
+        let total = SpecStats {
+            rounds: self.rounds.get(),
+            drafted: self.drafted.get(),
+            accepted: self.accepted.get(),
+            ..SpecStats::default()
+        };
         self.acceptance_rate.set(total.acceptance_rate());
         self.mean_accepted_length.set(total.mean_accepted_length());
     }
@@ -137,8 +208,16 @@ pub struct Cancellations {
 
 impl Cancellations {
     fn register(&self, r: &mut Registry) {
-        r.register("requests_cancelled_by_client", "Requests whose client went away before the answer was complete", self.by_client.clone());
-        r.register("requests_cut_by_shutdown", "Requests ended by a server shutdown (answered with a server_shutting_down error)", self.by_shutdown.clone());
+        r.register(
+            "requests_cancelled_by_client",
+            "Requests whose client went away before the answer was complete",
+            self.by_client.clone(),
+        );
+        r.register(
+            "requests_cut_by_shutdown",
+            "Requests ended by a server shutdown (answered with a server_shutting_down error)",
+            self.by_shutdown.clone(),
+        );
     }
 }
 
@@ -192,12 +271,24 @@ impl Metrics {
         let queue_depth = Gauge::default();
         let active = Gauge::default();
         registry.register("requests", "Completion requests received", requests.clone());
-        registry.register("request_errors", "Completion requests answered with an error", request_errors.clone());
+        registry.register(
+            "request_errors",
+            "Completion requests answered with an error",
+            request_errors.clone(),
+        );
         registry.register("prompt_tokens", "Prompt tokens processed", prompt_tokens.clone());
         registry.register("generated_tokens", "Tokens generated", generated_tokens.clone());
         registry.register("time_to_first_token_seconds", "Time to first token", ttft.clone());
-        registry.register("token_latency_seconds", "Decode time per generated token", token_latency.clone());
-        registry.register("queue_depth", "Requests waiting for a sequence slot", queue_depth.clone());
+        registry.register(
+            "token_latency_seconds",
+            "Decode time per generated token",
+            token_latency.clone(),
+        );
+        registry.register(
+            "queue_depth",
+            "Requests waiting for a sequence slot",
+            queue_depth.clone(),
+        );
         registry.register("active_requests", "Requests generating now", active.clone());
         let cancellations = Cancellations::default();
         cancellations.register(&mut registry);

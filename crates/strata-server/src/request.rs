@@ -96,7 +96,10 @@ pub fn refuse_unsupported(body: &Value, unsupported: &[&str]) -> Result<(), ApiE
 /// `model`: required, a string, the served model's id or one of its aliases.
 pub fn check_model(body: &Value, served: &str, aliases: &[String]) -> Result<(), ApiError> {
     match body.get("model") {
-        None | Some(Value::Null) => Err(ApiError::invalid("model", format!("`model` is required (this server serves `{served}`)"))),
+        None | Some(Value::Null) => Err(ApiError::invalid(
+            "model",
+            format!("`model` is required (this server serves `{served}`)"),
+        )),
         Some(Value::String(m)) if m == served || aliases.iter().any(|a| a == m) => Ok(()),
         Some(Value::String(m)) => Err(ApiError::model_not_found(m, served)),
         Some(_) => Err(ApiError::invalid("model", "`model` must be a string")),
@@ -130,14 +133,20 @@ fn boolean(body: &Value, key: &str) -> Result<Option<bool>, ApiError> {
 
 fn range(key: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
     match v {
-        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(key, format!("`{key}` must be between {lo} and {hi}, got {x}"))),
+        Some(x) if !(lo..=hi).contains(&x) => {
+            Err(ApiError::invalid(key, format!("`{key}` must be between {lo} and {hi}, got {x}")))
+        }
         _ => Ok(v),
     }
 }
 
 /// Parses the fields shared by `/v1/chat/completions` and `/v1/completions`. `defaults` are the
 /// server's sampling defaults; `chat` selects OpenAI's chat semantics for `logprobs`.
-pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result<GenParams, ApiError> {
+pub fn gen_params(
+    body: &Value,
+    defaults: &SamplingParams,
+    chat: bool,
+) -> Result<GenParams, ApiError> {
     if !body.is_object() {
         return Err(ApiError::bad_request("The request body must be a JSON object"));
     }
@@ -168,7 +177,10 @@ pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result
     if let Some(k) = int(body, "top_k")? {
         // -1 or 0 disable top-k (vLLM / llama.cpp conventions).
         if k < -1 {
-            return Err(ApiError::invalid("top_k", format!("`top_k` must be -1, 0 or positive, got {k}")));
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be -1, 0 or positive, got {k}"),
+            ));
         }
         s.top_k = k.max(0) as usize;
     }
@@ -183,27 +195,42 @@ pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result
     }
     if let Some(p) = num(body, "repetition_penalty")? {
         if p <= 0.0 {
-            return Err(ApiError::invalid("repetition_penalty", format!("`repetition_penalty` must be positive, got {p}")));
+            return Err(ApiError::invalid(
+                "repetition_penalty",
+                format!("`repetition_penalty` must be positive, got {p}"),
+            ));
         }
         s.repeat_penalty = p;
     }
     if let Some(seed) = body.get("seed").filter(|v| !v.is_null()) {
-        s.seed = Some(seed.as_u64().or_else(|| seed.as_i64().map(|x| x as u64)).ok_or_else(|| ApiError::invalid("seed", "`seed` must be an integer"))?);
+        s.seed = Some(
+            seed.as_u64()
+                .or_else(|| seed.as_i64().map(|x| x as u64))
+                .ok_or_else(|| ApiError::invalid("seed", "`seed` must be an integer"))?,
+        );
     }
     let stop = match body.get("stop") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(x)) => vec![x.clone()],
         Some(Value::Array(a)) => a
             .iter()
-            .map(|x| x.as_str().map(String::from).ok_or_else(|| ApiError::invalid("stop", "`stop` must be a string or a list of strings")))
+            .map(|x| {
+                x.as_str().map(String::from).ok_or_else(|| {
+                    ApiError::invalid("stop", "`stop` must be a string or a list of strings")
+                })
+            })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::invalid("stop", "`stop` must be a string or a list of strings")),
+        Some(_) => {
+            return Err(ApiError::invalid("stop", "`stop` must be a string or a list of strings"))
+        }
     };
     let stream = boolean(body, "stream")?.unwrap_or(false);
     let include_usage = match body.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(o @ Value::Object(_)) => boolean(o, "include_usage")?.unwrap_or(false),
-        Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` must be an object")),
+        Some(_) => {
+            return Err(ApiError::invalid("stream_options", "`stream_options` must be an object"))
+        }
     };
     let logprobs = if chat {
         let top = int(body, "top_logprobs")?;
@@ -211,22 +238,41 @@ pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result
             Some(true) => {
                 let n = top.unwrap_or(0);
                 if !(0..=20).contains(&n) {
-                    return Err(ApiError::invalid("top_logprobs", "`top_logprobs` must be between 0 and 20"));
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        "`top_logprobs` must be between 0 and 20",
+                    ));
                 }
                 Some(n as usize)
             }
-            _ if top.is_some() => return Err(ApiError::invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
+            _ if top.is_some() => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                ))
+            }
             _ => None,
         }
     } else {
         match int(body, "logprobs")? {
-            Some(n) if !(0..=20).contains(&n) => return Err(ApiError::invalid("logprobs", "`logprobs` must be between 0 and 20")),
+            Some(n) if !(0..=20).contains(&n) => {
+                return Err(ApiError::invalid("logprobs", "`logprobs` must be between 0 and 20"))
+            }
             Some(n) => Some(n as usize),
             None => None,
         }
     };
     let ignore_eos = boolean(body, "ignore_eos")?.unwrap_or(false);
-    Ok(GenParams { max_tokens, max_tokens_key, sampling: s, stop, stream, include_usage, logprobs, ignore_eos })
+    Ok(GenParams {
+        max_tokens,
+        max_tokens_key,
+        sampling: s,
+        stop,
+        stream,
+        include_usage,
+        logprobs,
+        ignore_eos,
+    })
 }
 
 /// `messages`: a non-empty list of `{role, content}` where content is a string or a list of
@@ -234,8 +280,12 @@ pub fn gen_params(body: &Value, defaults: &SamplingParams, chat: bool) -> Result
 pub fn chat_messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     let msgs = match body.get("messages") {
         Some(Value::Array(a)) if !a.is_empty() => a,
-        Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "`messages` must not be empty")),
-        None | Some(Value::Null) => return Err(ApiError::invalid("messages", "`messages` is required")),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid("messages", "`messages` must not be empty"))
+        }
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("messages", "`messages` is required"))
+        }
         Some(_) => return Err(ApiError::invalid("messages", "`messages` must be a list")),
     };
     msgs.iter()
@@ -272,14 +322,26 @@ pub fn chat_messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
 pub fn completion_prompt(body: &Value) -> Result<Prompt, ApiError> {
     match body.get("prompt") {
         Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Ok(Prompt::Text(a[0].as_str().unwrap_or_default().to_string())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Ok(Prompt::Text(a[0].as_str().unwrap_or_default().to_string()))
+        }
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => a
             .iter()
             .enumerate()
-            .map(|(i, x)| x.as_u64().ok_or_else(|| ApiError::invalid("prompt", format!("prompt[{i}] = {x} is not a token id (a non-negative integer)"))))
+            .map(|(i, x)| {
+                x.as_u64().ok_or_else(|| {
+                    ApiError::invalid(
+                        "prompt",
+                        format!("prompt[{i}] = {x} is not a token id (a non-negative integer)"),
+                    )
+                })
+            })
             .collect::<Result<Vec<_>, _>>()
             .map(Prompt::Tokens),
         None | Some(Value::Null) => Err(ApiError::invalid("prompt", "`prompt` is required")),
-        Some(_) => Err(ApiError::invalid("prompt", "`prompt` must be a string, a list with one string, or a list of token ids")),
+        Some(_) => Err(ApiError::invalid(
+            "prompt",
+            "`prompt` must be a string, a list with one string, or a list of token ids",
+        )),
     }
 }

@@ -35,11 +35,21 @@ impl Meta {
         json!({"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.tokens.len(), "total_tokens": gen.prompt_tokens + gen.tokens.len()})
     }
 
-    pub fn full_response(&self, st: &AppState, gen: &Generation, lps: Vec<(u32, TokenLogprobs)>, want_lp: bool) -> Value {
+    pub fn full_response(
+        &self,
+        st: &AppState,
+        gen: &Generation,
+        lps: Vec<(u32, TokenLogprobs)>,
+        want_lp: bool,
+    ) -> Value {
         let logprobs = if want_lp { logprobs_json(st, &lps, self.kind) } else { Value::Null };
         let choice = match self.kind {
-            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)}),
-            Kind::Completion => json!({"index": 0, "text": gen.text, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)}),
+            Kind::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)})
+            }
+            Kind::Completion => {
+                json!({"index": 0, "text": gen.text, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)})
+            }
         };
         let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": Self::usage(gen)})
@@ -47,10 +57,15 @@ impl Meta {
 
     pub fn chunk(&self, delta_or_text: Value, logprobs: Value, finish: Option<&str>) -> Value {
         let choice = match self.kind {
-            Kind::Chat => json!({"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish}),
-            Kind::Completion => json!({"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish}),
+            Kind::Chat => {
+                json!({"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish})
+            }
+            Kind::Completion => {
+                json!({"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish})
+            }
         };
-        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let object =
+            if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]})
     }
 

@@ -22,7 +22,10 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ApiError;
-use crate::request::{chat_messages, check_model, completion_prompt, gen_params, refuse_unsupported, GenParams, Prompt, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION};
+use crate::request::{
+    chat_messages, check_model, completion_prompt, gen_params, refuse_unsupported, GenParams,
+    Prompt, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION,
+};
 use crate::response::{finish_str, logprobs_json, Kind, Meta};
 use crate::scheduler::GenEvent;
 use crate::AppState;
@@ -38,8 +41,17 @@ fn new_id(prefix: &str) -> String {
 /// Reads the body within `--body-timeout` (408 after it) and `--max-body-bytes` (413 above it).
 async fn read_body(st: &AppState, req: Request) -> Result<Bytes, ApiError> {
     let limit = st.config.max_body_bytes;
-    let too_large = || ApiError { status: StatusCode::PAYLOAD_TOO_LARGE, ..ApiError::bad_request(format!("The request body is over the {limit}-byte limit (--max-body-bytes)")) };
-    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let too_large = || ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        ..ApiError::bad_request(format!(
+            "The request body is over the {limit}-byte limit (--max-body-bytes)"
+        ))
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
@@ -65,7 +77,12 @@ async fn handle(st: Arc<AppState>, req: Request, kind: Kind) -> Response {
         let body = read_body(&st, req).await?;
         let big = body.len() > 1 << 20;
         let st2 = st.clone();
-        let permit = st.prepare_permits.clone().acquire_owned().await.map_err(|_| ApiError::shutting_down())?;
+        let permit = st
+            .prepare_permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::shutting_down())?;
         let prepared = tokio::task::spawn_blocking(move || {
             // Held by the blocking work itself: a client that leaves does not free its permit
             // while its body is still being tokenised.
@@ -92,7 +109,8 @@ async fn handle(st: Arc<AppState>, req: Request, kind: Kind) -> Response {
 /// Parses and validates the body, checks the prompt's size, tokenizes it, and fixes
 /// `max_tokens`. Blocking work: runs on the blocking pool.
 fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParams), ApiError> {
-    let body: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("Malformed JSON body: {e}")))?;
+    let body: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("Malformed JSON body: {e}")))?;
     let chat = kind == Kind::Chat;
     let mut params = gen_params(&body, &st.config.sampling, chat)?;
     check_model(&body, &st.model_name, &st.config.model_aliases)?;
@@ -101,18 +119,34 @@ fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParam
     drop(body);
     let engine = &st.engine;
     let ctx = st.config.ctx_size;
-    let too_long = |n: String| ApiError::context_length(format!("This model's context is {ctx} tokens; the prompt has {n} tokens"));
+    let too_long = |n: String| {
+        ApiError::context_length(format!(
+            "This model's context is {ctx} tokens; the prompt has {n} tokens"
+        ))
+    };
     let least = engine.tokenizer.min_tokens_for(prompt.text_bytes());
     if least >= ctx {
         return Err(too_long(format!("at least {least}")));
     }
     let ids = match prompt {
-        Prompt::Chat(m) => engine.chat_prompt(&m).map_err(|e| ApiError::invalid("messages", format!("Cannot apply the chat template: {e}")))?.1,
-        Prompt::Text(t) => engine.text_prompt(&t).map_err(|e| ApiError::bad_request(e.to_string()))?,
+        Prompt::Chat(m) => {
+            engine
+                .chat_prompt(&m)
+                .map_err(|e| {
+                    ApiError::invalid("messages", format!("Cannot apply the chat template: {e}"))
+                })?
+                .1
+        }
+        Prompt::Text(t) => {
+            engine.text_prompt(&t).map_err(|e| ApiError::bad_request(e.to_string()))?
+        }
         Prompt::Tokens(t) => {
             let vocab = engine.model.config().vocab_size as u64;
             if let Some((i, bad)) = t.iter().enumerate().find(|(_, &x)| x >= vocab) {
-                return Err(ApiError::invalid("prompt", format!("prompt[{i}] = {bad} is outside the vocabulary (0..{vocab})")));
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("prompt[{i}] = {bad} is outside the vocabulary (0..{vocab})"),
+                ));
             }
             t.into_iter().map(|x| x as u32).collect()
         }
@@ -139,7 +173,12 @@ fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParam
 }
 
 /// Queues the request and answers (JSON or SSE).
-async fn run(st: Arc<AppState>, ids: Vec<u32>, p: GenParams, kind: Kind) -> Result<Response, ApiError> {
+async fn run(
+    st: Arc<AppState>,
+    ids: Vec<u32>,
+    p: GenParams,
+    kind: Kind,
+) -> Result<Response, ApiError> {
     let mut req = GenerateRequest::new(ids, p.max_tokens.unwrap_or(1), p.sampling.clone());
     req.stop = p.stop.clone();
     req.logprobs = p.logprobs;
@@ -147,7 +186,12 @@ async fn run(st: Arc<AppState>, ids: Vec<u32>, p: GenParams, kind: Kind) -> Resu
     req.prefill_chunk = st.config.prefill_chunk;
     let (tx, rx) = unbounded_channel();
     let start = Instant::now();
-    let meta = Meta { id: new_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }), created: now(), model: st.model_name.clone(), kind };
+    let meta = Meta {
+        id: new_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
+        created: now(),
+        model: st.model_name.clone(),
+        kind,
+    };
     let cancel = st.scheduler.submit(req, tx, meta.id.clone())?;
     st.metrics.queue_depth.set(st.scheduler.queue_depth() as i64);
     if p.stream {
@@ -157,7 +201,9 @@ async fn run(st: Arc<AppState>, ids: Vec<u32>, p: GenParams, kind: Kind) -> Resu
             stream_events(st2, rx, sse_tx, meta, p, start).await;
             cancel.store(true, Ordering::SeqCst);
         });
-        return Ok(Sse::new(UnboundedReceiverStream::new(sse_rx)).keep_alive(KeepAlive::default()).into_response());
+        return Ok(Sse::new(UnboundedReceiverStream::new(sse_rx))
+            .keep_alive(KeepAlive::default())
+            .into_response());
     }
     // Dropping `_guard` (client went away, the handler future is dropped) cancels the generation.
     let _guard = CancelOnDrop(cancel);
@@ -173,7 +219,9 @@ impl Drop for CancelOnDrop {
     }
 }
 
-async fn collect(mut rx: UnboundedReceiver<GenEvent>) -> Result<(Generation, Vec<(u32, TokenLogprobs)>), ApiError> {
+async fn collect(
+    mut rx: UnboundedReceiver<GenEvent>,
+) -> Result<(Generation, Vec<(u32, TokenLogprobs)>), ApiError> {
     let mut lps = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
@@ -223,7 +271,9 @@ async fn stream_events(
     start: Instant,
 ) {
     let send = |v: Value| out.send(Ok(Event::default().data(v.to_string()))).is_ok();
-    if meta.kind == Kind::Chat && !send(meta.chunk(json!({"role": "assistant", "content": ""}), Value::Null, None)) {
+    if meta.kind == Kind::Chat
+        && !send(meta.chunk(json!({"role": "assistant", "content": ""}), Value::Null, None))
+    {
         return;
     }
     while let Some(ev) = rx.recv().await {
@@ -264,14 +314,23 @@ async fn stream_events(
 }
 
 pub async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    let mut data = vec![json!({"id": st.model_name, "object": "model", "created": st.started, "owned_by": "strata"})];
-    data.extend(st.config.model_aliases.iter().map(|a| json!({"id": a, "object": "model", "created": st.started, "owned_by": "strata"})));
+    let mut data = vec![
+        json!({"id": st.model_name, "object": "model", "created": st.started, "owned_by": "strata"}),
+    ];
+    data.extend(
+        st.config.model_aliases.iter().map(
+            |a| json!({"id": a, "object": "model", "created": st.started, "owned_by": "strata"}),
+        ),
+    );
     Json(json!({"object": "list", "data": data}))
 }
 
 /// `{"status": "ok"}` for anyone; with the API key (or when none is set) also the model, slots
 /// and the memory plan (without file paths).
-pub async fn health(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Json<Value> {
+pub async fn health(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+) -> Json<Value> {
     if !crate::http::authorized(&st, &headers) {
         return Json(json!({"status": "ok"}));
     }
@@ -305,7 +364,8 @@ pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     if let Some(x) = st.engine.model.experts().stats() {
         st.metrics.experts.observe(x);
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render()).into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], st.metrics.render())
+        .into_response()
 }
 
 pub async fn not_found(uri: Uri) -> ApiError {
@@ -313,5 +373,8 @@ pub async fn not_found(uri: Uri) -> ApiError {
 }
 
 pub async fn method_not_allowed() -> ApiError {
-    ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::bad_request("Method not allowed for this route") }
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        ..ApiError::bad_request("Method not allowed for this route")
+    }
 }

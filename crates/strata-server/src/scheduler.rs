@@ -51,7 +51,12 @@ impl Scheduler {
     /// Starts `config.parallel` workers with a cache of `config.ctx_size` tokens each and a queue
     /// of `config.queue_size`. `panic_trigger`: a prompt that makes a worker panic (the
     /// `test-hooks` feature's tests only; `None` otherwise).
-    pub fn start(engine: Arc<Engine>, config: &ServerConfig, cancellations: Cancellations, panic_trigger: Option<Vec<u32>>) -> Result<Self, String> {
+    pub fn start(
+        engine: Arc<Engine>,
+        config: &ServerConfig,
+        cancellations: Cancellations,
+        panic_trigger: Option<Vec<u32>>,
+    ) -> Result<Self, String> {
         let (tx, rx) = sync_channel::<Job>(config.queue_size);
         let rx = Arc::new(Mutex::new(rx));
         let s = Scheduler {
@@ -63,8 +68,11 @@ impl Scheduler {
             cancellations,
         };
         for i in 0..config.parallel.max(1) {
-            let cache = engine.new_cache(config.ctx_size).map_err(|e| format!("allocating the KV cache: {e}"))?;
-            let (engine, rx, s2, trigger) = (engine.clone(), rx.clone(), s.clone(), panic_trigger.clone());
+            let cache = engine
+                .new_cache(config.ctx_size)
+                .map_err(|e| format!("allocating the KV cache: {e}"))?;
+            let (engine, rx, s2, trigger) =
+                (engine.clone(), rx.clone(), s.clone(), panic_trigger.clone());
             std::thread::Builder::new()
                 .name(format!("strata-slot-{i}"))
                 .spawn(move || worker(engine, cache, rx, s2, trigger))
@@ -75,7 +83,12 @@ impl Scheduler {
 
     /// Queues a request (`id` names it in logs); `Err` (503) when the queue is full or the server
     /// is shutting down. Returns the cancellation flag.
-    pub fn submit(&self, req: GenerateRequest, events: UnboundedSender<GenEvent>, id: String) -> Result<Arc<AtomicBool>, ApiError> {
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+        events: UnboundedSender<GenEvent>,
+        id: String,
+    ) -> Result<Arc<AtomicBool>, ApiError> {
         if self.shutdown.load(Ordering::SeqCst) {
             return Err(ApiError::shutting_down());
         }
@@ -111,7 +124,13 @@ impl Scheduler {
     }
 }
 
-fn worker(engine: Arc<Engine>, mut cache: strata_models::KvCache, rx: Arc<Mutex<Receiver<Job>>>, s: Scheduler, trigger: Option<Vec<u32>>) {
+fn worker(
+    engine: Arc<Engine>,
+    mut cache: strata_models::KvCache,
+    rx: Arc<Mutex<Receiver<Job>>>,
+    s: Scheduler,
+    trigger: Option<Vec<u32>>,
+) {
     loop {
         let job = {
             let Ok(rx) = rx.lock() else { return };
@@ -155,21 +174,37 @@ fn worker(engine: Arc<Engine>, mut cache: strata_models::KvCache, rx: Arc<Mutex<
         let ev = match result {
             Ok(Ok(g)) if g.finish_reason == FinishReason::Cancelled && s.is_shut_down() => {
                 s.cancellations.by_shutdown.inc();
-                tracing::info!(id = job.id, generated = g.tokens.len(), prompt_tokens = g.prompt_tokens, "request cut short by the shutdown");
+                tracing::info!(
+                    id = job.id,
+                    generated = g.tokens.len(),
+                    prompt_tokens = g.prompt_tokens,
+                    "request cut short by the shutdown"
+                );
                 GenEvent::Failed(ApiError::shutting_down())
             }
             Ok(Ok(g)) if g.finish_reason == FinishReason::Cancelled => {
                 s.cancellations.by_client.inc();
-                tracing::info!(id = job.id, generated = g.tokens.len(), prompt_tokens = g.prompt_tokens, "request cancelled by the client");
+                tracing::info!(
+                    id = job.id,
+                    generated = g.tokens.len(),
+                    prompt_tokens = g.prompt_tokens,
+                    "request cancelled by the client"
+                );
                 GenEvent::Done(g)
             }
             Ok(Ok(g)) => GenEvent::Done(g),
             Ok(Err(e)) => GenEvent::Failed(ApiError::internal(format!("generation failed: {e}"))),
             Err(p) => {
-                let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
                 tracing::error!(id = job.id, "generation panicked: {msg}");
                 cache.clear();
-                GenEvent::Failed(ApiError::internal(format!("internal error during generation: {msg}")))
+                GenEvent::Failed(ApiError::internal(format!(
+                    "internal error during generation: {msg}"
+                )))
             }
         };
         let _ = job.events.send(ev);

@@ -10,9 +10,15 @@ use strata_server::{AppState, ServerConfig};
 
 pub fn smollm2_path() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = std::env::var_os("STRATA_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("models"));
+    let dir = std::env::var_os("STRATA_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("models"));
     let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "{} is missing: run `strata fetch-default` (scripts/test.sh does)", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run `strata fetch-default` (scripts/test.sh does)",
+        p.display()
+    );
     p
 }
 
@@ -26,7 +32,12 @@ pub fn engine() -> Arc<Engine> {
 }
 
 pub fn config() -> ServerConfig {
-    ServerConfig { ctx_size: 2048, max_tokens: 64, sampling: SamplingParams::greedy(), ..ServerConfig::default() }
+    ServerConfig {
+        ctx_size: 2048,
+        max_tokens: 64,
+        sampling: SamplingParams::greedy(),
+        ..ServerConfig::default()
+    }
 }
 
 pub struct Server {
@@ -57,14 +68,20 @@ pub fn start_with(engine: Arc<Engine>, config: ServerConfig) -> Server {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             addr_tx.send(listener.local_addr().unwrap()).unwrap();
             let shutdown = async move {
                 let _ = stop_rx.await;
             };
-            strata_server::serve_on(listener, st, shutdown, std::time::Duration::from_secs(2)).await.unwrap();
+            strata_server::serve_on(listener, st, shutdown, std::time::Duration::from_secs(2))
+                .await
+                .unwrap();
         });
     });
     let addr = addr_rx.recv().unwrap();

@@ -15,24 +15,39 @@ fn stream_body(n: usize) -> String {
 
 fn rss_kib() -> u64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0)
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn sixteen_clients(addr: std::net::SocketAddr) -> Vec<http::Resp> {
     let handles: Vec<_> = (0..16)
-        .map(|i| std::thread::spawn(move || http::request(addr, "POST", "/v1/chat/completions", &[], &stream_body(i))))
+        .map(|i| {
+            std::thread::spawn(move || {
+                http::request(addr, "POST", "/v1/chat/completions", &[], &stream_body(i))
+            })
+        })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
 #[test]
 fn sixteen_streaming_clients_with_one_slot() {
-    let s = common::start(strata_server::ServerConfig { parallel: 1, queue_size: 16, ..common::config() });
+    let s = common::start(strata_server::ServerConfig {
+        parallel: 1,
+        queue_size: 16,
+        ..common::config()
+    });
     let addr = s.addr;
     sixteen_clients(addr); // warm-up: allocator pools, thread-local scratch
     let before = rss_kib();
     let handles: Vec<_> = (0..16)
-        .map(|i| std::thread::spawn(move || http::request(addr, "POST", "/v1/chat/completions", &[], &stream_body(i))))
+        .map(|i| {
+            std::thread::spawn(move || {
+                http::request(addr, "POST", "/v1/chat/completions", &[], &stream_body(i))
+            })
+        })
         .collect();
     let mut ok = 0;
     for h in handles {
@@ -54,13 +69,25 @@ fn sixteen_streaming_clients_with_one_slot() {
 
 #[test]
 fn full_queue_answers_503() {
-    let s = common::start(strata_server::ServerConfig { parallel: 1, queue_size: 1, ..common::config() });
+    let s = common::start(strata_server::ServerConfig {
+        parallel: 1,
+        queue_size: 1,
+        ..common::config()
+    });
     let addr = s.addr;
     let body = json!({"prompt": "Count slowly:", "max_tokens": 48, "temperature": 0}).to_string();
-    let handles: Vec<_> = (0..6).map(|_| { let b = body.clone(); std::thread::spawn(move || http::request(addr, "POST", "/v1/completions", &[], &b)) }).collect();
+    let handles: Vec<_> = (0..6)
+        .map(|_| {
+            let b = body.clone();
+            std::thread::spawn(move || http::request(addr, "POST", "/v1/completions", &[], &b))
+        })
+        .collect();
     let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().unwrap().status).collect();
     assert!(statuses.iter().all(|s| *s == 200 || *s == 503), "{statuses:?}");
-    assert!(statuses.contains(&503), "6 requests on 1 slot + 1 queue place: some must be refused: {statuses:?}");
+    assert!(
+        statuses.contains(&503),
+        "6 requests on 1 slot + 1 queue place: some must be refused: {statuses:?}"
+    );
     assert!(statuses.contains(&200), "{statuses:?}");
 }
 
@@ -85,7 +112,10 @@ fn disconnect_cancels_generation() {
         if h["slots"]["active"] == 0 {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(5), "generation not cancelled after the client left");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "generation not cancelled after the client left"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -33,7 +33,9 @@ fn served_model_with(addr: SocketAddr, headers: &[(&str, &str)]) -> Option<Strin
     if let Some((_, m)) = MODELS.lock().unwrap().iter().find(|(a, _)| *a == addr) {
         return Some(m.clone());
     }
-    let id = request_raw(addr, "GET", "/v1/models", headers, "").json()["data"][0]["id"].as_str()?.to_string();
+    let id = request_raw(addr, "GET", "/v1/models", headers, "").json()["data"][0]["id"]
+        .as_str()?
+        .to_string();
     MODELS.lock().unwrap().push((addr, id.clone()));
     Some(id)
 }
@@ -41,22 +43,45 @@ fn served_model_with(addr: SocketAddr, headers: &[(&str, &str)]) -> Option<Strin
 /// Sends one request, as a well-behaved client does: a POST body that is a JSON object without
 /// `model` gets the id the server serves (when the server lists it to these headers).
 /// [`request_raw`] sends the body untouched.
-pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Resp {
     if method == "POST" {
-        if let Ok(serde_json::Value::Object(mut o)) = serde_json::from_str::<serde_json::Value>(body) {
+        if let Ok(serde_json::Value::Object(mut o)) =
+            serde_json::from_str::<serde_json::Value>(body)
+        {
             if let (false, Some(id)) = (o.contains_key("model"), served_model_with(addr, headers)) {
                 o.insert("model".into(), id.into());
-                return request_raw(addr, method, path, headers, &serde_json::Value::Object(o).to_string());
+                return request_raw(
+                    addr,
+                    method,
+                    path,
+                    headers,
+                    &serde_json::Value::Object(o).to_string(),
+                );
             }
         }
     }
     request_raw(addr, method, path, headers, body)
 }
 
-pub fn request_raw(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+pub fn request_raw(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Resp {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
     if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
         req.push_str("Content-Type: application/json\r\n");
     }

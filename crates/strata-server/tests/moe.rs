@@ -19,11 +19,20 @@ fn fixture(name: &str) -> PathBuf {
 fn check(model: &str) {
     let opts = LoadOptions::new(256, candle_core::Device::Cpu);
     let engine = Arc::new(Engine::load(&fixture(model), &opts, &mut |_, _| {}).unwrap());
-    let cfg = strata_server::ServerConfig { ctx_size: 256, max_tokens: 16, sampling: SamplingParams::greedy(), ..Default::default() };
+    let cfg = strata_server::ServerConfig {
+        ctx_size: 256,
+        max_tokens: 16,
+        sampling: SamplingParams::greedy(),
+        ..Default::default()
+    };
     let server = common::start_with(engine.clone(), cfg);
 
     let prompt: Vec<u32> = vec![364, 223, 397, 100, 250];
-    let r = http::post(server.addr, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true}));
+    let r = http::post(
+        server.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true}),
+    );
     assert_eq!(r.status, 200, "{model}: {}", r.body);
     let body = r.json();
     assert_eq!(body["usage"]["completion_tokens"], 12, "{model}: {body}");
@@ -33,7 +42,11 @@ fn check(model: &str) {
     let gen = engine.generate(&mut cache, &req, &mut |_| ControlFlow::Continue(())).unwrap();
     assert_eq!(body["choices"][0]["text"].as_str().unwrap(), gen.text, "{model}");
 
-    let r = http::post(server.addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": true}));
+    let r = http::post(
+        server.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": true}),
+    );
     assert_eq!(r.status, 200, "{model}: {}", r.body);
     assert_eq!(r.sse_data().last().map(String::as_str), Some("[DONE]"), "{model}");
 }
@@ -58,9 +71,17 @@ fn streams_experts_reports_metrics_and_survives_a_truncated_file() {
     let path = dir.join("m.gguf");
     std::fs::copy(fixture("qwen3_moe.gguf"), &path).unwrap();
     let mut opts = LoadOptions::new(256, candle_core::Device::Cpu);
-    opts.stream_experts = Some(strata_engine::StreamOptions { budget: strata_engine::CacheBudget::Percent(10.0), ..Default::default() });
+    opts.stream_experts = Some(strata_engine::StreamOptions {
+        budget: strata_engine::CacheBudget::Percent(10.0),
+        ..Default::default()
+    });
     let engine = Arc::new(Engine::load(&path, &opts, &mut |_, _| {}).unwrap());
-    let cfg = strata_server::ServerConfig { ctx_size: 256, max_tokens: 16, sampling: SamplingParams::greedy(), ..Default::default() };
+    let cfg = strata_server::ServerConfig {
+        ctx_size: 256,
+        max_tokens: 16,
+        sampling: SamplingParams::greedy(),
+        ..Default::default()
+    };
     let server = common::start_with(engine, cfg);
     let body = json!({"prompt": [364, 223, 397, 100, 250], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
     assert_eq!(http::post(server.addr, "/v1/completions", &body).status, 200);
@@ -75,7 +96,13 @@ fn streams_experts_reports_metrics_and_survives_a_truncated_file() {
     assert!(read > 0.0, "{metrics}");
     assert!(metrics.contains("strata_ssd_read_bytes_per_second"), "{metrics}");
     // The prefetch gate measures the predictor on uncached experts whether or not it reads them.
-    let candidates: f64 = metrics.lines().find_map(|l| l.strip_prefix("strata_expert_prefetch_candidates_total ")).expect("prefetch metrics").trim().parse().unwrap();
+    let candidates: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("strata_expert_prefetch_candidates_total "))
+        .expect("prefetch metrics")
+        .trim()
+        .parse()
+        .unwrap();
     assert!(candidates > 0.0, "{metrics}");
 
     let len = std::fs::metadata(&path).unwrap().len();

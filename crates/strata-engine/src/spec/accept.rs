@@ -62,7 +62,11 @@ pub fn verify_token(p: &[(u32, f32)], x: u32, q: &DraftDist, sampler: &mut Sampl
 pub fn residual(p: &[(u32, f32)], x: u32, q: &DraftDist) -> Dist {
     let mut r: Dist = match q {
         DraftDist::Point => p.iter().filter(|d| d.0 != x).copied().collect(),
-        DraftDist::Sampled(qd) => p.iter().map(|&(t, pt)| (t, (pt - prob(qd, t)).max(0.0))).filter(|d| d.1 > 0.0).collect(),
+        DraftDist::Sampled(qd) => p
+            .iter()
+            .map(|&(t, pt)| (t, (pt - prob(qd, t)).max(0.0)))
+            .filter(|d| d.1 > 0.0)
+            .collect(),
     };
     let total: f32 = r.iter().map(|d| d.1).sum();
     if total <= 0.0 || r.is_empty() {
@@ -80,7 +84,11 @@ mod tests {
     use crate::SamplingParams;
 
     fn sampler(seed: u64) -> Sampler {
-        Sampler::new(SamplingParams { temperature: 1.0, seed: Some(seed), ..SamplingParams::default() })
+        Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        })
     }
 
     #[test]

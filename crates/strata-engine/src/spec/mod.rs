@@ -78,7 +78,10 @@ impl SpecConfig {
     pub fn validate(&self, target: &Transformer) -> Result<()> {
         let max_width = strata_models::EXACT_ROWS_MAX - 1;
         if self.max_draft == 0 || self.max_draft > max_width {
-            return Err(EngineError::Spec(format!("--num-draft-tokens must be in 1..={max_width}, got {}", self.max_draft)));
+            return Err(EngineError::Spec(format!(
+                "--num-draft-tokens must be in 1..={max_width}, got {}",
+                self.max_draft
+            )));
         }
         match &self.source {
             DraftSource::Model(d) => {
@@ -95,15 +98,25 @@ impl SpecConfig {
             }
             DraftSource::DFlash { block_size, .. } => {
                 if *block_size < 2 || *block_size > strata_models::EXACT_ROWS_MAX {
-                    return Err(EngineError::Spec(format!("--dflash-block-size must be in 2..={}, got {block_size}", strata_models::EXACT_ROWS_MAX)));
+                    return Err(EngineError::Spec(format!(
+                        "--dflash-block-size must be in 2..={}, got {block_size}",
+                        strata_models::EXACT_ROWS_MAX
+                    )));
                 }
                 if self.max_draft > block_size - 1 {
-                    return Err(EngineError::Spec(format!("a DFlash block of {block_size} drafts at most {} tokens, not {}", block_size - 1, self.max_draft)));
+                    return Err(EngineError::Spec(format!(
+                        "a DFlash block of {block_size} drafts at most {} tokens, not {}",
+                        block_size - 1,
+                        self.max_draft
+                    )));
                 }
             }
             DraftSource::Ngram(p) => {
                 if p.min == 0 || p.min > p.max {
-                    return Err(EngineError::Spec(format!("n-gram sizes need 1 ≤ --ngram-min ≤ --ngram-max, got {}..{}", p.min, p.max)));
+                    return Err(EngineError::Spec(format!(
+                        "n-gram sizes need 1 ≤ --ngram-min ≤ --ngram-max, got {}..{}",
+                        p.min, p.max
+                    )));
                 }
             }
         }
@@ -157,16 +170,30 @@ pub struct Speculator<'a> {
 impl<'a> Speculator<'a> {
     /// `capacity`: the target cache's capacity (the draft model's cache gets the same).
     /// `streaming`: routed experts are streamed (the policy then models verify fan-out).
-    pub fn new(target: &'a Transformer, cfg: &'a SpecConfig, capacity: usize, streaming: bool, prefill_chunk: usize) -> Result<Self> {
+    pub fn new(
+        target: &'a Transformer,
+        cfg: &'a SpecConfig,
+        capacity: usize,
+        streaming: bool,
+        prefill_chunk: usize,
+    ) -> Result<Self> {
         let draft_cache = match &cfg.source {
             DraftSource::Model(d) => Some(d.new_cache(capacity)?),
             _ => None,
         };
         let dflash = match &cfg.source {
-            DraftSource::DFlash { draft, block_size } => Some(DFlashState { cache: draft.new_cache(capacity + block_size, target.device())?, pending: Vec::new() }),
+            DraftSource::DFlash { draft, block_size } => Some(DFlashState {
+                cache: draft.new_cache(capacity + block_size, target.device())?,
+                pending: Vec::new(),
+            }),
             _ => None,
         };
-        let fanout = target.config().moe.as_ref().filter(|_| streaming).map(|m| FanoutModel { experts: m.num_experts, top_k: m.experts_per_token });
+        let fanout = target
+            .config()
+            .moe
+            .as_ref()
+            .filter(|_| streaming)
+            .map(|m| FanoutModel { experts: m.num_experts, top_k: m.experts_per_token });
         let mut policy = DraftPolicy::new(cfg.max_draft, cfg.fixed, fanout);
         if dflash.is_some() {
             policy = policy.with_block_draft();
@@ -197,7 +224,12 @@ impl<'a> Speculator<'a> {
     /// Prefills `prompt` into the empty `cache` in chunks, keeping what the draft needs from it
     /// (DFlash: the prompt's context features). Returns the last position's logits `[vocab]`.
     /// `stop` is polled between layers (`ModelError::Interrupted` when it says so).
-    pub fn prefill(&mut self, cache: &mut KvCache, prompt: &[u32], stop: &dyn Fn() -> bool) -> Result<Vec<f32>> {
+    pub fn prefill(
+        &mut self,
+        cache: &mut KvCache,
+        prompt: &[u32],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Vec<f32>> {
         let taps = self.taps().to_vec();
         let mut logits = None;
         for part in prompt.chunks(self.prefill_chunk) {
@@ -210,8 +242,13 @@ impl<'a> Speculator<'a> {
 
     /// DFlash: keeps the context features of the first `rows` positions of a target forward.
     fn observe_taps(&mut self, taps: &[Tensor], rows: usize) -> Result<()> {
-        let (DraftSource::DFlash { draft, .. }, Some(st)) = (&self.cfg.source, self.dflash.as_mut()) else { return Ok(()) };
-        let taps = taps.iter().map(|t| t.narrow(0, 0, rows)).collect::<candle_core::Result<Vec<_>>>()?;
+        let (DraftSource::DFlash { draft, .. }, Some(st)) =
+            (&self.cfg.source, self.dflash.as_mut())
+        else {
+            return Ok(());
+        };
+        let taps =
+            taps.iter().map(|t| t.narrow(0, 0, rows)).collect::<candle_core::Result<Vec<_>>>()?;
         st.pending.push(draft.tap_features(self.target, &taps)?);
         Ok(())
     }
@@ -220,11 +257,20 @@ impl<'a> Speculator<'a> {
     /// which is not yet in `cache` (`cache.len() == history.len() − 1`). `wanted`: tokens still to
     /// generate (≥ 1). Returns ≥ 1 tokens; `cache` then holds the history plus every returned token
     /// but the last.
-    pub fn round(&mut self, cache: &mut KvCache, history: &[u32], sampler: &mut Sampler, wanted: usize) -> Result<Vec<Emitted>> {
+    pub fn round(
+        &mut self,
+        cache: &mut KvCache,
+        history: &[u32],
+        sampler: &mut Sampler,
+        wanted: usize,
+    ) -> Result<Vec<Emitted>> {
         let last = *history.last().ok_or(EngineError::EmptyPrompt)?;
         let len0 = cache.len();
         // Room for the verify pass [last, d₁..d_N] and no drafting past what is wanted.
-        let limit = wanted.saturating_sub(1).min(cache.capacity().saturating_sub(len0 + 1)).min(self.cfg.max_draft);
+        let limit = wanted
+            .saturating_sub(1)
+            .min(cache.capacity().saturating_sub(len0 + 1))
+            .min(self.cfg.max_draft);
         let t0 = Instant::now();
         let (drafts, dists) = match &self.cfg.source {
             DraftSource::Ngram(p) => {
@@ -259,7 +305,12 @@ impl<'a> Speculator<'a> {
         input.push(last);
         input.extend_from_slice(&drafts);
         let taps = self.taps().to_vec();
-        let out = self.target.forward(&input, cache, if drafts.is_empty() { Logits::Last } else { Logits::All }, &taps)?;
+        let out = self.target.forward(
+            &input,
+            cache,
+            if drafts.is_empty() { Logits::Last } else { Logits::All },
+            &taps,
+        )?;
         let fanout = fanout(&out);
         let rows: Vec<Vec<f32>> = out.logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
         let mut ctx = history.to_vec();
@@ -294,7 +345,14 @@ impl<'a> Speculator<'a> {
         let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
         if let Some(t) = self.trace.as_mut() {
             let (block_argmax, draft_logits) = self.last_block.take().unwrap_or_default();
-            t.push(RoundTrace { start: len0, drafts: drafts.clone(), block_argmax, accepted, emitted: emitted.iter().map(|e| e.0).collect(), draft_logits });
+            t.push(RoundTrace {
+                start: len0,
+                drafts: drafts.clone(),
+                block_argmax,
+                accepted,
+                emitted: emitted.iter().map(|e| e.0).collect(),
+                draft_logits,
+            });
         }
         self.policy.observe(drafts.len(), accepted, draft_ms, verify_ms, fanout);
         self.stats.record(drafts.len(), accepted, draft_ms, verify_ms, fanout);
@@ -314,12 +372,24 @@ impl<'a> Speculator<'a> {
 
     /// `n` tokens from the draft model. Its cache keeps the longest prefix it shares with `history`;
     /// the rest of the history is fed in prefill chunks.
-    fn draft_with_model(&mut self, model: &Transformer, history: &[u32], n: usize, sampler: &mut Sampler) -> Result<(Vec<u32>, Vec<DraftDist>)> {
+    fn draft_with_model(
+        &mut self,
+        model: &Transformer,
+        history: &[u32],
+        n: usize,
+        sampler: &mut Sampler,
+    ) -> Result<(Vec<u32>, Vec<DraftDist>)> {
         if n == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
         let cache = self.draft_cache.as_mut().expect("draft model has a cache");
-        let mut common = self.draft_tokens.iter().zip(history).take_while(|(a, b)| a == b).count().min(history.len() - 1);
+        let mut common = self
+            .draft_tokens
+            .iter()
+            .zip(history)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(history.len() - 1);
         if model.rollback(cache, common).is_err() {
             // A hybrid draft model cannot go back before its checkpoint: start it over.
             cache.clear();
@@ -328,7 +398,8 @@ impl<'a> Speculator<'a> {
         self.draft_tokens.truncate(common);
         let mut logits = Vec::new();
         for part in history[common..].chunks(self.prefill_chunk) {
-            logits = model.forward(part, cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
+            logits =
+                model.forward(part, cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
         }
         self.draft_tokens.extend_from_slice(&history[common..]);
         // The next round keeps at least this history: its drafts are rolled back to here.
@@ -343,7 +414,8 @@ impl<'a> Speculator<'a> {
             if i + 1 == n || cache.len() + 1 > cache.capacity() {
                 break;
             }
-            logits = model.forward(&[d], cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
+            logits =
+                model.forward(&[d], cache, Logits::Last, &[])?.logits.flatten_all()?.to_vec1()?;
             self.draft_tokens.push(d);
         }
         Ok((drafts, dists))
@@ -354,7 +426,15 @@ impl<'a> Speculator<'a> {
     /// under greedy decoding, otherwise sampled from the draft's distribution, as z-lab's
     /// `dflash_generate`). The draft pass always covers the whole block: its attention inside the
     /// block is bidirectional, so the proposals do not depend on how many of them are verified.
-    fn draft_dflash(&mut self, draft: &DFlashDraft, block_size: usize, len0: usize, history: &[u32], n: usize, sampler: &mut Sampler) -> Result<(Vec<u32>, Vec<DraftDist>)> {
+    fn draft_dflash(
+        &mut self,
+        draft: &DFlashDraft,
+        block_size: usize,
+        len0: usize,
+        history: &[u32],
+        n: usize,
+        sampler: &mut Sampler,
+    ) -> Result<(Vec<u32>, Vec<DraftDist>)> {
         if n == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
@@ -378,14 +458,22 @@ impl<'a> Speculator<'a> {
             ctx.push(d);
         }
         if self.trace.is_some() {
-            self.last_block = Some((rows.iter().map(|r| crate::sampling::argmax(r)).collect(), rows));
+            self.last_block =
+                Some((rows.iter().map(|r| crate::sampling::argmax(r)).collect(), rows));
         }
         Ok((drafts, dists))
     }
 
     /// `n` tokens from the target's first `layers` layers, written into the target's own cache at
     /// the positions the verify pass then overwrites (rolled back before returning).
-    fn self_draft(&mut self, layers: usize, cache: &mut KvCache, history: &[u32], n: usize, sampler: &mut Sampler) -> Result<(Vec<u32>, Vec<DraftDist>)> {
+    fn self_draft(
+        &mut self,
+        layers: usize,
+        cache: &mut KvCache,
+        history: &[u32],
+        n: usize,
+        sampler: &mut Sampler,
+    ) -> Result<(Vec<u32>, Vec<DraftDist>)> {
         let len0 = cache.len();
         if n > 0 {
             self.target.checkpoint(cache);
@@ -397,7 +485,12 @@ impl<'a> Speculator<'a> {
             if cache.len() + 1 > cache.capacity() {
                 break;
             }
-            let logits: Vec<f32> = self.target.forward_layers(&[tok], cache, Logits::Last, &[], layers)?.logits.flatten_all()?.to_vec1()?;
+            let logits: Vec<f32> = self
+                .target
+                .forward_layers(&[tok], cache, Logits::Last, &[], layers)?
+                .logits
+                .flatten_all()?
+                .to_vec1()?;
             let (d, q) = Self::pick(sampler, &logits, &ctx);
             drafts.push(d);
             dists.push(q);

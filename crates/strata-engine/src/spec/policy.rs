@@ -145,7 +145,9 @@ impl DraftPolicy {
             return Some(v);
         }
         // Nearest measured width.
-        let (m, vm) = (0..=self.max).filter_map(|m| self.verify_ms[m].map(|v| (m, v))).min_by_key(|&(m, _)| m.abs_diff(n))?;
+        let (m, vm) = (0..=self.max)
+            .filter_map(|m| self.verify_ms[m].map(|v| (m, v)))
+            .min_by_key(|&(m, _)| m.abs_diff(n))?;
         Some(match self.fanout {
             Some(_) => vm * self.union_at(n) / self.union_at(m),
             None => vm * (1.0 + RESIDENT_SLOPE * n as f64) / (1.0 + RESIDENT_SLOPE * m as f64),
@@ -183,7 +185,9 @@ impl DraftPolicy {
         if self.verify_ms[0].is_none() {
             return 0; // measure plain decoding first
         }
-        let best = (0..=cap).max_by(|&a, &b| self.rate(a).unwrap_or(0.0).total_cmp(&self.rate(b).unwrap_or(0.0))).unwrap_or(0);
+        let best = (0..=cap)
+            .max_by(|&a, &b| self.rate(a).unwrap_or(0.0).total_cmp(&self.rate(b).unwrap_or(0.0)))
+            .unwrap_or(0);
         if best != self.last_best && available >= self.max {
             // The choice moved: explore around it again soon.
             self.last_best = best;
@@ -218,7 +222,14 @@ impl DraftPolicy {
     /// Records a round: `n` drafted, `accepted` of them accepted, timings, and (MoE models) the
     /// measured distinct experts per layer of the verify pass, which estimates use only when
     /// experts are streamed (a fan-out model was given).
-    pub fn observe(&mut self, n: usize, accepted: usize, draft_ms: f64, verify_ms: f64, union: Option<f64>) {
+    pub fn observe(
+        &mut self,
+        n: usize,
+        accepted: usize,
+        draft_ms: f64,
+        verify_ms: f64,
+        union: Option<f64>,
+    ) {
         let ema = |old: Option<f64>, x: f64| Some(old.map_or(x, |o| o + EMA * (x - o)));
         let n = n.min(self.max);
         self.spent_ms += draft_ms + verify_ms;
@@ -259,7 +270,6 @@ impl DraftPolicy {
             self.alpha[i] += EMA * (hit - self.alpha[i]);
         }
     }
-
 }
 
 #[cfg(test)]
@@ -345,11 +355,17 @@ mod tests {
             }
             p
         };
-        let (block, per_token) = (observed(DraftPolicy::new(7, None, None).with_block_draft()), observed(DraftPolicy::new(7, None, None)));
+        let (block, per_token) = (
+            observed(DraftPolicy::new(7, None, None).with_block_draft()),
+            observed(DraftPolicy::new(7, None, None)),
+        );
         let (e1, v1) = (block.expected_tokens(1), block.verify_estimate(1).unwrap());
         assert!((block.rate(1).unwrap() - e1 / (v1 + 30.0)).abs() < 1e-9);
         assert!((per_token.rate(1).unwrap() - e1 / (v1 + 30.0 / 7.0)).abs() < 1e-9);
-        assert!((block.rate(7).unwrap() - per_token.rate(7).unwrap()).abs() < 1e-9, "the whole block costs the same either way");
+        assert!(
+            (block.rate(7).unwrap() - per_token.rate(7).unwrap()).abs() < 1e-9,
+            "the whole block costs the same either way"
+        );
         assert_eq!(block.rate(0), per_token.rate(0));
     }
 
@@ -358,12 +374,19 @@ mod tests {
     /// of the run.
     #[test]
     fn expensive_probes_stay_within_the_budget() {
-        let mut p = DraftPolicy::new(15, None, Some(FanoutModel { experts: 128, top_k: 8 })).with_block_draft();
+        let mut p = DraftPolicy::new(15, None, Some(FanoutModel { experts: 128, top_k: 8 }))
+            .with_block_draft();
         let (mut spent, mut plain) = (0.0, 0.0);
         for _ in 0..2000 {
             let n = p.choose(15);
             let ms = if n == 0 { 100.0 } else { 300.0 + 1000.0 };
-            p.observe(n, 0, if n > 0 { 300.0 } else { 0.0 }, ms - if n > 0 { 300.0 } else { 0.0 }, Some(8.0 + 4.0 * n as f64));
+            p.observe(
+                n,
+                0,
+                if n > 0 { 300.0 } else { 0.0 },
+                ms - if n > 0 { 300.0 } else { 0.0 },
+                Some(8.0 + 4.0 * n as f64),
+            );
             spent += ms;
             plain += 100.0;
         }

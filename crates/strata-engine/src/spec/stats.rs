@@ -46,7 +46,14 @@ impl SpecStats {
         (self.fanout_passes > 0).then(|| self.fanout_sum / self.fanout_passes as f64)
     }
 
-    pub fn record(&mut self, drafted: usize, accepted: usize, draft_ms: f64, verify_ms: f64, fanout: Option<f64>) {
+    pub fn record(
+        &mut self,
+        drafted: usize,
+        accepted: usize,
+        draft_ms: f64,
+        verify_ms: f64,
+        fanout: Option<f64>,
+    ) {
         self.rounds += 1;
         self.drafted += drafted as u64;
         self.accepted += accepted as u64;
@@ -65,7 +72,13 @@ impl SpecStats {
     /// One line for the CLI: `spec ngram: acceptance 62% (124/200), 3.1 tokens/round, draft 1 ms,
     /// verify 900 ms, N histogram 0:3 2:10 4:40, fan-out 21.4 experts/layer`.
     pub fn summary(&self) -> String {
-        let hist: Vec<String> = self.n_hist.iter().enumerate().filter(|(_, &c)| c > 0).map(|(n, c)| format!("{n}:{c}")).collect();
+        let hist: Vec<String> = self
+            .n_hist
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c > 0)
+            .map(|(n, c)| format!("{n}:{c}"))
+            .collect();
         let mut s = format!(
             "spec {}: acceptance {:.0}% ({}/{}), {:.2} tokens/round over {} rounds, draft {:.0} ms, verify {:.0} ms, N histogram {}",
             self.source,
