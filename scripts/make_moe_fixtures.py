@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tiny random MoE fixtures with transformers as the reference: qwen2_moe, mixtral, olmoe, plus the
+"""Tiny random MoE fixtures with transformers as the reference: qwen2_moe, mixtral, olmoe, granitemoe, plus the
 routing reference for every MoE fixture (qwen3_moe included).
 
 Needs torch + transformers 5.23 (~3 GB; CI never runs this, it reads the committed outputs). We ran it on
@@ -63,6 +63,11 @@ ARCHS = {
     "olmoe": dict(model_type="olmoe", cls="OlmoeForCausalLM", cfg=dict(
         **COMMON, num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False,
         clip_qkv=None)),
+    # Granite MoE: embedding/residual/attention/logit multipliers, softmax over the top-k logits,
+    # fused `input_linear` [E, 2I, H] experts (the new-architecture proof of issue 23)
+    "granitemoe": dict(model_type="granitemoe", cls="GraniteMoeForCausalLM", cfg=dict(
+        **COMMON, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+        embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
 }
 PRE_TOKENIZER = "qwen2"
 

@@ -104,7 +104,7 @@ impl SamplingArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let rss_before_load = strata_engine::expert_store::process_rss().map(|r| r.0);
+    let rss_before_load = strata_plan::system::process_rss().map(|r| r.0);
     let (mut engine, plan) = args.model.load_with_plan()?;
     if args.routing_report {
         crate::measure::score_routing(&mut engine)?;
@@ -243,7 +243,7 @@ fn memory_report(
     cache: &strata_models::KvCache,
     rss_before_load: Option<u64>,
 ) -> serde_json::Value {
-    let rss = strata_engine::expert_store::process_rss();
+    let rss = strata_plan::system::process_rss();
     serde_json::json!({
         "resident_weight_bytes": engine.resident_weight_bytes,
         "experts_bytes": engine.model.experts().memory_bytes(),

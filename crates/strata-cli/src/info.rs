@@ -23,7 +23,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let path = a.model.model_path()?;
     if a.calibrate {
         eprintln!("calibrating (drive: random 4 MiB reads of {}; RAM; kernels)…", path.display());
-        let b = strata_plan::calibrate::calibrate(&path, a.model.threads())
+        let b = strata_bench::calibrate::calibrate(&path, a.model.threads())
             .map_err(anyhow::Error::msg)?;
         eprintln!(
             "drive {:.2} GB/s, RAM {:.1} GB/s, Q4_K expert matvec {:.1} GB/s, dense matvec {:.1} GB/s, Q4_K GEMM {:.0} GFLOP/s → {}",

@@ -207,7 +207,7 @@ fn parse_dtype(s: &str) -> Result<candle_core::quantized::GgmlDType> {
 }
 
 fn bench_moe_layer(a: &BenchArgs) -> Result<()> {
-    use strata_engine::moe_bench;
+    use strata_bench::moe_bench;
     a.model.set_threads();
     let mut shape = moe_bench::MoeLayerShape::qwen3_30b_a3b();
     shape.dtype = parse_dtype(&a.moe_dtype)?;
@@ -266,8 +266,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let mut m = a.model.clone();
     m.ctx_size = m.ctx_size.max(a.n_prompt + a.n_gen + 1);
     let engine = m.load()?;
-    let pp = strata_engine::bench::bench_prefill(&engine, a.n_prompt, a.n_prompt, a.reps.max(1))?;
-    let tg = strata_engine::bench::bench_decode(&engine, a.n_gen, a.reps.max(1))?;
+    let pp = strata_bench::bench::bench_prefill(&engine, a.n_prompt, a.n_prompt, a.reps.max(1))?;
+    let tg = strata_bench::bench::bench_decode(&engine, a.n_gen, a.reps.max(1))?;
     let threads = m.threads();
     if a.json {
         println!(

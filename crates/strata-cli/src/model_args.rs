@@ -43,11 +43,11 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on", value_parser = clap::value_parser!(StreamMode))]
     pub stream_experts: StreamMode,
     /// Plan as if the machine had this much available RAM (e.g. `16GiB`; also $STRATA_RAM_BYTES).
-    #[arg(long, value_parser = strata_engine::expert_store::parse_bytes)]
+    #[arg(long, value_parser = strata_plan::parse_bytes)]
     pub ram: Option<u64>,
     /// With --device cuda: plan as if the GPU had this much free VRAM (e.g. `24GiB`); `strata info
     /// --device cuda --vram 24GiB` plans for a GPU on a machine without one.
-    #[arg(long, value_parser = strata_engine::expert_store::parse_bytes)]
+    #[arg(long, value_parser = strata_plan::parse_bytes)]
     pub vram: Option<u64>,
     /// Expert cache budget with --stream-experts: bytes (`6GiB`, `512MiB`), a percentage of the
     /// model's expert bytes (`10%`), or `auto` (available memory, cgroup limit included, minus the
@@ -83,7 +83,7 @@ pub struct ModelArgs {
     /// Split expert reads longer than this into concurrent pieces (e.g. `512KiB`), so a single
     /// missed expert keeps several reads in flight; 0 (default): never (measured slower on our
     /// test drive, see docs/performance.md).
-    #[arg(long, default_value = "0", value_parser = strata_engine::expert_store::parse_bytes)]
+    #[arg(long, default_value = "0", value_parser = strata_plan::parse_bytes)]
     pub read_chunk: u64,
     /// Use only the K best of the router's experts per token (renormalised to the full top-k's
     /// weight). Trades quality for fewer expert bytes per token.

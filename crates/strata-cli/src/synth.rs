@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use strata_engine::synth::{parse_quant, synth, SynthOptions, SynthPreset};
+use strata_bench::synth::{parse_quant, synth, SynthOptions, SynthPreset};
 
 #[derive(Args, Debug)]
 pub struct SynthArgs {
@@ -95,7 +95,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     if let Some(target) = &a.dflash_draft_for {
         let cfg = strata_formats::ModelFiles::open(target)?.config()?;
         let layers = a.layers.unwrap_or(2).max(1);
-        let bytes = strata_engine::synth_dflash::write_random_dflash_draft(
+        let bytes = strata_bench::synth_dflash::write_random_dflash_draft(
             &cfg,
             &a.out,
             layers,
@@ -108,7 +108,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
             a.out.display(),
             target.display(),
             a.block_size,
-            strata_engine::synth_dflash::target_layer_ids(cfg.num_layers, layers),
+            strata_bench::synth_dflash::target_layer_ids(cfg.num_layers, layers),
             bytes as f64 / 1e9
         );
         return Ok(());

@@ -1,17 +1,14 @@
 //! The Strata inference engine: loading a model for generation, chunked prefill and decode,
-//! sampling, stop handling, and the measurement commands (perplexity, bench).
+//! sampling, stop handling, perplexity and the routing report. Benchmarks and synthetic models
+//! live in `strata-bench`.
 
-pub mod bench;
 pub mod device;
 pub mod engine;
-pub mod moe_bench;
 pub mod perplexity;
 pub mod routing_report;
 pub mod sampling;
 pub mod spec;
 pub mod stop;
-pub mod synth;
-pub mod synth_dflash;
 
 pub use engine::{
     Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent,
@@ -21,5 +18,6 @@ pub use routing_report::{RoutingReport, RoutingTrace};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{DraftSource, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator};
 pub use strata_expert_store as expert_store;
-pub use strata_expert_store::{CacheBudget, DirectIo, EvictionPolicy, StreamOptions};
+pub use strata_expert_store::{DirectIo, EvictionPolicy, StreamOptions};
 pub use strata_models::{ExpertStats, PrefetchMode, PrefetchStats};
+pub use strata_plan::CacheBudget;

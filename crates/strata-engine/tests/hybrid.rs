@@ -9,7 +9,7 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use strata_engine::expert_store::CacheBudget;
+use strata_engine::CacheBudget;
 use strata_engine::{
     DraftSource, Engine, GenerateRequest, LoadOptions, NgramParams, SamplingParams, SpecConfig,
     StreamOptions,
@@ -165,7 +165,7 @@ fn greedy_speculation_equals_plain_decoding() {
         let want = generate(&resident, &p, 64).tokens;
         // A random DFlash draft for this target (z-lab's format; it reads the target's hidden states).
         let dir = std::env::temp_dir().join(format!("strata-dflash-{arch}-{}", std::process::id()));
-        strata_engine::synth_dflash::write_random_dflash_draft(
+        strata_bench::synth_dflash::write_random_dflash_draft(
             resident.model.config(),
             &dir,
             2,
@@ -226,15 +226,15 @@ fn synthetic_hybrid_streams_and_speculates_like_resident() {
     let dir = std::env::temp_dir().join(format!("strata-hybrid-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiny-hybrid.gguf");
-    let preset = strata_engine::synth::SynthPreset::by_name("tiny-hybrid").unwrap();
-    let o = strata_engine::synth::SynthOptions {
+    let preset = strata_bench::synth::SynthPreset::by_name("tiny-hybrid").unwrap();
+    let o = strata_bench::synth::SynthOptions {
         preset,
-        quant: strata_engine::synth::parse_quant("Q4_K").unwrap(),
+        quant: strata_bench::synth::parse_quant("Q4_K").unwrap(),
         seed: 7,
         routing_skew: Some(1.0),
         routing: None,
     };
-    strata_engine::synth::synth(&path, &o, &mut |_, _| {}).unwrap();
+    strata_bench::synth::synth(&path, &o, &mut |_, _| {}).unwrap();
     let cfg = strata_formats::ModelFiles::open(&path).unwrap().config().unwrap();
     assert_eq!(cfg.arch, strata_formats::Architecture::Qwen35Moe);
     assert_eq!(cfg.attention_layers(), 1);

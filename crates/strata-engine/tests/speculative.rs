@@ -11,8 +11,8 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use strata_engine::expert_store::CacheBudget;
-use strata_engine::synth::{synth, SynthOptions, SynthPreset};
+use strata_bench::synth::{synth, SynthOptions, SynthPreset};
+use strata_engine::CacheBudget;
 use strata_engine::{
     DraftSource, Engine, GenerateRequest, LoadOptions, NgramParams, SamplingParams, SpecConfig,
     StreamOptions,
@@ -99,7 +99,7 @@ fn tiny_moe_routed(
     if !out.exists() {
         let o = SynthOptions {
             preset: SynthPreset::by_name("tiny-moe").unwrap(),
-            quant: strata_engine::synth::parse_quant("Q4_K").unwrap(),
+            quant: strata_bench::synth::parse_quant("Q4_K").unwrap(),
             seed,
             routing_skew: skew,
             routing,

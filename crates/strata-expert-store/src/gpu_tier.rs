@@ -42,11 +42,11 @@ use strata_models::layers::Linear;
 use strata_models::mlp::Mlp;
 use strata_models::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ModelError};
 
-use crate::budget::{CacheBudget, VRAM_RESERVE};
 use crate::prefetch_gate::PrefetchGate;
 use crate::protect::Protected;
 use crate::provider::{ExpertBytes, StreamOptions, StreamingExperts};
 use crate::slab::Slot;
+use strata_plan::budget::{cache_entries, cache_room, VRAM_RESERVE};
 
 type Key = (usize, usize);
 
@@ -207,14 +207,13 @@ impl GpuExperts {
             if pool_dtypes.is_some() { per_expert } else { per_expert + PER_EXPERT_SLACK };
         let dense = files.total_tensor_bytes().saturating_sub(total);
         let free = result::mem_get_info().map(|(free, _)| free as u64).unwrap_or(0);
-        let wanted = match opts.gpu_expert_cache {
-            CacheBudget::Percent(p) => (experts as f64 * p / 100.0).ceil() as usize,
-            CacheBudget::Bytes(b) => (b / entry_bytes) as usize,
-            CacheBudget::Auto => {
-                (free.saturating_sub(dense).saturating_sub(VRAM_RESERVE) / entry_bytes) as usize
-            }
-        };
-        let capacity = wanted.clamp((moe.experts_per_token + 1).min(experts), experts.max(1));
+        let capacity = cache_entries(
+            opts.gpu_expert_cache,
+            experts,
+            moe.experts_per_token,
+            entry_bytes,
+            cache_room(free, dense, VRAM_RESERVE),
+        );
         let vram = match pool_dtypes {
             Some(dtypes) => {
                 let d = host.dims();

@@ -4,7 +4,6 @@
 //! - [`io`]: the I/O engine: reader threads issuing concurrent `pread`s (optionally `O_DIRECT`).
 //! - [`slab`]: the cache's memory, fixed 4 KiB-aligned slots allocated once.
 //! - [`policy`]: eviction policies (LRU, LRU-2, LFU).
-//! - [`budget`]: `--expert-cache` sizes and available memory (cgroup limits included).
 //! - [`disk_bench`]: `strata bench --disk`, the drive's random-read bandwidth.
 //! - [`prefetch_gate`]: whether predictions of the next layer's experts are precise enough to read.
 //! - [`protect`]: the experts each thread's current pass needs, spared by eviction.
@@ -12,7 +11,6 @@
 //! - `gpu_tier` (cargo feature `cuda`): `GpuExperts`, a VRAM expert cache above the host cache
 //!   (page-locked), copies on their own CUDA stream.
 
-pub mod budget;
 pub mod disk_bench;
 #[cfg(feature = "cuda")]
 pub mod gpu_tier;
@@ -23,7 +21,6 @@ pub mod protect;
 pub mod provider;
 pub mod slab;
 
-pub use budget::{available_memory, parse_bytes, process_rss, CacheBudget};
 pub use io::DirectIo;
 pub use policy::EvictionPolicy;
 pub use provider::{

@@ -26,12 +26,13 @@ use strata_models::layers::{expert_kernel_format, Linear};
 use strata_models::mlp::Mlp;
 use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError, PrefetchMode};
 
-use crate::budget::{available_memory, CacheBudget};
 use crate::io::{DirectIo, IoEngine, Priority, ReadJob, Ticket, DIRECT_ALIGN};
 use crate::policy::{EvictionPolicy, Usage};
 use crate::prefetch_gate::PrefetchGate;
 use crate::protect::Protected;
 use crate::slab::{Slab, Slot};
+use strata_plan::budget::{cache_entries, cache_room, host_reserve, CacheBudget};
+use strata_plan::system::available_memory;
 
 /// Options of `--stream-experts`.
 #[derive(Debug, Clone)]
@@ -379,17 +380,14 @@ impl StreamingExperts {
         let slot_bytes = slot_bytes.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
         let entry_bytes = slot_bytes as u64 + extra;
         let dense = files.total_tensor_bytes().saturating_sub(total);
-        let budget_bytes = opts.budget.resolve(total, dense, available_memory().unwrap_or(8 << 30));
+        // Without a plan (library users, tests) `auto` takes what the plan's rule would leave
+        // after the dense weights; the plan passes bytes.
+        let available = available_memory().unwrap_or(8 << 30);
+        let room = cache_room(available, dense, host_reserve(available));
+        let budget_bytes = opts.budget.resolve(total, room);
         let all = extents.iter().map(Vec::len).sum::<usize>();
-        let wanted = match opts.budget {
-            // A share of the experts (their stored bytes); what they cost in memory is reported.
-            CacheBudget::Percent(p) => (all as f64 * p / 100.0).ceil() as usize,
-            // Memory: slots plus decoded tensors.
-            _ => (budget_bytes / entry_bytes.max(1)) as usize,
-        };
-        // A decode step needs top-k experts of one layer at once, plus one to evict into.
-        let min_entries = moe.experts_per_token + 1;
-        let capacity = wanted.clamp(min_entries.min(all), all.max(1));
+        // Memory per entry: the slot plus decoded tensors.
+        let capacity = cache_entries(opts.budget, all, moe.experts_per_token, entry_bytes, room);
         if (capacity as u64) * entry_bytes > budget_bytes {
             tracing::warn!("expert cache raised to {capacity} experts ({} bytes): a decode step needs top-k + 1", capacity as u64 * entry_bytes);
         }

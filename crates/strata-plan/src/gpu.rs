@@ -16,9 +16,8 @@
 //! `1 − max(VRAM, host)` of them. The GPU rates are measured on the lent H100
 //! (docs/performance.md, "CUDA"), not on this machine: the plan says so.
 
+use crate::budget::{cache_entries, cache_room, CacheBudget, VRAM_RESERVE};
 use serde::Serialize;
-use strata_expert_store::budget::VRAM_RESERVE;
-use strata_expert_store::CacheBudget;
 
 use crate::facts::ModelFacts;
 
@@ -163,17 +162,16 @@ pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuP
         }
         GpuDecision::TooLarge(r) => r.clone(),
         GpuDecision::Offload => {
-            let vram_left = free.saturating_sub(fixed);
-            let vram_bytes = match x.gpu_expert_cache {
-                CacheBudget::Auto => vram_left,
-                b => b.resolve(model.expert_memory_bytes, dense, free),
-            };
-            let vram_experts =
-                (vram_bytes / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
-            let host_bytes = match x.host_expert_cache {
-                CacheBudget::Auto => x.host_available.min(model.expert_bytes),
-                b => b.resolve(model.expert_bytes, model.dense_bytes, x.host_available),
-            };
+            let vram_bytes =
+                x.gpu_expert_cache.resolve(model.expert_memory_bytes, cache_room(free, fixed, 0));
+            let vram_experts = cache_entries(
+                CacheBudget::Bytes(vram_bytes),
+                n_experts as usize,
+                model.experts_per_token,
+                entry,
+                0,
+            ) as u64;
+            let host_bytes = x.host_expert_cache.resolve(model.expert_bytes, x.host_available);
             let host_experts = (host_bytes / model.bytes_per_expert.max(1)).min(n_experts);
             let share = |n: u64| n as f64 / n_experts.max(1) as f64;
             let (hv, hh) = (

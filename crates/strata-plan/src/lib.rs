@@ -3,13 +3,17 @@
 //! TOO-LARGE), the expert cache size, and the speed to expect from measured bandwidths.
 //!
 //! - [`facts`]: [`ModelFacts`] from metadata and tensor tables.
-//! - [`system`]: [`SystemMemory`] (RAM, available, cgroup limit; overridable for tests).
-//! - [`calibrate`]: measured drive / RAM / kernel rates, cached per drive.
+//! - [`system`]: [`SystemMemory`] (RAM, available, cgroup limit; overridable for tests), the
+//!   process's RSS.
+//! - [`budget`]: `--expert-cache` sizes and the one expert-cache sizing rule (host and VRAM).
+//! - [`calibrate`]: measured drive / RAM / kernel rates, cached per drive (measured by
+//!   `strata-bench`).
 //! - [`hit_curve`]: the expert-cache hit rate of typical decode routing at a cache share.
 //! - [`observed`]: hit rate and compute time measured by previous runs of the model.
 //! - [`plan`]: [`make_plan`], the strategy and the cost model.
 //! - [`gpu`]: the same on a GPU: VRAM, page-locked host RAM and the drive as tiers.
 
+pub mod budget;
 pub mod calibrate;
 pub mod facts;
 pub mod gpu;
@@ -18,6 +22,7 @@ pub mod observed;
 pub mod plan;
 pub mod system;
 
+pub use budget::{parse_bytes, CacheBudget};
 pub use calibrate::{Bandwidths, RatesSource};
 pub use facts::ModelFacts;
 pub use gpu::{GpuMemory, GpuPlan};

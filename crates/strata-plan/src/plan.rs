@@ -11,8 +11,8 @@
 //! tokens: `2 · active params · C ÷ GEMM rate` plus, when streaming, the reads of the experts the
 //! chunk touches (`1 − (1 − k/E)^C` of each layer's experts under uniform routing).
 
+use crate::budget::{cache_entries, cache_room, host_reserve, CacheBudget};
 use serde::Serialize;
-use strata_expert_store::CacheBudget;
 
 use crate::calibrate::{Bandwidths, RatesSource};
 use crate::facts::ModelFacts;
@@ -173,7 +173,7 @@ pub fn make_plan(
         d.dense_memory_bytes + d.expert_memory_bytes + req.ctx_size as u64 * d.kv_bytes_per_token
     });
     let available = system.available;
-    let reserve = (512 << 20) + available / 20;
+    let reserve = host_reserve(available);
     let fixed = model.dense_memory_bytes + kv + compute + draft;
     let resident_total = fixed + model.expert_memory_bytes;
     let memory = MemoryBudget {
@@ -211,7 +211,7 @@ pub fn make_plan(
             force_offload: req.stream == StreamMode::On,
             gpu_expert_cache: req.gpu_expert_cache,
             host_expert_cache: req.expert_cache,
-            host_available: available.saturating_sub(reserve + compute),
+            host_available: cache_room(available, compute, reserve),
             drive_gbps: rates.0.drive_gbps,
             prefill_chunk: req.prefill_chunk,
         };
@@ -339,11 +339,8 @@ pub fn make_plan(
         }
     };
     let (cache, cache_experts, hit) = if strategy == Strategy::ExpertStreaming {
-        let left = available.saturating_sub(fixed + reserve);
-        let asked = match req.expert_cache {
-            CacheBudget::Auto => left,
-            b => b.resolve(model.expert_bytes, model.dense_bytes, available),
-        };
+        let left = cache_room(available, fixed, reserve);
+        let asked = req.expert_cache.resolve(model.expert_bytes, left);
         let asked = match (asked > left, req.draft.is_some()) {
             (true, true) => {
                 warnings.push(format!(
@@ -365,8 +362,13 @@ pub fn make_plan(
             (false, _) => asked,
         };
         let n_experts = (model.experts * model.moe_layers) as u64;
-        let cache_experts =
-            (asked / entry.max(1)).clamp(model.experts_per_token as u64 + 1, n_experts);
+        let cache_experts = cache_entries(
+            CacheBudget::Bytes(asked),
+            n_experts as usize,
+            model.experts_per_token,
+            entry,
+            left,
+        ) as u64;
         let f = cache_experts as f64 / n_experts.max(1) as f64;
         let miss = req
             .observed

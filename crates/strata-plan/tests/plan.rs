@@ -3,8 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
-use strata_expert_store::CacheBudget;
 use strata_formats::ModelFiles;
+use strata_plan::CacheBudget;
 use strata_plan::{
     make_plan, Bandwidths, ModelFacts, Plan, PlanRequest, RatesSource, Strategy, StreamMode,
     SystemMemory,
@@ -38,18 +38,18 @@ fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
 
 fn synth(name: &str, layers: usize) -> PathBuf {
     let out = std::env::temp_dir().join(format!("strata-plan-{}-{name}.gguf", std::process::id()));
-    let preset = strata_engine::synth::SynthPreset {
+    let preset = strata_bench::synth::SynthPreset {
         layers,
-        ..strata_engine::synth::SynthPreset::by_name("tiny-moe").unwrap()
+        ..strata_bench::synth::SynthPreset::by_name("tiny-moe").unwrap()
     };
-    let o = strata_engine::synth::SynthOptions {
+    let o = strata_bench::synth::SynthOptions {
         preset,
         quant: candle_core::quantized::GgmlDType::Q8_0,
         seed: 1,
         routing_skew: None,
         routing: None,
     };
-    strata_engine::synth::synth(&out, &o, &mut |_, _| {}).unwrap();
+    strata_bench::synth::synth(&out, &o, &mut |_, _| {}).unwrap();
     out
 }
 

@@ -23,7 +23,7 @@ use strata_models::layers::Linear;
 use strata_models::mlp::Mlp;
 use strata_models::{Expert, ResidentExperts, Router, SparseMoe};
 
-use crate::engine::Result;
+use strata_engine::engine::Result;
 
 /// Shape of the benchmarked MoE layer.
 #[derive(Debug, Clone, Serialize)]
@@ -92,7 +92,7 @@ pub struct MachineRates {
 
 /// Measures RAM read bandwidth with `threads` threads (the plan's calibration measurement).
 pub fn ram_read_gbps(threads: usize) -> f64 {
-    strata_plan::calibrate::ram_read_gbps(threads)
+    crate::calibrate::ram_read_gbps(threads)
 }
 
 /// Measures candle's f32 GEMM rate on 1024×1024×1024.

@@ -4,7 +4,7 @@
 use serde::Serialize;
 use strata_models::Logits;
 
-use crate::engine::{Engine, Result};
+use strata_engine::engine::{Engine, Result};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchResult {
