@@ -236,7 +236,7 @@ fn synthetic_hybrid_streams_and_speculates_like_resident() {
     };
     strata_bench::synth::synth(&path, &o, &mut |_, _| {}).unwrap();
     let cfg = strata_formats::ModelFiles::open(&path).unwrap().config().unwrap();
-    assert_eq!(cfg.arch, strata_formats::Architecture::Qwen35Moe);
+    assert_eq!(cfg.arch.name(), "qwen3_5_moe");
     assert_eq!(cfg.attention_layers(), 1);
     let resident = load(&path, None);
     let p = resident

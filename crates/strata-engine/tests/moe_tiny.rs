@@ -1,6 +1,6 @@
 //! MoE architectures against transformers 5.23 (float32 forward on bf16-stored weights):
 //! `tests/fixtures/moe-tiny/` holds qwen3_moe (from ../shared, GGUF by llama.cpp's converter) and
-//! qwen2_moe, mixtral, olmoe, qwen3_moe_dense made by `scripts/make_moe_fixtures.py` (GGUF by the same
+//! qwen2_moe, mixtral, olmoe, qwen3_moe_dense, granitemoe (HF only) made by `scripts/make_moe_fixtures.py` (GGUF by the same
 //! converter, f32). Each form must give the reference's last-position logits within 1e-4, its argmax at
 //! every position, its 16 greedy ids through the KV cache, and transformers' routing (expert ids and
 //! weights per token per MoE layer, captured from its router modules).
@@ -128,6 +128,28 @@ fn qwen3_moe_with_dense_layers_hf() {
         [false, true, false, false]
     );
     check("qwen3_moe_dense", fixtures().join("qwen3_moe_dense"));
+}
+
+/// The architecture added as one file (`strata-formats/src/arch/granitemoe.rs`) plus one registry
+/// line: embedding/residual/attention/logit multipliers, softmax over the top-k logits, fused
+/// `input_linear` experts, `router.layer` names.
+#[test]
+fn granitemoe_hf() {
+    check("granitemoe", fixtures().join("granitemoe"));
+}
+
+/// Granite's experts stream like any other fused HF layout.
+#[test]
+fn granitemoe_hf_streamed() {
+    let r = json("granitemoe.reference.json");
+    let mut opts = strata_engine::LoadOptions::new(256, candle_core::Device::Cpu);
+    opts.stream_experts = Some(strata_engine::StreamOptions {
+        budget: strata_engine::CacheBudget::Percent(25.0),
+        ..Default::default()
+    });
+    let engine =
+        strata_engine::Engine::load(&fixtures().join("granitemoe"), &opts, &mut |_, _| {}).unwrap();
+    check_greedy(&engine, &r, "granitemoe streamed at 25%");
 }
 
 #[test]

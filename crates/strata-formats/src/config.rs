@@ -4,96 +4,11 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::arch::Architecture;
+use crate::arch::HfDenseFfn;
 use crate::error::{FormatError, Result};
 use crate::gguf::GgufFile;
 use crate::synthetic::SyntheticRouting;
-
-/// The architectures Strata implements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Architecture {
-    Llama,
-    Qwen2,
-    Qwen3,
-    /// Qwen1.5-MoE / Qwen2-MoE: routed experts plus a sigmoid-gated shared expert.
-    Qwen2Moe,
-    /// Qwen3-MoE: routed experts, q/k norm, optional dense layers.
-    Qwen3Moe,
-    /// Mixtral: Llama attention, routed experts with renormalised top-k weights.
-    Mixtral,
-    /// OLMoE: q/k RMSNorm over the whole projection, routed experts.
-    Olmoe,
-    /// Qwen3-Next: hybrid of Gated DeltaNet linear attention and gated full attention, routed
-    /// experts plus a sigmoid-gated shared expert.
-    Qwen3Next,
-    /// Qwen3.5-MoE (text model): Qwen3-Next's layer types with separate q/k/v, z, b, a
-    /// in-projections; top-k weights always renormalised.
-    Qwen35Moe,
-}
-
-impl Architecture {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, qwen3_next, \
-        qwen3_5_moe (GGUF: llama, qwen2, qwen3, qwen2moe, qwen3moe, olmoe, qwen3next, qwen35moe; HF model_type: \
-        llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, qwen3_next, qwen3_5_moe, qwen3_5_moe_text)";
-
-    fn from_gguf(name: &str) -> Option<Self> {
-        Some(match name {
-            "llama" => Self::Llama,
-            "qwen2" => Self::Qwen2,
-            "qwen3" => Self::Qwen3,
-            "qwen2moe" => Self::Qwen2Moe,
-            "qwen3moe" => Self::Qwen3Moe,
-            "olmoe" => Self::Olmoe,
-            "qwen3next" => Self::Qwen3Next,
-            "qwen35moe" => Self::Qwen35Moe,
-            _ => return None,
-        })
-    }
-
-    fn from_hf(model_type: &str) -> Option<Self> {
-        Some(match model_type {
-            "llama" | "mistral" => Self::Llama,
-            "qwen2" => Self::Qwen2,
-            "qwen3" => Self::Qwen3,
-            "qwen2_moe" => Self::Qwen2Moe,
-            "qwen3_moe" => Self::Qwen3Moe,
-            "mixtral" => Self::Mixtral,
-            "olmoe" => Self::Olmoe,
-            "qwen3_next" => Self::Qwen3Next,
-            "qwen3_5_moe" | "qwen3_5_moe_text" => Self::Qwen35Moe,
-            _ => return None,
-        })
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Llama => "llama",
-            Self::Qwen2 => "qwen2",
-            Self::Qwen3 => "qwen3",
-            Self::Qwen2Moe => "qwen2_moe",
-            Self::Qwen3Moe => "qwen3_moe",
-            Self::Mixtral => "mixtral",
-            Self::Olmoe => "olmoe",
-            Self::Qwen3Next => "qwen3_next",
-            Self::Qwen35Moe => "qwen3_5_moe",
-        }
-    }
-
-    /// Hybrid models: Gated DeltaNet layers beside gated full attention, `(1 + w)` RMSNorm weights
-    /// in HF checkpoints (llama.cpp's converter adds the 1).
-    pub fn is_hybrid(&self) -> bool {
-        matches!(self, Self::Qwen3Next | Self::Qwen35Moe)
-    }
-
-    /// RMSNorm of q and k before RoPE, as the architecture defines it.
-    fn qk_norm(&self) -> QkNorm {
-        match self {
-            Self::Qwen3 | Self::Qwen3Moe | Self::Qwen3Next | Self::Qwen35Moe => QkNorm::PerHead,
-            Self::Olmoe => QkNorm::Full,
-            _ => QkNorm::None,
-        }
-    }
-}
 
 /// Where q/k RMSNorm applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -229,6 +144,33 @@ pub enum RopeScaling {
     },
 }
 
+/// Scalar multipliers some architectures put on the Llama layer (Granite's `*_multiplier`s);
+/// all 1 (and `attention` `None`: `1/√head_dim`) elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Scales {
+    /// Token embeddings are multiplied by this.
+    pub embedding: f64,
+    /// Each attention / feed-forward output is multiplied by this before the residual add.
+    pub residual: f64,
+    /// Attention score scale; `None`: `1/√head_dim`.
+    pub attention: Option<f64>,
+    /// Logits are multiplied by this.
+    pub logits: f64,
+}
+
+impl Default for Scales {
+    fn default() -> Self {
+        Self { embedding: 1.0, residual: 1.0, attention: None, logits: 1.0 }
+    }
+}
+
+impl Scales {
+    /// True when every scale is the Llama default.
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// Dimensions and hyper-parameters of a decoder-only transformer of the Llama family.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -263,6 +205,9 @@ pub struct ModelConfig {
     /// Present for hybrid models (Gated DeltaNet layers).
     #[serde(default)]
     pub linear_attn: Option<LinearAttnConfig>,
+    /// Embedding, residual, attention and logit multipliers (Granite).
+    #[serde(default)]
+    pub scales: Scales,
 }
 
 /// Upper bounds on what a config may declare (far above any released model), checked before
@@ -304,20 +249,14 @@ impl ModelConfig {
             g.get_u64(&format!("{arch_name}.block_count")).unwrap_or(0) as usize,
             MAX_LAYERS,
         )?;
-        let arch = Architecture::from_gguf(arch_name)
-            // llama.cpp converts Mixtral as `llama` with experts
-            .map(|a| {
-                if a == Architecture::Llama && expert_count > 0 {
-                    Architecture::Mixtral
-                } else {
-                    a
-                }
-            })
-            .ok_or_else(|| FormatError::UnknownArchitecture {
+        let arch = Architecture::from_gguf(arch_name, expert_count).ok_or_else(|| {
+            FormatError::UnknownArchitecture {
                 path: g.path.clone(),
                 arch: arch_name.to_string(),
-                supported: Architecture::SUPPORTED.to_string(),
-            })?;
+                supported: Architecture::supported(),
+            }
+        })?;
+        let spec = arch.spec();
         let k = |s: &str| format!("{arch_name}.{s}");
         let hidden = g.get_u64(&k("embedding_length"))? as usize;
         let num_heads = g.get_u64(&k("attention.head_count"))? as usize;
@@ -362,15 +301,9 @@ impl ModelConfig {
                     .get_u64(&k("expert_feed_forward_length"))
                     .map(|v| v as usize)
                     .unwrap_or(ffn),
-                // llama.cpp's graph: qwen3moe and llama (Mixtral) renormalise, qwen2moe and olmoe do not,
-                // unless the file says otherwise.
-                norm_topk_prob: g.get_bool(&k("expert_weights_norm")).unwrap_or(matches!(
-                    arch,
-                    Architecture::Qwen3Moe
-                        | Architecture::Mixtral
-                        | Architecture::Qwen3Next
-                        | Architecture::Qwen35Moe
-                )),
+                norm_topk_prob: g
+                    .get_bool(&k("expert_weights_norm"))
+                    .unwrap_or(spec.gguf_norm_topk_default()),
                 scoring: match g.get_u64(&k("expert_gating_func")) {
                     Ok(2) => RouterScoring::Sigmoid,
                     _ => RouterScoring::Softmax,
@@ -389,7 +322,7 @@ impl ModelConfig {
         } else {
             None
         };
-        let cfg = ModelConfig {
+        let mut cfg = ModelConfig {
             arch,
             vocab_size,
             hidden_size: hidden,
@@ -401,20 +334,14 @@ impl ModelConfig {
             rms_norm_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
             rope_theta: g.get_f64(&k("rope.freq_base")).unwrap_or(10_000.0),
             rope_dim: g.get_u64(&k("rope.dimension_count")).map(|v| v as usize).unwrap_or(head_dim),
-            // llama.cpp: LLM_ARCH_LLAMA uses LLAMA_ROPE_TYPE_NORM (its converter permutes q/k);
-            // qwen2/qwen3/qwen2moe/qwen3moe/olmoe use LLAMA_ROPE_TYPE_NEOX. Mixtral is `llama` in GGUF.
-            rope_style: if matches!(arch, Architecture::Llama | Architecture::Mixtral) {
-                RopeStyle::Interleaved
-            } else {
-                RopeStyle::Neox
-            },
+            rope_style: spec.gguf_rope_style(),
             rope_scaling,
             max_position_embeddings: g.get_u64(&k("context_length")).unwrap_or(4096) as usize,
             tie_word_embeddings: !has_output,
             // Any layer: the first layers of hybrid models are linear attention.
             attention_bias: g.tensors.keys().any(|n| n.ends_with(".attn_q.bias")),
             qk_norm: if g.tensors.keys().any(|n| n.ends_with(".attn_q_norm.weight")) {
-                arch.qk_norm()
+                spec.qk_norm()
             } else {
                 QkNorm::None
             },
@@ -422,7 +349,9 @@ impl ModelConfig {
             moe,
             attn_output_gate: arch.is_hybrid(),
             linear_attn: if arch.is_hybrid() { Some(gguf_linear_attn(g, arch)?) } else { None },
+            scales: Scales::default(),
         };
+        spec.adjust_gguf(g, &mut cfg)?;
         cfg.validate(&g.path)
     }
 
@@ -438,8 +367,9 @@ impl ModelConfig {
             Architecture::from_hf(model_type).ok_or_else(|| FormatError::UnknownArchitecture {
                 path: path.to_path_buf(),
                 arch: model_type.to_string(),
-                supported: Architecture::SUPPORTED.to_string(),
+                supported: Architecture::supported(),
             })?;
+        let spec = arch.spec();
         let u = |key: &str| {
             v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize).ok_or_else(|| hf_err(path, key))
         };
@@ -467,17 +397,13 @@ impl ModelConfig {
             })
             .unwrap_or(1.0);
         let moe = hf_moe_config(path, arch, v)?;
-        let intermediate_size = match arch {
-            // Mixtral and OLMoE have no dense FFN: `intermediate_size` is the expert's.
-            Architecture::Mixtral | Architecture::Olmoe => {
-                moe.as_ref().map_or(0, |m| m.expert_intermediate_size)
-            }
-            // Qwen3.5-MoE has no dense feed-forward.
-            Architecture::Qwen35Moe => u("intermediate_size")
-                .unwrap_or_else(|_| moe.as_ref().map_or(0, |m| m.expert_intermediate_size)),
-            _ => u("intermediate_size")?,
+        let expert_sized = moe.as_ref().map_or(0, |m| m.expert_intermediate_size);
+        let intermediate_size = match spec.hf_dense_ffn() {
+            HfDenseFfn::ExpertSized => expert_sized,
+            HfDenseFfn::Optional => u("intermediate_size").unwrap_or(expert_sized),
+            HfDenseFfn::Required => u("intermediate_size")?,
         };
-        let cfg = ModelConfig {
+        let mut cfg = ModelConfig {
             arch,
             vocab_size: u("vocab_size")?,
             hidden_size: hidden,
@@ -500,13 +426,15 @@ impl ModelConfig {
                 .get("attention_bias")
                 .or_else(|| v.get("qkv_bias"))
                 .and_then(|x| x.as_bool())
-                .unwrap_or(matches!(arch, Architecture::Qwen2 | Architecture::Qwen2Moe)),
-            qk_norm: arch.qk_norm(),
+                .unwrap_or(spec.hf_attention_bias_default()),
+            qk_norm: spec.qk_norm(),
             clip_qkv: f("clip_qkv"),
             moe,
             attn_output_gate: arch.is_hybrid(),
             linear_attn: if arch.is_hybrid() { Some(hf_linear_attn(path, v)?) } else { None },
+            scales: Scales::default(),
         };
+        spec.adjust_hf(path, v, &mut cfg)?;
         cfg.validate(path)
     }
 
@@ -627,15 +555,8 @@ fn hf_moe_config(
     arch: Architecture,
     v: &serde_json::Value,
 ) -> Result<Option<MoeConfig>> {
-    if !matches!(
-        arch,
-        Architecture::Qwen2Moe
-            | Architecture::Qwen3Moe
-            | Architecture::Mixtral
-            | Architecture::Olmoe
-            | Architecture::Qwen3Next
-            | Architecture::Qwen35Moe
-    ) {
+    let spec = arch.spec();
+    if !spec.is_moe() {
         return Ok(None);
     }
     let u = |key: &str| v.get(key).and_then(|x| x.as_u64()).map(|x| x as usize);
@@ -643,10 +564,7 @@ fn hf_moe_config(
     let num_experts = u("num_experts")
         .or_else(|| u("num_local_experts"))
         .ok_or_else(|| hf_err(path, "num_experts"))?;
-    let expert_intermediate_size = match arch {
-        Architecture::Mixtral | Architecture::Olmoe => need("intermediate_size")?,
-        _ => need("moe_intermediate_size")?,
-    };
+    let expert_intermediate_size = need(spec.hf_expert_intermediate_key())?;
     let mlp_only_layers = v
         .get("mlp_only_layers")
         .and_then(|x| x.as_array())
@@ -656,8 +574,7 @@ fn hf_moe_config(
         num_experts,
         experts_per_token: need("num_experts_per_tok")?,
         expert_intermediate_size,
-        // transformers' Qwen3_5MoeTopKRouter always renormalises.
-        norm_topk_prob: matches!(arch, Architecture::Mixtral | Architecture::Qwen35Moe)
+        norm_topk_prob: spec.hf_norm_topk_always()
             || v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false),
         scoring: match v.get("scoring_func").and_then(|x| x.as_str()) {
             Some("sigmoid") => RouterScoring::Sigmoid,
@@ -711,11 +628,7 @@ fn gguf_linear_attn(g: &GgufFile, arch: Architecture) -> Result<LinearAttnConfig
         head_v_dim: u("ssm.inner_size")? / num_v_heads.max(1),
         conv_kernel: u("ssm.conv_kernel")?,
         recurrent_layers,
-        head_order: if arch == Architecture::Qwen35Moe {
-            HeadOrder::Tiled
-        } else {
-            HeadOrder::Grouped
-        },
+        head_order: arch.spec().gguf_head_order(),
     })
 }
 

@@ -97,9 +97,13 @@ impl ModelFiles {
                 } else {
                     "model.layers"
                 };
-                let fused = format!("{root}.{layer}.mlp.experts.gate_up_proj");
+                let (gu, d) = hf
+                    .arch
+                    .and_then(|a| a.spec().hf_fused_experts())
+                    .unwrap_or(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"));
+                let fused = format!("{root}.{layer}.{gu}");
                 if has(&fused) {
-                    let down = format!("{root}.{layer}.mlp.experts.down_proj");
+                    let down = format!("{root}.{layer}.{d}");
                     self.check_shape(
                         &fused,
                         hf.weights.info(&fused).map(|t| t.shape.clone()),

@@ -5,6 +5,7 @@
 //! by their GGUF names (`blk.3.attn_q.weight`); HF checkpoints are mapped onto those names
 //! ([`names`]), so every model definition is written once.
 
+pub mod arch;
 pub mod chat;
 pub mod config;
 pub mod dflash;
@@ -22,7 +23,7 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate, Rendered};
 pub use config::{
     Architecture, HeadOrder, LinearAttnConfig, ModelConfig, MoeConfig, QkNorm, RopeScaling,
-    RopeStyle, RouterScoring,
+    RopeStyle, RouterScoring, Scales,
 };
 pub use dflash::DFlashConfig;
 pub use error::{FormatError, Result};

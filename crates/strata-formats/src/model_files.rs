@@ -10,7 +10,7 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::{FormatError, Result};
 use crate::gguf::GgufFile;
-use crate::names::gguf_to_hf_candidates;
+use crate::names::{arch_hf_name, gguf_to_hf_candidates};
 use crate::safetensors::{hf_weight_files, SafetensorsSet};
 use crate::tokenizer::{read_json_opt, TextTokenizer};
 
@@ -55,6 +55,8 @@ pub struct HfDir {
     pub config: Json,
     pub generation_config: Option<Json>,
     pub weights: SafetensorsSet,
+    /// The architecture `config.json` names, when Strata knows it (its tensor names).
+    pub arch: Option<crate::Architecture>,
 }
 
 /// One tensor of [`ModelFiles::tensor_table`].
@@ -73,6 +75,9 @@ impl TensorEntry {
         self.name.contains("_exps.")
             || crate::experts::is_per_expert_name(&self.name)
             || (self.name.contains(".experts.") && !self.name.contains("shared_expert"))
+            || crate::arch::REGISTRY.iter().filter_map(|a| a.hf_fused_experts()).any(|(gu, d)| {
+                self.name.ends_with(&format!(".{gu}")) || self.name.ends_with(&format!(".{d}"))
+            })
     }
 
     pub fn elements(&self) -> u64 {
@@ -102,11 +107,17 @@ impl ModelFiles {
             })?;
             let generation_config = read_json_opt(&path.join("generation_config.json"))?;
             let weights = SafetensorsSet::open(hf_weight_files(path)?)?;
+            let text = config.get("text_config").filter(|t| t.is_object()).unwrap_or(&config);
+            let arch = text
+                .get("model_type")
+                .and_then(|m| m.as_str())
+                .and_then(crate::Architecture::from_hf);
             return Ok(ModelFiles::Hf(HfDir {
                 dir: path.to_path_buf(),
                 config,
                 generation_config,
                 weights,
+                arch,
             }));
         }
         Ok(ModelFiles::Gguf(GgufFile::open(path)?))
@@ -181,7 +192,9 @@ impl ModelFiles {
     /// candidate present; the primary candidate when none is).
     fn hf_name(&self, name: &str) -> Option<String> {
         let ModelFiles::Hf(h) = self else { return None };
-        let c = gguf_to_hf_candidates(name);
+        let mut c: Vec<String> =
+            h.arch.and_then(|a| arch_hf_name(a.spec(), name)).into_iter().collect();
+        c.extend(gguf_to_hf_candidates(name));
         c.iter().find(|n| h.weights.info(n).is_some()).or(c.first()).cloned()
     }
 

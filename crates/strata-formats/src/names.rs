@@ -1,6 +1,8 @@
 //! Tensor names. Model code uses llama.cpp's GGUF names (`token_embd.weight`,
 //! `blk.N.attn_q.weight`, …); [`gguf_to_hf`] maps them onto transformers' names.
 
+use crate::arch::Arch;
+
 /// HF names a GGUF tensor may have, most common first (Mixtral checkpoints name the MoE block
 /// `block_sparse_moe`, the Qwen and OLMoE ones `mlp`).
 ///
@@ -16,6 +18,13 @@ pub fn gguf_to_hf_candidates(name: &str) -> Vec<String> {
     let rest = primary.strip_prefix("model.").map(str::to_string);
     let nested = rest.as_ref().map(|rest| format!("model.language_model.{rest}"));
     std::iter::once(primary).chain(alt).chain(nested).chain(rest).collect()
+}
+
+/// The HF name of a layer tensor that `arch` names its own way ([`Arch::hf_layer_tensor`]).
+pub fn arch_hf_name(arch: &dyn Arch, name: &str) -> Option<String> {
+    let (layer, rest) = name.strip_prefix("blk.")?.split_once('.')?;
+    let (stem, suffix) = rest.rsplit_once('.')?;
+    Some(format!("model.layers.{layer}.{}.{suffix}", arch.hf_layer_tensor(stem)?))
 }
 
 /// Maps a GGUF tensor name to the HF (transformers) name of the same tensor, if there is one.

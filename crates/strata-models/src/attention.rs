@@ -71,7 +71,7 @@ impl Attention {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: hd,
-            scale: 1.0 / (hd as f64).sqrt(),
+            scale: cfg.scales.attention.unwrap_or(1.0 / (hd as f64).sqrt()),
         })
     }
 

@@ -56,7 +56,7 @@ enum FeedForward {
 enum Mixer {
     Attention(Attention),
     /// Gated DeltaNet linear attention (recurrent state instead of a KV cache).
-    Linear(GatedDeltaNet),
+    GatedDeltaNet(GatedDeltaNet),
 }
 
 #[derive(Debug, Clone)]
@@ -111,8 +111,8 @@ impl Transformer {
         let cfg = files.config()?;
         let mut resident = ResidentExperts::new(cfg.num_layers);
         let mut l = WeightLoader::new(files, device.clone());
-        if cfg.arch.is_hybrid() && matches!(files, ModelFiles::Hf(_)) {
-            l.norm_shift = 1.0;
+        if matches!(files, ModelFiles::Hf(_)) {
+            l.norm_shift = cfg.arch.spec().hf_norm_shift();
         }
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed_w = match l.weight("token_embd.weight", &[v, h])? {
@@ -129,7 +129,7 @@ impl Transformer {
             let p = |s: &str| format!("blk.{i}.{s}");
             let mixer = match &cfg.linear_attn {
                 Some(la) if la.is_recurrent(i) => {
-                    Mixer::Linear(GatedDeltaNet::load(&l, &cfg, la, i)?)
+                    Mixer::GatedDeltaNet(GatedDeltaNet::load(&l, &cfg, la, i)?)
                 }
                 _ => Mixer::Attention(Attention::load(&l, &cfg, i)?),
             };
@@ -358,6 +358,10 @@ impl Transformer {
         }
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.0.embedding(&ids)?; // [seq, hidden]
+        let scales = self.cfg.scales;
+        if scales.embedding != 1.0 {
+            x = (x * scales.embedding)?;
+        }
         let mask = if seq > 1 { Some(causal_mask(seq, cache.len(), &self.device)?) } else { None };
         let mut tapped = Vec::with_capacity(taps.len());
         let mut routing = Vec::new();
@@ -373,9 +377,9 @@ impl Transformer {
             let xn = layer.attn_norm.forward(&x)?;
             let h = match &layer.mixer {
                 Mixer::Attention(a) => a.forward(&xn, i, cache, &self.rope, mask.as_ref())?,
-                Mixer::Linear(g) => g.forward(&xn, i, cache)?,
+                Mixer::GatedDeltaNet(g) => g.forward(&xn, i, cache)?,
             };
-            x = (x + h)?;
+            x = (x + residual_scaled(h, scales.residual)?)?;
             let xn = layer.ffn_norm.forward(&x)?;
             let h = match &layer.ffn {
                 FeedForward::Dense(m) => m.forward(&xn)?,
@@ -395,7 +399,7 @@ impl Transformer {
                     h
                 }
             };
-            x = (x + h)?;
+            x = (x + residual_scaled(h, scales.residual)?)?;
             if taps.contains(&i) {
                 tapped.push(x.clone());
             }
@@ -405,7 +409,10 @@ impl Transformer {
             Logits::Last => x.narrow(0, seq - 1, 1)?,
             Logits::All => x,
         };
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
+        let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
+        if scales.logits != 1.0 {
+            logits = (logits * scales.logits)?;
+        }
         Ok(ForwardOutput { logits, taps: tapped, routing })
     }
 
@@ -438,4 +445,14 @@ impl Transformer {
 /// other model: its routers need none).
 fn seq_route<'a>(cache: &'a mut KvCache, start: usize, tokens: &'a [u32]) -> Option<SeqRoute<'a>> {
     cache.routing_history_mut().map(|history| SeqRoute { start, tokens, history })
+}
+
+/// A sub-layer's output times the residual multiplier (Granite's `residual_multiplier`); no op
+/// at 1.
+fn residual_scaled(h: Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    if scale == 1.0 {
+        Ok(h)
+    } else {
+        h * scale
+    }
 }
