@@ -35,7 +35,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
             strata_plan::calibrate::cache_file().display()
         );
     }
-    let plan = a.model.plan(&path, a.model.spec.draft_path())?;
+    let plan = a.model.plan(&path)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {

@@ -59,7 +59,9 @@ fn main() {
         Command::FetchDefault => default_model::ensure().map(|p| println!("{}", p.display())),
     };
     if let Err(e) = res {
-        if let Some(refused) = e.downcast_ref::<model_args::PlanRefused>() {
+        if let Some(refused @ strata_engine::EngineError::PlanRefused(_)) =
+            e.downcast_ref::<strata_engine::EngineError>()
+        {
             eprintln!("strata: {refused}");
             std::process::exit(2);
         }

@@ -6,21 +6,9 @@ use anyhow::Result;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use strata_engine::{
-    CacheBudget, DirectIo, Engine, EvictionPolicy, LoadOptions, PrefetchMode, StreamOptions,
+    CacheBudget, DirectIo, Engine, EvictionPolicy, LoadRequest, PrefetchMode, StreamOptions,
 };
-use strata_plan::{Plan, PlanRequest, Strategy, StreamMode};
-
-/// The plan says the model cannot run here: `main` prints the reason and exits with status 2.
-#[derive(Debug)]
-pub struct PlanRefused(pub String);
-
-impl std::fmt::Display for PlanRefused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for PlanRefused {}
+use strata_plan::{Plan, StreamMode};
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -112,41 +100,32 @@ impl ModelArgs {
         }
     }
 
-    /// The memory plan for this model and these flags (reads metadata only).
-    pub fn plan(&self, path: &std::path::Path, draft: Option<&std::path::Path>) -> Result<Plan> {
-        self.plan_for(&strata_formats::ModelFiles::open(path)?, path, draft)
-    }
-
-    /// [`Self::plan`] for files already open.
-    fn plan_for(
-        &self,
-        files: &strata_formats::ModelFiles,
-        path: &std::path::Path,
-        draft: Option<&std::path::Path>,
-    ) -> Result<Plan> {
-        let facts = strata_plan::ModelFacts::read(files)?;
-        let draft = match draft {
-            Some(d) => Some(strata_plan::ModelFacts::read(&strata_formats::ModelFiles::open(d)?)?),
-            None => None,
-        };
-        let observed = strata_plan::observed::load(path);
-        let gpu = self.gpu_memory()?;
-        let req = PlanRequest {
+    /// The plan inputs and streaming settings these flags ask for, on `device`.
+    pub fn load_request(&self, device: candle_core::Device) -> Result<LoadRequest> {
+        Ok(LoadRequest {
             ctx_size: self.ctx_size,
             prefill_chunk: self.prefill_chunk,
             stream: self.stream_experts,
+            ram: self.ram,
+            gpu: self.gpu_memory()?,
             expert_cache: self.expert_cache,
-            draft,
-            observed,
-            gpu,
             gpu_expert_cache: self.gpu_expert_cache,
-        };
-        Ok(strata_plan::make_plan(
-            &facts,
-            &strata_plan::SystemMemory::detect(self.ram),
-            strata_plan::calibrate::load(path),
-            &req,
-        ))
+            draft: self.spec.draft_path().map(|p| p.to_path_buf()),
+            direct_io: self.direct_io,
+            io_threads: self.io_threads,
+            policy: self.expert_cache_policy,
+            prefetch: self.prefetch,
+            prefetch_min_precision: self.prefetch_min_precision,
+            read_chunk: self.read_chunk as usize,
+            moe_top_k: self.moe_top_k,
+            device,
+        })
+    }
+
+    /// The memory plan for this model and these flags (reads metadata only).
+    pub fn plan(&self, path: &std::path::Path) -> Result<Plan> {
+        let files = strata_formats::ModelFiles::open(path)?;
+        Ok(strata_engine::plan_for(&files, path, &self.load_request(candle_core::Device::Cpu)?)?)
     }
 
     /// The GPU the plan is for: `--vram` (simulated), else the device's free VRAM when `--device`
@@ -172,25 +151,20 @@ impl ModelArgs {
         }))
     }
 
-    /// Like [`Self::load`], also returning the plan. A TOO-LARGE plan is a [`PlanRefused`] error.
+    /// Like [`Self::load`], also returning the plan: [`strata_engine::load_planned`] with a
+    /// progress bar, the plan's summary and warnings on stderr, then speculation. A TOO-LARGE
+    /// plan is an [`EngineError::PlanRefused`].
     pub fn load_with_plan(&self) -> Result<(Engine, Plan)> {
         self.set_threads();
         let path = self.model_path()?;
-        let files = strata_formats::ModelFiles::open(&path)?;
         self.spec.kind()?; // flag errors before loading anything
-        let plan = self.plan_for(&files, &path, self.spec.draft_path())?;
+        let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
+        let req = self.load_request(device.clone())?;
+        let files = strata_formats::ModelFiles::open(&path)?;
+        let plan = strata_engine::plan_for(&files, &path, &req)?;
         eprintln!("{}", plan.summary());
         for w in &plan.warnings {
             eprintln!("warning: {w}");
-        }
-        if plan.strategy == Strategy::TooLarge {
-            return Err(PlanRefused(format!(
-                "{} does not fit: {} (see `strata info --model {}`)",
-                path.display(),
-                plan.reason,
-                path.display()
-            ))
-            .into());
         }
         let bar = ProgressBar::new(1);
         bar.set_style(
@@ -198,66 +172,21 @@ impl ModelArgs {
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         bar.set_message(path.display().to_string());
-        let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
-        eprintln!("device: {}", strata_engine::device::device_name(&device));
-        let opts = self.load_options(&plan, device);
-        let engine = Engine::from_files(&files, &opts, &mut |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
+        if plan.strategy != strata_plan::Strategy::TooLarge {
+            eprintln!("device: {}", strata_engine::device::device_name(&device));
+        }
+        let loaded = strata_engine::planned::load_as_planned(&files, &plan, &req, &mut |d, t| {
+            bar.set_length(t as u64);
+            bar.set_position(d as u64);
         });
         bar.finish_and_clear();
-        let mut engine = engine?;
+        let mut engine = loaded?;
+        let opts = strata_engine::planned::load_options(&req, &plan);
         self.spec.apply(&mut engine, &opts)?;
         if let Some(s) = &opts.stream_experts {
-            eprintln!(
-                "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}){}, policy {}, {} reads in flight, O_DIRECT {} ({}), prefetch {}",
-                engine.resident_weight_bytes as f64 / 1e9,
-                engine.model.experts().memory_bytes() as f64 / 1e9,
-                s.budget,
-                match engine.model.experts().device_cache_bytes() {
-                    0 => String::new(),
-                    v => format!(" in page-locked host RAM under a VRAM expert cache of {:.2} GB ({:?})", v as f64 / 1e9, s.gpu_expert_cache),
-                },
-                s.policy.name(),
-                s.io_threads,
-                engine.model.experts().direct_io().map_or("n/a".into(), |d| d.to_string()),
-                s.direct_io.name(),
-                s.prefetch.name()
-            );
+            eprintln!("{}", streaming_summary(&engine, s));
         }
         Ok((engine, plan))
-    }
-
-    /// Load options that follow `plan`: experts stream when its strategy is EXPERT-STREAMING, into
-    /// the cache size it chose (from `--expert-cache` or what is left).
-    pub fn load_options(&self, plan: &Plan, device: candle_core::Device) -> LoadOptions {
-        let mut opts = LoadOptions::new(self.ctx_size, device);
-        opts.moe_top_k = self.moe_top_k;
-        if plan.strategy.streams_experts() {
-            let budget = match (self.expert_cache, plan.expert_cache_bytes) {
-                (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),
-                // A draft model's memory shrinks the cache (the plan's memory guard).
-                (_, Some(b)) if plan.memory.draft > 0 => CacheBudget::Bytes(b),
-                (asked, _) => asked,
-            };
-            opts.stream_experts = Some(StreamOptions {
-                budget,
-                direct_io: self.direct_io,
-                io_threads: self.io_threads.max(1),
-                policy: self.expert_cache_policy,
-                prefetch: self.prefetch,
-                prefetch_min_precision: self.prefetch_min_precision,
-                read_chunk: self.read_chunk as usize,
-                gpu_expert_cache: match (
-                    self.gpu_expert_cache,
-                    plan.gpu.as_ref().and_then(|g| g.vram_expert_cache_bytes),
-                ) {
-                    (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),
-                    (asked, _) => asked,
-                },
-            });
-        }
-        opts
     }
 
     /// Sets the CPU thread count; must run before candle's first parallel op.
@@ -293,4 +222,28 @@ pub fn physical_cores() -> usize {
     } else {
         cores.len().min(logical)
     }
+}
+
+/// The one-line description of how experts stream, printed after loading.
+fn streaming_summary(engine: &Engine, s: &StreamOptions) -> String {
+    let experts = engine.model.experts();
+    format!(
+        "expert streaming: dense weights {:.2} GB resident, expert cache {:.2} GB ({:?}){}, policy {}, {} reads in flight, O_DIRECT {} ({}), prefetch {}",
+        engine.resident_weight_bytes as f64 / 1e9,
+        experts.memory_bytes() as f64 / 1e9,
+        s.budget,
+        match experts.device_cache_bytes() {
+            0 => String::new(),
+            v => format!(
+                " in page-locked host RAM under a VRAM expert cache of {:.2} GB ({:?})",
+                v as f64 / 1e9,
+                s.gpu_expert_cache
+            ),
+        },
+        s.policy.name(),
+        s.io_threads,
+        experts.direct_io().map_or("n/a".into(), |d| d.to_string()),
+        s.direct_io.name(),
+        s.prefetch.name()
+    )
 }

@@ -79,7 +79,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         body_timeout: std::time::Duration::from_secs(a.body_timeout.max(1)),
         prefill_chunk: a.model.prefill_chunk,
         sampling: a.sampling.params(&engine),
-        plan: serde_json::to_value(&plan).ok(),
+        plan: Some(plan),
         ..ServerConfig::default()
     };
     let state = AppState::new(engine, config).map_err(|e| anyhow!(e))?;

@@ -40,6 +40,9 @@ pub enum EngineError {
     /// contents through as they are (or trimmed), so it cannot be kept as text.
     #[error("a message contains the special token `{0}`, and this model's chat template changes message contents so that Strata cannot keep it as plain text")]
     SpecialTokenInContent(String),
+    /// The memory plan says the model cannot run here ([`crate::planned::load_planned`]).
+    #[error("{0}")]
+    PlanRefused(String),
     /// Speculative-decoding settings that do not fit the model (draft vocabulary, layer count).
     #[error("speculative decoding: {0}")]
     Spec(String),

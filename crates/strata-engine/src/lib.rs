@@ -5,6 +5,7 @@
 pub mod device;
 pub mod engine;
 pub mod perplexity;
+pub mod planned;
 pub mod routing_report;
 pub mod sampling;
 pub mod spec;
@@ -14,6 +15,7 @@ pub use engine::{
     Engine, EngineError, FinishReason, GenerateRequest, Generation, LoadOptions, TokenEvent,
     TokenLogprobs,
 };
+pub use planned::{load_planned, plan_for, LoadRequest};
 pub use routing_report::{RoutingReport, RoutingTrace};
 pub use sampling::{Sampler, SamplingParams};
 pub use spec::{DraftSource, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator};

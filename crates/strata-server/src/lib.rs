@@ -57,7 +57,7 @@ pub struct ServerConfig {
     pub sampling: SamplingParams,
     /// The memory plan made at start-up (`strata info --json`'s object), shown by `GET /health`
     /// (without file paths) to clients holding the API key.
-    pub plan: Option<serde_json::Value>,
+    pub plan: Option<strata_plan::Plan>,
     /// A prompt (token ids) that makes a worker panic: tests of panic isolation only.
     #[cfg(feature = "test-hooks")]
     pub panic_trigger: Option<Vec<u32>>,

@@ -334,7 +334,8 @@ pub async fn health(
     if !crate::http::authorized(&st, &headers) {
         return Json(json!({"status": "ok"}));
     }
-    let mut plan = st.config.plan.clone().unwrap_or(Value::Null);
+    let mut plan =
+        st.config.plan.as_ref().and_then(|p| serde_json::to_value(p).ok()).unwrap_or(Value::Null);
     strip_paths(&mut plan);
     Json(json!({
         "status": "ok",
