@@ -42,13 +42,11 @@ use strata_models::layers::Linear;
 use strata_models::mlp::Mlp;
 use strata_models::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ModelError};
 
+use crate::cache::{ExpertCache, Key};
 use crate::prefetch_gate::PrefetchGate;
-use crate::protect::Protected;
 use crate::provider::{ExpertBytes, StreamOptions, StreamingExperts};
 use crate::slab::Slot;
 use strata_plan::budget::{cache_entries, cache_room, VRAM_RESERVE};
-
-type Key = (usize, usize);
 
 /// Device memory one expert may take beyond its stored bytes in per-expert storage: candle pads
 /// each quantized tensor's rows (`MATRIX_ROW_PADDING`), and the pool rounds allocations.
@@ -74,7 +72,6 @@ struct TierEntry {
     slot: usize,
     /// Recorded on the copy stream after the expert's copies (`None`: copied synchronously).
     copied: Option<Arc<CudaEvent>>,
-    last: u64,
     /// Copied by a prefetch and not asked for yet.
     prefetched: bool,
     /// Copied by `will_need` ahead of its first use, which counts as the miss.
@@ -94,13 +91,10 @@ enum Origin {
 }
 
 struct TierState {
-    map: HashMap<Key, TierEntry>,
-    tick: u64,
+    /// The cached experts, their use history and the experts each pass needs.
+    map: ExpertCache<TierEntry>,
     /// Pool rows not holding an expert.
     free: Vec<usize>,
-    /// Experts of the most recent `will_need`: evicted only when nothing else can be.
-    /// Experts each thread's current pass needs.
-    protected: Protected<Key>,
     /// Per layer: predicted experts VRAM lacked at the last prediction (copied or not).
     candidates: HashMap<usize, Vec<usize>>,
     gate: PrefetchGate,
@@ -269,10 +263,8 @@ impl GpuExperts {
             entry_bytes,
             prefetch_limit,
             state: Mutex::new(TierState {
-                map: HashMap::new(),
-                tick: 0,
+                map: ExpertCache::new(capacity, opts.policy),
                 free: (0..capacity).rev().collect(),
-                protected: Protected::default(),
                 candidates: HashMap::new(),
                 gate: PrefetchGate::new(opts.prefetch_min_precision),
                 inflight: Vec::new(),
@@ -409,23 +401,15 @@ impl GpuExperts {
         Ok((Arc::new(Expert::new(mlp, b.bytes)), Some(copied)))
     }
 
-    /// Evicts least recently used entries until one more fits: never `keep`, never protected ones
-    /// for a prefetch (`prefetch_layer`: nor that layer's). Returns false when nothing may go.
+    /// Evicts by the policy (`--expert-cache-policy`, as the host cache) until one more fits:
+    /// never `keep`, never protected ones for a prefetch (`prefetch_layer`: nor that layer's).
+    /// Returns false when nothing may go.
     fn make_room(&self, st: &mut TierState, keep: &[Key], prefetch_layer: Option<usize>) -> bool {
-        while st.map.len() >= self.capacity {
-            let victim = |protect: bool| {
-                st.map
-                    .iter()
-                    .filter(|(k, _)| !keep.contains(k) && (protect || !st.protected.contains(k)))
-                    .filter(|(k, _)| prefetch_layer.is_none_or(|l| k.0 != l))
-                    .min_by_key(|(_, e)| e.last)
-                    .map(|(k, _)| *k)
-            };
-            let found = if prefetch_layer.is_some() {
-                victim(false)
-            } else {
-                victim(false).or_else(|| victim(true))
-            };
+        while st.map.is_full() {
+            let found = st.map.victim(
+                |k, _| !keep.contains(k) && prefetch_layer.is_none_or(|l| k.0 != l),
+                prefetch_layer.is_none(),
+            );
             let Some(k) = found else { return false };
             let gone = st.map.remove(&k).expect("victim is in the map");
             match self.vram {
@@ -452,7 +436,7 @@ impl GpuExperts {
         origin: Origin,
         keep: &[Key],
     ) -> Result<bool, ModelError> {
-        if st.map.contains_key(&key) {
+        if st.map.contains(&key) {
             return Ok(true); // another caller copied it meanwhile
         }
         let prefetch_layer = (origin == Origin::Prefetch).then_some(key.0);
@@ -483,18 +467,16 @@ impl GpuExperts {
                 }
             }
         };
-        st.tick += 1;
-        let last = st.tick;
         let entry = TierEntry {
             expert,
             slot,
             copied,
-            last,
             prefetched: origin == Origin::Prefetch,
             fresh: origin == Origin::Routed,
             bytes: b.bytes,
         };
         st.map.insert(key, entry);
+        st.map.touch(&key); // a copy counts as a use
         if origin == Origin::Prefetch {
             self.counters.prefetch_uploads.fetch_add(1, Ordering::Relaxed);
         }
@@ -509,11 +491,7 @@ impl GpuExperts {
         keep: &[Key],
     ) -> Result<(Option<Arc<Expert>>, usize, Option<Arc<CudaEvent>>), ModelError> {
         fn found(st: &mut TierState, key: Key) -> Option<&mut TierEntry> {
-            st.tick += 1;
-            let tick = st.tick;
-            let e = st.map.get_mut(&key)?;
-            e.last = tick;
-            Some(e)
+            st.map.touch(&key)
         }
         {
             let mut st = self.lock();
@@ -608,11 +586,11 @@ impl ExpertProvider for GpuExperts {
         let missing: Vec<Key> = {
             let mut guard = self.lock();
             let st = &mut *guard;
-            st.protected.set_for_current_thread(&keys);
+            st.map.protect_for_current_thread(&keys);
             let (candidates, used) = st.gate.resolve(&mut st.candidates, layer, &keys);
             self.counters.prefetch_candidates.fetch_add(candidates, Ordering::Relaxed);
             self.counters.prefetch_candidates_used.fetch_add(used, Ordering::Relaxed);
-            keys.iter().copied().filter(|k| !st.map.contains_key(k)).collect()
+            keys.iter().copied().filter(|k| !st.map.contains(k)).collect()
         };
         if missing.is_empty() {
             return;
@@ -636,7 +614,7 @@ impl ExpertProvider for GpuExperts {
                 .iter()
                 .take(self.prefetch_limit)
                 .map(|&e| e as usize)
-                .filter(|&e| !st.map.contains_key(&(layer, e)))
+                .filter(|&e| !st.map.contains(&(layer, e)))
                 .collect();
             st.candidates.insert(layer, missing.clone());
             if !st.gate.open() {

@@ -3,6 +3,8 @@
 //!
 //! - [`io`]: the I/O engine: reader threads issuing concurrent `pread`s (optionally `O_DIRECT`).
 //! - [`slab`]: the cache's memory, fixed 4 KiB-aligned slots allocated once.
+//! - [`cache`]: [`cache::ExpertCache`], the cache bookkeeping (entries, use history, eviction,
+//!   protected experts) shared by the host cache and the VRAM tier.
 //! - [`policy`]: eviction policies (LRU, LRU-2, LFU).
 //! - [`disk_bench`]: `strata bench --disk`, the drive's random-read bandwidth.
 //! - [`prefetch_gate`]: whether predictions of the next layer's experts are precise enough to read.
@@ -11,6 +13,7 @@
 //! - `gpu_tier` (cargo feature `cuda`): `GpuExperts`, a VRAM expert cache above the host cache
 //!   (page-locked), copies on their own CUDA stream.
 
+pub mod cache;
 pub mod disk_bench;
 #[cfg(feature = "cuda")]
 pub mod gpu_tier;
