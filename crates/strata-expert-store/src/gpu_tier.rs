@@ -10,7 +10,7 @@
 //!   "copied" event; the compute stream waits for it (`cuStreamWaitEvent`, no host
 //!   synchronisation) before the expert's kernels. The host slot stays held until its copy's event
 //!   completes. candle runs on one stream, so cudarc's per-slice event tracking is turned off.
-//! - `will_need(layer, ids)` starts the host reads of the experts VRAM lacks and, for those the
+//! - `fetch_routed(layer, ids)` starts the host reads of the experts VRAM lacks and, for those the
 //!   host already holds, queues their copies at once: copies of a layer's misses overlap its
 //!   first experts' compute.
 //! - `prefetch(layer, ids)` (the streaming issue's predictor) also starts host reads, and copies
@@ -74,7 +74,7 @@ struct TierEntry {
     copied: Option<Arc<CudaEvent>>,
     /// Copied by a prefetch and not asked for yet.
     prefetched: bool,
-    /// Copied by `will_need` ahead of its first use, which counts as the miss.
+    /// Copied by `fetch_routed` ahead of its first use, which counts as the miss.
     fresh: bool,
     bytes: usize,
 }
@@ -84,7 +84,7 @@ struct TierEntry {
 enum Origin {
     /// A lookup missed (counted there).
     Demand,
-    /// `will_need`: routed, copied ahead of its first use.
+    /// `fetch_routed`: routed, copied ahead of its first use.
     Routed,
     /// A prediction.
     Prefetch,
@@ -579,7 +579,7 @@ impl ExpertProvider for GpuExperts {
         Some(run())
     }
 
-    fn will_need(&self, layer: usize, experts: &[u32]) {
+    fn fetch_routed(&self, layer: usize, experts: &[u32]) {
         let mut keys: Vec<Key> = experts.iter().map(|&e| (layer, e as usize)).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -596,7 +596,7 @@ impl ExpertProvider for GpuExperts {
             return;
         }
         let ids: Vec<u32> = missing.iter().map(|k| k.1 as u32).collect();
-        self.host.will_need(layer, &ids);
+        self.host.fetch_routed(layer, &ids);
         // Copies of what the host already holds start now; the rest at the lookup.
         for &key in &missing {
             let Some(b) = self.host.ready_bytes(key.0, key.1) else { continue };

@@ -17,7 +17,7 @@ pub struct KvLayout {
 /// each pair's arithmetic is the same whatever `seq` and the thread count, so a row's result equals
 /// attending that token alone.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_rows(
+pub fn attend_tokens(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -144,10 +144,10 @@ mod tests {
         let q: Vec<f32> = (0..seq * nh * 16).map(|i| f(i + 333)).collect();
         for first in [3, 150] {
             let mut rows = vec![0f32; seq * nh * 16];
-            attend_rows(&q, &k, &v, kv, nh, seq, first, 0.25, &mut rows);
+            attend_tokens(&q, &k, &v, kv, nh, seq, first, 0.25, &mut rows);
             for i in 0..seq {
                 let mut one = vec![0f32; nh * 16];
-                attend_rows(
+                attend_tokens(
                     &q[i * nh * 16..(i + 1) * nh * 16],
                     &k,
                     &v,
@@ -177,7 +177,7 @@ mod tests {
         let k: Vec<f32> = (0..2 * 10 * 12).map(|i| f(i + 1000)).collect();
         let v: Vec<f32> = (0..2 * 10 * 12).map(|i| f(i + 5000)).collect();
         let mut out = vec![0f32; nh * 12];
-        attend_rows(&q, &k, &v, kv, nh, 1, len, 0.3, &mut out);
+        attend_tokens(&q, &k, &v, kv, nh, 1, len, 0.3, &mut out);
         for h in 0..nh {
             let g = h / 3;
             let s: Vec<f32> = (0..len)

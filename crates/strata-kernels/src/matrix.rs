@@ -204,8 +204,8 @@ fn select_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1>)] {
         use crate::x86::avx2;
         if avx2::available() {
             return match format {
-                BlockFormat::Q4_1 => tiles!(avx2::q4_1_rows),
-                BlockFormat::Q8_0 => tiles!(avx2::q8_0_rows),
+                BlockFormat::Q4_1 => tiles!(avx2::q4_1_tokens),
+                BlockFormat::Q8_0 => tiles!(avx2::q8_0_tokens),
                 BlockFormat::Q4K => {
                     unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)")
                 }

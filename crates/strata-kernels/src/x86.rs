@@ -72,7 +72,12 @@ pub mod avx2 {
     /// `a: [R, nb]` into `out[..R]`: ggml's `ggml_vec_dot_q8_0_q8_0` (`mul_sum_i8_pairs_float`:
     /// |w| · sign(a, w)) for every row, the weight block's signs taken once.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q8_0_rows<const R: usize>(w: &[u8], a: &[BlockQ8_1], nb: usize, out: &mut [f32]) {
+    pub unsafe fn q8_0_tokens<const R: usize>(
+        w: &[u8],
+        a: &[BlockQ8_1],
+        nb: usize,
+        out: &mut [f32],
+    ) {
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, blk) in w.chunks_exact(Q8_0).enumerate() {
             let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
@@ -94,7 +99,12 @@ pub mod avx2 {
     /// `a: [R, nb]` into `out[..R]`: ggml's `ggml_vec_dot_q4_1_q8_1` for every row, the nibbles
     /// unpacked once.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q4_1_rows<const R: usize>(w: &[u8], a: &[BlockQ8_1], nb: usize, out: &mut [f32]) {
+    pub unsafe fn q4_1_tokens<const R: usize>(
+        w: &[u8],
+        a: &[BlockQ8_1],
+        nb: usize,
+        out: &mut [f32],
+    ) {
         let mut acc = [_mm256_setzero_ps(); R];
         let mut summs = [0f32; R];
         for (b, blk) in w.chunks_exact(Q4_1).enumerate() {

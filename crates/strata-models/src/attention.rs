@@ -155,7 +155,7 @@ impl Attention {
                 }
             }
             let out = cache
-                .attend_rows(layer, &rows, seq, nh, self.scale as f32, pos + 1)?
+                .attend_tokens(layer, &rows, seq, nh, self.scale as f32, pos + 1)?
                 .ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
             return finish(Tensor::from_vec(out, (seq, nh * hd), x.device())?);
         }

@@ -50,10 +50,10 @@ pub struct DFlashDraft {
     layers: Vec<DraftLayer>,
     norm: RmsNorm,
     rope: RotaryEmbedding,
-    /// The target layers to tap, ascending and distinct ([`Transformer::forward`]'s `taps` order),
+    /// The target layers to tap, ascending and distinct ([`Transformer::forward`]'s `hidden_layers` order),
     /// and for each entry of `target_layer_ids` its index among them.
-    taps: Vec<usize>,
-    tap_order: Vec<usize>,
+    hidden_layers: Vec<usize>,
+    hidden_order: Vec<usize>,
     target_layers: usize,
 }
 
@@ -113,13 +113,13 @@ impl DFlashDraft {
                 down: l.linear(&p("ffn_down"), h, cfg.intermediate_size, false)?,
             });
         }
-        let mut taps = dflash.target_layer_ids.clone();
-        taps.sort_unstable();
-        taps.dedup();
-        let tap_order = dflash
+        let mut hidden_layers = dflash.target_layer_ids.clone();
+        hidden_layers.sort_unstable();
+        hidden_layers.dedup();
+        let hidden_order = dflash
             .target_layer_ids
             .iter()
-            .map(|id| taps.iter().position(|t| t == id).unwrap_or(0))
+            .map(|id| hidden_layers.iter().position(|t| t == id).unwrap_or(0))
             .collect();
         let rope = RotaryEmbedding::new(
             cfg.rope_theta,
@@ -135,8 +135,8 @@ impl DFlashDraft {
             norm: RmsNorm::load(&l, "output_norm.weight", h, eps)?,
             layers,
             rope,
-            taps,
-            tap_order,
+            hidden_layers,
+            hidden_order,
             target_layers: tcfg.num_layers,
             dflash,
             cfg,
@@ -157,9 +157,9 @@ impl DFlashDraft {
     }
 
     /// The target layers whose outputs a forward pass must tap (ascending), for
-    /// [`Transformer::forward`]'s `taps`.
-    pub fn target_taps(&self) -> &[usize] {
-        &self.taps
+    /// [`Transformer::forward`]'s `hidden_layers`.
+    pub fn hidden_layers(&self) -> &[usize] {
+        &self.hidden_layers
     }
 
     /// A draft cache for `capacity` context positions; give it a block more than the target's
@@ -168,29 +168,33 @@ impl DFlashDraft {
         KvCache::new(&self.cfg, capacity.min(self.rope.max_positions()), device)
     }
 
-    /// Raw context features `[n, k·H]` from one target forward's `taps` (each `[n, H]`, in
-    /// [`Self::target_taps`] order): concatenated in `target_layer_ids` order, the last target
+    /// Raw context features `[n, k·H]` from one target forward's `hidden_layers` (each `[n, H]`, in
+    /// [`Self::hidden_layers`] order): concatenated in `target_layer_ids` order, the last target
     /// layer final-normed as HF's `hidden_states` has it. [`Self::project`] turns them into the
     /// draft's context when a draft pass needs them (one GEMM over every pending row; rounds that
     /// do not draft only keep them).
-    pub fn tap_features(&self, target: &Transformer, taps: &[Tensor]) -> Result<Tensor> {
-        if taps.len() != self.taps.len() {
+    pub fn target_features(
+        &self,
+        target: &Transformer,
+        hidden_states: &[Tensor],
+    ) -> Result<Tensor> {
+        if hidden_states.len() != self.hidden_layers.len() {
             return Err(ModelError::Candle(candle_core::Error::Msg(format!(
-                "DFlash: {} tapped layers, {} expected",
-                taps.len(),
-                self.taps.len()
+                "DFlash: {} hidden_states layers, {} expected",
+                hidden_states.len(),
+                self.hidden_layers.len()
             ))));
         }
         let parts = self
             .dflash
             .target_layer_ids
             .iter()
-            .zip(&self.tap_order)
+            .zip(&self.hidden_order)
             .map(|(&id, &t)| {
                 if id + 1 == self.target_layers {
-                    target.final_norm(&taps[t])
+                    target.final_norm(&hidden_states[t])
                 } else {
-                    Ok(taps[t].clone())
+                    Ok(hidden_states[t].clone())
                 }
             })
             .collect::<Result<Vec<_>>>()?;

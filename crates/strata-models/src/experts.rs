@@ -106,7 +106,7 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
 
     /// Routing for `layer` is known: `experts` (ids, possibly repeated) will be asked for next. A
     /// streaming provider may start reading them all concurrently. The default does nothing.
-    fn will_need(&self, _layer: usize, _experts: &[u32]) {}
+    fn fetch_routed(&self, _layer: usize, _experts: &[u32]) {}
 
     /// A prediction: `experts` (distinct, most likely first) may be asked for when `layer` routes.
     /// A streaming provider starts reads for those it has room for without evicting the experts

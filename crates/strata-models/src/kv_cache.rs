@@ -146,7 +146,7 @@ impl KvCache {
     /// `first = len + 1`, the token just appended included); returns `[seq, n_heads · head_dim]`.
     /// Every row's result equals decoding that token alone. `None` when the cache is not on the
     /// CPU.
-    pub fn attend_rows(
+    pub fn attend_tokens(
         &self,
         layer: usize,
         q: &[f32],
@@ -166,7 +166,7 @@ impl KvCache {
         let (_, n_kv_heads, capacity, head_dim) = self.k[layer].dims4()?;
         let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
         let mut out = vec![0f32; seq * n_heads * head_dim];
-        strata_kernels::attention::attend_rows(
+        strata_kernels::attention::attend_tokens(
             q, k, v, layout, n_heads, seq, first, scale, &mut out,
         );
         Ok(Some(out))

@@ -1,5 +1,5 @@
 //! Model definitions for Strata. Our own code (not candle-transformers) because the engine needs
-//! hooks those models lack: a preallocated, rollback-able KV cache, hidden-state taps, observable MoE
+//! hooks those models lack: a preallocated, rollback-able KV cache, output hidden states of chosen layers, observable MoE
 //! routing, and an [`ExpertProvider`] through which routed experts are read (resident or streamed).
 
 pub mod attention;

@@ -272,7 +272,7 @@ impl SparseMoe {
         experts: &dyn ExpertProvider,
     ) -> Result<(Tensor, LayerRouting)> {
         let routing = self.route(x)?;
-        experts.will_need(self.layer, &routing.expert_ids);
+        experts.fetch_routed(self.layer, &routing.expert_ids);
         Ok((self.forward_routed(x, &routing, experts)?, routing))
     }
 

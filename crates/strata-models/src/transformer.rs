@@ -39,8 +39,8 @@ pub enum Logits {
 pub struct ForwardOutput {
     /// `[1 or seq, vocab]` f32.
     pub logits: Tensor,
-    /// Hidden states `[seq, hidden]` after each layer listed in the request's `taps`, in order.
-    pub taps: Vec<Tensor>,
+    /// Hidden states `[seq, hidden]` after each layer listed in the request's `hidden_layers`, in order.
+    pub hidden_states: Vec<Tensor>,
     /// The routing of every MoE layer, in layer order (empty for dense models).
     pub routing: Vec<LayerRouting>,
 }
@@ -279,9 +279,9 @@ impl Transformer {
         tokens: &[u32],
         cache: &mut KvCache,
         logits: Logits,
-        taps: &[usize],
+        hidden_layers: &[usize],
     ) -> Result<ForwardOutput> {
-        self.forward_layers(tokens, cache, logits, taps, self.layers.len())
+        self.forward_layers(tokens, cache, logits, hidden_layers, self.layers.len())
     }
 
     /// Token embeddings `[n, hidden]` (f32) of `tokens` (draft models that share the target's
@@ -321,10 +321,10 @@ impl Transformer {
         tokens: &[u32],
         cache: &mut KvCache,
         logits: Logits,
-        taps: &[usize],
+        hidden_layers: &[usize],
         n_layers: usize,
     ) -> Result<ForwardOutput> {
-        self.forward_impl(tokens, cache, logits, taps, n_layers, None)
+        self.forward_impl(tokens, cache, logits, hidden_layers, n_layers, None)
     }
 
     /// [`Self::forward`] that polls `stop` before every layer and returns
@@ -336,10 +336,10 @@ impl Transformer {
         tokens: &[u32],
         cache: &mut KvCache,
         logits: Logits,
-        taps: &[usize],
+        hidden_layers: &[usize],
         stop: &dyn Fn() -> bool,
     ) -> Result<ForwardOutput> {
-        self.forward_impl(tokens, cache, logits, taps, self.layers.len(), Some(stop))
+        self.forward_impl(tokens, cache, logits, hidden_layers, self.layers.len(), Some(stop))
     }
 
     fn forward_impl(
@@ -347,7 +347,7 @@ impl Transformer {
         tokens: &[u32],
         cache: &mut KvCache,
         logits: Logits,
-        taps: &[usize],
+        hidden_layers: &[usize],
         n_layers: usize,
         stop: Option<&dyn Fn() -> bool>,
     ) -> Result<ForwardOutput> {
@@ -363,7 +363,7 @@ impl Transformer {
             x = (x * scales.embedding)?;
         }
         let mask = if seq > 1 { Some(causal_mask(seq, cache.len(), &self.device)?) } else { None };
-        let mut tapped = Vec::with_capacity(taps.len());
+        let mut hidden_states = Vec::with_capacity(hidden_layers.len());
         let mut routing = Vec::new();
         let end = n_layers.clamp(1, self.layers.len());
         let start = cache.len();
@@ -385,7 +385,7 @@ impl Transformer {
                 FeedForward::Dense(m) => m.forward(&xn)?,
                 FeedForward::Moe(moe) => {
                     let r = moe.route_seq(&xn, seq_route(cache, start, tokens), false)?;
-                    self.experts.will_need(i, &r.expert_ids);
+                    self.experts.fetch_routed(i, &r.expert_ids);
                     if let Some(p) = &self.prefetcher {
                         p.observe(&r);
                         // Reads for the next MoE layer overlap this layer's experts and the next
@@ -400,8 +400,8 @@ impl Transformer {
                 }
             };
             x = (x + residual_scaled(h, scales.residual)?)?;
-            if taps.contains(&i) {
-                tapped.push(x.clone());
+            if hidden_layers.contains(&i) {
+                hidden_states.push(x.clone());
             }
         }
         cache.advance(seq);
@@ -413,7 +413,7 @@ impl Transformer {
         if scales.logits != 1.0 {
             logits = (logits * scales.logits)?;
         }
-        Ok(ForwardOutput { logits, taps: tapped, routing })
+        Ok(ForwardOutput { logits, hidden_states, routing })
     }
 
     /// Speculative decoding: marks the sequence's current length as one [`Self::rollback`] can

@@ -143,7 +143,7 @@ pub struct RoundTrace {
     pub draft_logits: Vec<Vec<f32>>,
 }
 
-/// DFlash per-sequence state: the draft's context cache and the raw (tapped, not yet projected)
+/// DFlash per-sequence state: the draft's context cache and the raw (hidden_states, not yet projected)
 /// features of committed positions not yet in it.
 struct DFlashState {
     cache: KvCache,
@@ -214,9 +214,9 @@ impl<'a> Speculator<'a> {
 
     /// Target layers whose hidden states every target forward of this sequence must return
     /// (DFlash's context features; empty for the other sources).
-    pub fn taps(&self) -> &[usize] {
+    pub fn target_layers(&self) -> &[usize] {
         match &self.cfg.source {
-            DraftSource::DFlash { draft, .. } => draft.target_taps(),
+            DraftSource::DFlash { draft, .. } => draft.hidden_layers(),
             _ => &[],
         }
     }
@@ -230,26 +230,34 @@ impl<'a> Speculator<'a> {
         prompt: &[u32],
         stop: &dyn Fn() -> bool,
     ) -> Result<Vec<f32>> {
-        let taps = self.taps().to_vec();
+        let hidden_layers = self.target_layers().to_vec();
         let mut logits = None;
         for part in prompt.chunks(self.prefill_chunk) {
-            let out = self.target.forward_interruptible(part, cache, Logits::Last, &taps, stop)?;
-            self.observe_taps(&out.taps, part.len())?;
+            let out = self.target.forward_interruptible(
+                part,
+                cache,
+                Logits::Last,
+                &hidden_layers,
+                stop,
+            )?;
+            self.observe_hidden_states(&out.hidden_states, part.len())?;
             logits = Some(out.logits);
         }
         Ok(logits.ok_or(EngineError::EmptyPrompt)?.flatten_all()?.to_vec1()?)
     }
 
     /// DFlash: keeps the context features of the first `rows` positions of a target forward.
-    fn observe_taps(&mut self, taps: &[Tensor], rows: usize) -> Result<()> {
+    fn observe_hidden_states(&mut self, hidden_states: &[Tensor], rows: usize) -> Result<()> {
         let (DraftSource::DFlash { draft, .. }, Some(st)) =
             (&self.cfg.source, self.dflash.as_mut())
         else {
             return Ok(());
         };
-        let taps =
-            taps.iter().map(|t| t.narrow(0, 0, rows)).collect::<candle_core::Result<Vec<_>>>()?;
-        st.pending.push(draft.tap_features(self.target, &taps)?);
+        let hidden_states = hidden_states
+            .iter()
+            .map(|t| t.narrow(0, 0, rows))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        st.pending.push(draft.target_features(self.target, &hidden_states)?);
         Ok(())
     }
 
@@ -304,12 +312,12 @@ impl<'a> Speculator<'a> {
         let mut input = Vec::with_capacity(drafts.len() + 1);
         input.push(last);
         input.extend_from_slice(&drafts);
-        let taps = self.taps().to_vec();
+        let hidden_layers = self.target_layers().to_vec();
         let out = self.target.forward(
             &input,
             cache,
             if drafts.is_empty() { Logits::Last } else { Logits::All },
-            &taps,
+            &hidden_layers,
         )?;
         let fanout = fanout(&out);
         let rows: Vec<Vec<f32>> = out.logits.to_dtype(candle_core::DType::F32)?.to_vec2()?;
@@ -341,7 +349,7 @@ impl<'a> Speculator<'a> {
         self.target.rollback(cache, len0 + 1 + accepted)?;
         self.target.release_checkpoint(cache);
         // DFlash: the committed positions' features condition the next block.
-        self.observe_taps(&out.taps, 1 + accepted)?;
+        self.observe_hidden_states(&out.hidden_states, 1 + accepted)?;
         let verify_ms = t1.elapsed().as_secs_f64() * 1e3;
         if let Some(t) = self.trace.as_mut() {
             let (block_argmax, draft_logits) = self.last_block.take().unwrap_or_default();

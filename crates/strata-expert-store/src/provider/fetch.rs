@@ -48,7 +48,7 @@ impl Entry {
 pub(super) enum Need {
     /// `expert()`: wait for a slot if none is free.
     Wait,
-    /// `will_need`: skip what there is no room for (`expert()` retries).
+    /// `fetch_routed`: skip what there is no room for (`expert()` retries).
     Skip,
     /// A prediction for `layer`: only free room or unneeded experts of other layers.
     Prefetch { layer: usize },
@@ -168,7 +168,7 @@ impl StreamingExperts {
     }
 
     /// Expert `expert` of `layer` from the cache, waiting for its read (and starting it when no
-    /// `will_need` did): its placed slot, and the expert built on it when `build`.
+    /// `fetch_routed` did): its placed slot, and the expert built on it when `build`.
     pub(super) fn fetch(
         &self,
         layer: usize,

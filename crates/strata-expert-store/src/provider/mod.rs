@@ -1,7 +1,7 @@
 //! [`StreamingExperts`]: an [`ExpertProvider`] that reads routed experts from the model file(s) on
 //! demand into a byte-budgeted cache of slab slots.
 //!
-//! Flow per MoE layer: the block routes its tokens and calls `will_need(layer, ids)`; every missing
+//! Flow per MoE layer: the block routes its tokens and calls `fetch_routed(layer, ids)`; every missing
 //! expert gets a slot (evicting by the policy; experts of the current request are protected) and
 //! the reads of all of them are queued on the I/O engine at once. `expert(layer, e)` then returns a
 //! cached expert, or waits for its read (stall time) and builds it in place: formats our kernels run
@@ -279,7 +279,7 @@ impl ExpertProvider for StreamingExperts {
         Ok(x.expect("fetch(build = true) builds the expert"))
     }
 
-    fn will_need(&self, layer: usize, experts: &[u32]) {
+    fn fetch_routed(&self, layer: usize, experts: &[u32]) {
         let mut keys: Vec<(usize, usize)> = experts.iter().map(|&e| (layer, e as usize)).collect();
         keys.sort_unstable();
         keys.dedup();
