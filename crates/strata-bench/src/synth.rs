@@ -362,11 +362,11 @@ fn tensors(o: &SynthOptions) -> Vec<(TensorSpec, Fill)> {
             strata_formats::LinearAttnConfig::interval_layout(p.layers, la.full_attention_interval)
         },
     );
-    for l in 0..p.layers {
+    for (l, &is_recurrent) in recurrent.iter().enumerate() {
         let b = |s: &str| format!("blk.{l}.{s}");
         v.push((t(b("attn_norm.weight"), vec![h], GgmlDType::F32), Fill::Ones));
         match &p.linear {
-            Some(la) if recurrent[l] => {
+            Some(la) if is_recurrent => {
                 let (kw, vw, nv) = (la.k_heads * la.k_dim, la.v_heads * la.v_dim, la.v_heads);
                 let f32 = GgmlDType::F32;
                 v.push((t(b("attn_qkv.weight"), vec![2 * kw + vw, h], q), Fill::Random));

@@ -14,6 +14,8 @@ fn repo() -> PathBuf {
 }
 
 /// Runs `strata ARGS`, returning (exit code or None for a signal, peak RSS in bytes, stderr).
+// The child is reaped by `wait4` (for its rusage), which clippy does not see.
+#[allow(clippy::zombie_processes)]
 fn run(args: &[&std::ffi::OsStr]) -> (Option<i32>, u64, String) {
     let err_path = std::env::temp_dir().join(format!("strata-hostile-{}.err", std::process::id()));
     let child = Command::new(env!("CARGO_BIN_EXE_strata"))

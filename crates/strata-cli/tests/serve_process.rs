@@ -30,6 +30,8 @@ fn spawn(port: u16) -> Child {
 }
 
 /// Starts `strata serve --port PORT ARGS…` and waits for its "listening" log line.
+// Callers wait for or kill the child they get.
+#[allow(clippy::zombie_processes)]
 fn spawn_with(port: u16, args: &[&str]) -> Child {
     let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["serve", "--port", &port.to_string()])
@@ -67,7 +69,8 @@ fn sigterm_during_a_stream_exits_zero_within_5s() {
     let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
     write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 256];
-    c.read(&mut buf).unwrap();
+    let n = c.read(&mut buf).unwrap();
+    assert!(n > 0, "the response started before the signal");
     let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let t = Instant::now();

@@ -48,7 +48,7 @@ pub fn open_device(choice: DeviceChoice) -> Result<Device, String> {
         DeviceChoice::Auto if !CUDA_BUILT || !candle_core::utils::cuda_is_available() => {
             Ok(Device::Cpu)
         }
-        DeviceChoice::Auto => open_cuda(0).or_else(|_| Ok(Device::Cpu)),
+        DeviceChoice::Auto => open_cuda(0).or(Ok(Device::Cpu)),
         DeviceChoice::Cuda(n) => open_cuda(n),
     }
 }

@@ -26,8 +26,9 @@ use crate::stop::{StopMatcher, StopScan};
 pub enum EngineError {
     #[error(transparent)]
     Model(#[from] strata_models::ModelError),
+    /// Boxed like [`strata_models::ModelError::Format`].
     #[error(transparent)]
-    Format(#[from] strata_formats::FormatError),
+    Format(Box<strata_formats::FormatError>),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error("the prompt has {prompt} tokens but the context holds {ctx}")]
@@ -46,6 +47,12 @@ pub enum EngineError {
     /// Speculative-decoding settings that do not fit the model (draft vocabulary, layer count).
     #[error("speculative decoding: {0}")]
     Spec(String),
+}
+
+impl From<strata_formats::FormatError> for EngineError {
+    fn from(e: strata_formats::FormatError) -> Self {
+        EngineError::Format(Box::new(e))
+    }
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -18,8 +18,8 @@ fn load_err(path: &Path) -> FormatError {
     let opts = LoadOptions::new(64, candle_core::Device::Cpu);
     match Engine::load(path, &opts, &mut |_, _| {}) {
         Ok(_) => panic!("{} loaded but should not", path.display()),
-        Err(EngineError::Format(e)) => e,
-        Err(EngineError::Model(strata_models::ModelError::Format(e))) => e,
+        Err(EngineError::Format(e)) => *e,
+        Err(EngineError::Model(strata_models::ModelError::Format(e))) => *e,
         Err(e) => panic!("unexpected error kind: {e}"),
     }
 }
@@ -59,7 +59,7 @@ fn write_gguf(path: &Path, kv: &[(&str, GgufVal)], tensors: &[(&str, &[u64], u32
         b.extend(offset.to_le_bytes());
         offset += (*bytes as u64).div_ceil(32) * 32;
     }
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     b.resize(b.len() + offset as usize, 0);

@@ -147,8 +147,8 @@ fn sample_counts(engine: &Engine, prompt: &[u32], seed0: u64, runs: u64) -> (Cou
         let g = engine.generate(&mut cache, &req, &mut |_| ControlFlow::Continue(())).unwrap();
         assert_eq!(g.tokens.len(), 3);
         drafted += g.spec.map_or(0, |s| s.drafted);
-        for p in 0..3 {
-            *by_pos[p].entry(vec![g.tokens[p]]).or_default() += 1;
+        for (counts, &t) in by_pos.iter_mut().zip(&g.tokens) {
+            *counts.entry(vec![t]).or_default() += 1;
         }
         *by_pos[3].entry(g.tokens[1..3].to_vec()).or_default() += 1;
     }

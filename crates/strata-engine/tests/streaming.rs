@@ -295,7 +295,7 @@ fn moe_top_k_quality_cost_is_measured() {
 fn expert_bytes_are_the_stored_bytes_in_gate_up_down_order() {
     use std::os::unix::fs::FileExt;
     for name in ["qwen3_moe.gguf", "qwen3_moe", "mixtral"] {
-        let files = strata_formats::ModelFiles::open(&fixture(name)).unwrap();
+        let files = strata_formats::ModelFiles::open(fixture(name)).unwrap();
         let cfg = files.config().unwrap();
         let moe = cfg.moe.clone().unwrap();
         let host = strata_engine::expert_store::StreamingExperts::open(

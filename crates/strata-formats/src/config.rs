@@ -273,13 +273,13 @@ impl ModelConfig {
         {
             return bad(format!("config has a zero dimension: {self:?}"));
         }
-        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "{} attention heads is not a multiple of {} kv heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return bad(format!(
                 "rope dimension {} does not fit head dim {}",
                 self.rope_dim, self.head_dim
@@ -318,7 +318,7 @@ impl ModelConfig {
     /// transformers `Qwen2MoeDecoderLayer.__init__`.
     pub fn is_moe_layer(&self, i: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| {
-            !m.mlp_only_layers.contains(&i) && (i + 1) % m.decoder_sparse_step == 0
+            !m.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(m.decoder_sparse_step)
         })
     }
 

@@ -419,7 +419,7 @@ impl GgufFile {
         let info = self.tensor_info(name)?;
         let n = info.shape.first().copied().unwrap_or(0);
         let per_elems: usize = info.shape[1..].iter().product();
-        if index >= n || per_elems % info.dtype.block_size() != 0 {
+        if index >= n || !per_elems.is_multiple_of(info.dtype.block_size()) {
             return Err(FormatError::invalid(
                 &self.path,
                 format!("tensor `{name}`: cannot take slice {index} of shape {:?}", info.shape),

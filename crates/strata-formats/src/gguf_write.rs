@@ -45,7 +45,7 @@ impl TensorSpec {
         let n: usize = self.shape.iter().product();
         let cols = *self.shape.last().unwrap_or(&1);
         let bs = self.dtype.block_size();
-        if cols % bs != 0 {
+        if !cols.is_multiple_of(bs) {
             return Err(format!(
                 "tensor `{}`: last dim {cols} is not a multiple of {:?}'s block size {bs}",
                 self.name, self.dtype
@@ -207,6 +207,9 @@ fn alignment(metadata: &[(String, MetaValue)]) -> u64 {
         .unwrap_or(ALIGNMENT)
 }
 
+/// Fills bytes of a tensor: `(tensor index, byte offset in the tensor, buffer)`.
+pub type TensorFill<'a> = dyn FnMut(usize, u64, &mut [u8]) -> Result<(), String> + 'a;
+
 /// Writes a GGUF v3 file. `fill(tensor, offset, buf)` writes the bytes of `tensors[tensor]` starting
 /// at byte `offset` of that tensor into `buf` (chunks of at most `chunk` bytes, in order).
 /// `progress(bytes_done, bytes_total)` is called after each chunk. Tensor data is aligned to
@@ -219,7 +222,7 @@ pub fn write_gguf(
     metadata: &[(String, MetaValue)],
     tensors: &[TensorSpec],
     chunk: usize,
-    fill: &mut dyn FnMut(usize, u64, &mut [u8]) -> Result<(), String>,
+    fill: &mut TensorFill<'_>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<(), String> {
     let io = |e: std::io::Error| format!("{}: {e}", path.display());

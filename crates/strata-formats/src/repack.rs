@@ -64,7 +64,7 @@ pub fn repack_gguf(
         Some(candle_core::quantized::gguf_file::Value::U32(a)) if *a > 0 => *a as u64,
         _ => ALIGNMENT,
     };
-    if BUNDLE_ALIGN % align != 0 {
+    if !BUNDLE_ALIGN.is_multiple_of(align) {
         return Err(format!(
             "{}: general.alignment {align} does not divide {BUNDLE_ALIGN}",
             input.display()

@@ -56,7 +56,7 @@ impl QuantMatrix {
     ) -> Result<Self, String> {
         let data = data.into();
         let need = rows * cols / format.block_elems() * format.block_bytes();
-        if cols % format.block_elems() != 0 || data.len() != need {
+        if !cols.is_multiple_of(format.block_elems()) || data.len() != need {
             return Err(format!(
                 "{format:?} matrix [{rows}, {cols}] needs {need} bytes, got {}",
                 data.len()
@@ -249,9 +249,8 @@ pub fn dot_q4_1_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
         let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
         let qs = &blk[4..20];
         let mut sumi = 0i32;
-        for j in 0..QK / 2 {
-            sumi += (qs[j] & 0x0F) as i32 * y.qs[j] as i32
-                + (qs[j] >> 4) as i32 * y.qs[j + QK / 2] as i32;
+        for (j, &q) in qs.iter().enumerate() {
+            sumi += (q & 0x0F) as i32 * y.qs[j] as i32 + (q >> 4) as i32 * y.qs[j + QK / 2] as i32;
         }
         sumf += sumi as f32 * d * y.d + m * y.s;
     }

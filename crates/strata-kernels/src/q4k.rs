@@ -84,8 +84,8 @@ pub fn dot_q4k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
             }
             sumi += lo * sc[2 * c] as i32 + hi * sc[2 * c + 1] as i32;
         }
-        for j in 0..8 {
-            summ += mn[j] as i32 * (y.bsums[2 * j] as i32 + y.bsums[2 * j + 1] as i32);
+        for (j, &m) in mn.iter().enumerate() {
+            summ += m as i32 * (y.bsums[2 * j] as i32 + y.bsums[2 * j + 1] as i32);
         }
         sumf += d * sumi as f32 - dmin * summ as f32;
     }
@@ -94,6 +94,10 @@ pub fn dot_q4k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
 
 /// AVX2 version of [`dot_q4k_scalar`] (same integer sums, so the same result up to f32 rounding
 /// order).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C (checked by the caller at run time); `w` holds whole
+/// Q4_K blocks, one per block of `a`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4k_avx2(w: &[u8], a: &[BlockQ8K]) -> f32 {
@@ -107,8 +111,8 @@ pub unsafe fn dot_q4k_avx2(w: &[u8], a: &[BlockQ8K]) -> f32 {
         let dmin = crate::x86::h2f(u16::from_le_bytes([blk[2], blk[3]])) * y.d;
         let (sc, mn) = scales_mins(&blk[4..16]);
         let mut summ = 0i32;
-        for j in 0..8 {
-            summ += mn[j] as i32 * (y.bsums[2 * j] as i32 + y.bsums[2 * j + 1] as i32);
+        for (j, &m) in mn.iter().enumerate() {
+            summ += m as i32 * (y.bsums[2 * j] as i32 + y.bsums[2 * j + 1] as i32);
         }
         summs -= dmin * summ as f32;
         let mut sumi = _mm256_setzero_si256();

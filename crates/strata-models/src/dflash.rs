@@ -69,7 +69,7 @@ impl DFlashDraft {
         let cfg = files.config()?;
         let tcfg = target.config();
         let bad = |m: String| {
-            ModelError::Format(strata_formats::FormatError::Invalid {
+            ModelError::from(strata_formats::FormatError::Invalid {
                 path: files.path().to_path_buf(),
                 message: m,
             })

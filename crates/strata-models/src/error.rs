@@ -4,8 +4,9 @@ use strata_formats::FormatError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// Boxed: a load error is rare and large, `Result`s stay small on the hot path.
     #[error(transparent)]
-    Format(#[from] FormatError),
+    Format(Box<FormatError>),
     #[error("tensor `{name}`: {source}")]
     Tensor { name: String, source: candle_core::Error },
     #[error(transparent)]
@@ -24,6 +25,12 @@ pub enum ModelError {
     /// Reading a streamed expert failed (I/O error, short read, file changed).
     #[error("expert {expert} of layer {layer}: {message}")]
     ExpertRead { layer: usize, expert: usize, message: String },
+}
+
+impl From<FormatError> for ModelError {
+    fn from(e: FormatError) -> Self {
+        ModelError::Format(Box::new(e))
+    }
 }
 
 impl ModelError {

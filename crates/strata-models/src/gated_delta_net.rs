@@ -185,8 +185,8 @@ impl GatedDeltaNet {
             for c in 0..cd {
                 let w = &self.conv_w[c * taps..(c + 1) * taps];
                 let mut acc = w[taps - 1] * raw[c];
-                for j in 0..taps - 1 {
-                    acc += w[j] * state.conv[j * cd + c];
+                for (j, &wj) in w[..taps - 1].iter().enumerate() {
+                    acc += wj * state.conv[j * cd + c];
                 }
                 conv[c] = silu(acc);
             }

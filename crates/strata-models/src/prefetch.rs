@@ -185,7 +185,7 @@ impl Prefetcher {
     /// ahead by the mode (empty for `Off`).
     pub fn predict(&self, layer: usize, pregate: Option<&LayerRouting>) -> Vec<u32> {
         let mut st = self.lock();
-        let pregate = pregate.map(|r| ranked(r)).unwrap_or_default();
+        let pregate = pregate.map(ranked).unwrap_or_default();
         let previous = st.last.get(layer).cloned().unwrap_or_default();
         let mut union = pregate.clone();
         union.extend(previous.iter().filter(|e| !pregate.contains(e)));

@@ -111,9 +111,9 @@ impl ModelFacts {
         let moe_layers =
             (0..cfg.num_layers).filter(|&l| cfg.moe.is_some() && cfg.is_moe_layer(l)).count();
         let n_experts = (experts * moe_layers) as u64;
-        let bytes_per_expert = if n_experts > 0 { expert_bytes / n_experts } else { 0 };
+        let bytes_per_expert = expert_bytes.checked_div(n_experts).unwrap_or(0);
         let active_params = total_params - expert_params
-            + if n_experts > 0 { expert_params / n_experts * (k * moe_layers) as u64 } else { 0 };
+            + expert_params.checked_div(n_experts).unwrap_or(0) * (k * moe_layers) as u64;
         Ok(Self {
             path: files.path().display().to_string(),
             architecture: format!("{:?}", cfg.arch),

@@ -132,9 +132,7 @@ impl SpecMetrics {
             fanout: Histogram::new(exponential_buckets(1.0, 1.5, 14)),
             acceptance_rate: Gauge::default(),
             mean_accepted_length: Gauge::default(),
-            draft_len: Histogram::new(
-                [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 31.0].into_iter(),
-            ),
+            draft_len: Histogram::new([0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 31.0]),
         }
     }
 

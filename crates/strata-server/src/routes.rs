@@ -230,7 +230,7 @@ async fn collect(
                     lps.push((t.id, l));
                 }
             }
-            GenEvent::Done(g) => return Ok((g, lps)),
+            GenEvent::Done(g) => return Ok((*g, lps)),
             GenEvent::Failed(e) => return Err(e),
         }
     }

@@ -25,7 +25,8 @@ use crate::ServerConfig;
 #[derive(Debug)]
 pub enum GenEvent {
     Token(TokenEvent),
-    Done(Generation),
+    /// Boxed: the finished generation is large and sent once.
+    Done(Box<Generation>),
     Failed(ApiError),
 }
 
@@ -190,9 +191,9 @@ fn worker(
                     prompt_tokens = g.prompt_tokens,
                     "request cancelled by the client"
                 );
-                GenEvent::Done(g)
+                GenEvent::Done(Box::new(g))
             }
-            Ok(Ok(g)) => GenEvent::Done(g),
+            Ok(Ok(g)) => GenEvent::Done(Box::new(g)),
             Ok(Err(e)) => GenEvent::Failed(ApiError::internal(format!("generation failed: {e}"))),
             Err(p) => {
                 let msg = p

@@ -218,7 +218,8 @@ fn a_client_that_goes_away_is_counted_and_logged() {
     let mut c = TcpStream::connect(s.addr).unwrap();
     write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = [0u8; 512];
-    c.read(&mut buf).unwrap();
+    let n = c.read(&mut buf).unwrap();
+    assert!(n > 0, "the stream started before the client left");
     drop(c);
     let t = Instant::now();
     while metric("strata_requests_cancelled_by_client_total") == before {

@@ -113,8 +113,7 @@ pub fn parse(raw: &[u8]) -> Resp {
 
 fn dechunk(mut s: &str) -> String {
     let mut out = String::new();
-    loop {
-        let Some((size, rest)) = s.split_once("\r\n") else { break };
+    while let Some((size, rest)) = s.split_once("\r\n") {
         let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
         if n == 0 || rest.len() < n {
             out.push_str(&rest[..n.min(rest.len())]);
