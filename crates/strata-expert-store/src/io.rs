@@ -201,12 +201,12 @@ pub enum DirectIo {
 impl std::str::FromStr for DirectIo {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "on" | "true" | "yes" => Ok(Self::On),
-            "off" | "false" | "no" => Ok(Self::Off),
-            _ => Err(format!("unknown --direct-io `{s}` (auto, on, off)")),
-        }
+        use strata_plan::switch::{parse_switch, Switch};
+        Ok(match parse_switch("--direct-io", s)? {
+            Switch::Auto => Self::Auto,
+            Switch::On => Self::On,
+            Switch::Off => Self::Off,
+        })
     }
 }
 

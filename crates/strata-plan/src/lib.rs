@@ -20,6 +20,7 @@ pub mod gpu;
 pub mod hit_curve;
 pub mod observed;
 pub mod plan;
+pub mod switch;
 pub mod system;
 
 pub use budget::{parse_bytes, CacheBudget};

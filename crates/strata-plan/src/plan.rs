@@ -33,12 +33,11 @@ pub enum StreamMode {
 impl std::str::FromStr for StreamMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "on" | "true" | "yes" => Ok(Self::On),
-            "off" | "false" | "no" => Ok(Self::Off),
-            _ => Err(format!("--stream-experts takes auto, on or off, not `{s}`")),
-        }
+        Ok(match crate::switch::parse_switch("--stream-experts", s)? {
+            crate::switch::Switch::Auto => Self::Auto,
+            crate::switch::Switch::On => Self::On,
+            crate::switch::Switch::Off => Self::Off,
+        })
     }
 }
 
