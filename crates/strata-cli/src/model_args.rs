@@ -38,13 +38,15 @@ pub struct ModelArgs {
     #[arg(long, value_parser = strata_plan::parse_bytes)]
     pub vram: Option<u64>,
     /// Expert cache budget with --stream-experts: bytes (`6GiB`, `512MiB`), a percentage of the
-    /// model's expert bytes (`10%`), or `auto` (available memory, cgroup limit included, minus the
-    /// dense weights and a 1 GiB + 10% reserve).
+    /// model's expert bytes (`10%`), or `auto` (what the memory plan leaves: available memory,
+    /// cgroup limit included, minus dense weights, KV cache, compute buffers and a 512 MiB + 5%
+    /// reserve).
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(CacheBudget))]
     pub expert_cache: CacheBudget,
     /// With --device cuda and --stream-experts: the VRAM expert cache above the host expert cache
     /// (which is page-locked, and fed by the drive): bytes (`20GiB`), a percentage of the model's
-    /// experts (`25%`), or `auto` (free VRAM minus the dense weights and a 2 GiB reserve).
+    /// experts (`25%`), or `auto` (free VRAM minus dense weights, KV cache, compute buffers and a
+    /// 2 GiB reserve).
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(CacheBudget))]
     pub gpu_expert_cache: CacheBudget,
     /// Read experts with O_DIRECT, bypassing the page cache: `auto` (default) where the model's
