@@ -101,6 +101,17 @@ impl<V> ExpertCache<V> {
         self.entries.remove(k).map(|c| c.value)
     }
 
+    /// The first `limit` of `predicted` experts of `layer` that the cache lacks (what a prefetch
+    /// would read or copy).
+    pub fn missing(&self, layer: usize, predicted: &[u32], limit: usize) -> Vec<usize> {
+        predicted
+            .iter()
+            .take(limit)
+            .map(|&e| e as usize)
+            .filter(|&e| !self.contains(&(layer, e)))
+            .collect()
+    }
+
     /// The calling thread's pass now needs `keys` (its previous set is released).
     pub fn protect_for_current_thread(&mut self, keys: &[Key]) {
         self.protected.set_for_current_thread(keys);
@@ -145,5 +156,6 @@ mod tests {
         let (v, u) = c.take(&(0, 2)).unwrap();
         c.put_back((0, 2), v, u);
         assert_eq!(c.victim(|_, _| true, true), Some((0, 2)), "take/put_back keep the history");
+        assert_eq!(c.missing(0, &[5, 1, 6, 7], 3), vec![5, 6], "only the first 3 predictions");
     }
 }

@@ -310,12 +310,7 @@ impl ExpertProvider for StreamingExperts {
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         let keys: Vec<(usize, usize)> = {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let missing: Vec<usize> = experts
-                .iter()
-                .take(self.prefetch_limit)
-                .map(|&e| e as usize)
-                .filter(|&e| !st.map.contains(&(layer, e)))
-                .collect();
+            let missing = st.map.missing(layer, experts, self.prefetch_limit);
             let open = st.gate.open();
             st.candidates.insert(layer, missing.clone());
             if !open {
