@@ -64,6 +64,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .init();
     let (engine, plan) = a.model.load_with_plan()?;
     let engine = Arc::new(engine);
+    // `..default()` fills the `test-hooks` fields when a workspace build enables that feature.
+    #[allow(clippy::needless_update)]
     let config = ServerConfig {
         host: a.host.clone(),
         port: a.port,

@@ -15,6 +15,9 @@ use crate::safetensors::{hf_weight_files, SafetensorsSet};
 use crate::tokenizer::{read_json_opt, TextTokenizer};
 
 /// A loaded weight: ggml-quantized (GGUF) or a dense f32 tensor.
+// With candle's `cuda` feature a `QTensor` is 232 bytes: a weight is built once at load and moved
+// into its layer, so boxing it would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Weight {
     Quantized(QTensor),

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent};
+use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaEvent};
 use candle_core::quantized::{cuda::QCudaStorage, GgmlDType, QStorage, QTensor};
 use strata_formats::{ExpertEncoding, Weight};
 use strata_models::layers::Linear;

@@ -28,7 +28,7 @@
 //! (one launch per expert and projection); float (HF) experts are copied synchronously through
 //! candle.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -37,10 +37,8 @@ use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaEvent, CudaStre
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::quantized::{cuda::QCudaStorage, GgmlDType, QStorage, QTensor};
 use candle_core::Device;
-use strata_formats::{ExpertEncoding, ModelConfig, ModelFiles, Weight};
-use strata_models::layers::Linear;
-use strata_models::mlp::Mlp;
-use strata_models::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ModelError};
+use strata_formats::{ExpertEncoding, ModelConfig, ModelFiles};
+use strata_models::{Expert, FusedExperts, ModelError};
 
 mod copy;
 mod provider;
@@ -55,7 +53,13 @@ use strata_plan::budget::{cache_entries, cache_room, VRAM_RESERVE};
 /// each quantized tensor's rows (`MATRIX_ROW_PADDING`), and the pool rounds allocations.
 const PER_EXPERT_SLACK: u64 = 3 * 64 * 1024;
 
+/// What a lookup gives a launch: the expert's device tensors (per-expert storage), its pool row,
+/// and the event its copy completes with (`None`: already complete or synchronous).
+type Lookup = (Option<Arc<Expert>>, usize, Option<Arc<CudaEvent>>);
+
 /// How VRAM holds the cached experts.
+// One value per tier: the pool's size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Vram {
     /// Device tensors per expert, allocated at each copy and freed at eviction.
     PerExpert,
@@ -353,10 +357,10 @@ impl GpuExperts {
                 (Some(x), 0, ev)
             }
             Vram::Pool { base, row_bytes, .. } => {
-                for k in 0..3 {
+                for (k, (range, &row)) in b.ranges.iter().zip(row_bytes).enumerate() {
                     assert_eq!(
-                        b.ranges[k].len(),
-                        row_bytes[k],
+                        range.len(),
+                        row,
                         "expert {key:?} part {k}: stored size differs from the pool's rows"
                     );
                 }
@@ -389,11 +393,7 @@ impl GpuExperts {
 
     /// A lookup of `key`: counts it and returns its entry's expert, row and copy event, making it
     /// resident first on a miss (reading the host tier, which may wait for the drive).
-    fn lookup(
-        &self,
-        key: Key,
-        keep: &[Key],
-    ) -> Result<(Option<Arc<Expert>>, usize, Option<Arc<CudaEvent>>), ModelError> {
+    fn lookup(&self, key: Key, keep: &[Key]) -> Result<Lookup, ModelError> {
         fn found(st: &mut TierState, key: Key) -> Option<&mut TierEntry> {
             st.map.touch(&key)
         }

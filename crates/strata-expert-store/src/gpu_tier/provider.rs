@@ -1,12 +1,13 @@
 //! [`ExpertProvider`] for the VRAM tier: lookups, fused launches over the pool, routed and
 //! predicted copies.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use strata_models::{Expert, ExpertProvider, ExpertStats, FusedCall};
 
-use super::{GpuExperts, Origin};
+use super::{GpuExperts, Origin, Vram};
 use crate::cache::Key;
 
 impl ExpertProvider for GpuExperts {
