@@ -16,9 +16,17 @@ pub struct InfoArgs {
     /// Print the plan as one JSON object (fields documented in docs/memory-plan.md).
     #[arg(long)]
     pub json: bool,
+    /// Plan for `serve --parallel N`: N sequence slots, one KV cache each.
+    #[arg(long, default_value_t = 1)]
+    pub parallel: usize,
+    /// Plan for `serve --prefix-cache SIZE` (default: none).
+    #[arg(long, default_value = "0", value_parser = strata_plan::parse_bytes)]
+    pub prefix_cache: u64,
 }
 
-pub fn run(a: InfoArgs) -> Result<()> {
+pub fn run(mut a: InfoArgs) -> Result<()> {
+    a.model.serving =
+        crate::model_args::Serving { parallel: a.parallel.max(1), prefix_cache: a.prefix_cache };
     a.model.set_threads();
     let path = a.model.model_path()?;
     if a.calibrate {
@@ -75,11 +83,14 @@ fn print_plan(p: &Plan) {
     println!("stored       dense {}, experts {}", gb(m.dense_bytes), gb(m.expert_bytes));
     let mem = &p.memory;
     println!(
-        "memory       dense weights {} | experts {} | KV cache {} (ctx {}) | compute {} | draft {} | reserve {}",
+        "memory       dense weights {} | experts {} | KV cache {} (ctx {} × {} slot{}) | prefix cache {} | compute {} | draft {} | reserve {}",
         gb(mem.dense_weights),
         gb(mem.expert_weights),
         gb(mem.kv_cache),
         p.ctx_size,
+        p.parallel,
+        if p.parallel == 1 { "" } else { "s" },
+        gb(mem.prefix_cache),
         gb(mem.compute_buffers),
         gb(mem.draft),
         gb(mem.reserve)

@@ -85,6 +85,24 @@ pub struct ModelArgs {
     pub device: strata_engine::device::DeviceChoice,
     #[command(flatten)]
     pub spec: crate::spec_args::SpecArgs,
+    /// What the server will hold besides the model (set by `serve` and `info` from their flags).
+    #[arg(skip)]
+    pub serving: Serving,
+}
+
+/// Memory the plan counts for serving: sequence slots and the prefix cache.
+#[derive(Debug, Clone, Copy)]
+pub struct Serving {
+    /// Sequences at once (`--parallel`): one KV cache each.
+    pub parallel: usize,
+    /// Prefix cache bytes (`--prefix-cache`).
+    pub prefix_cache: u64,
+}
+
+impl Default for Serving {
+    fn default() -> Self {
+        Self { parallel: 1, prefix_cache: 0 }
+    }
 }
 
 impl ModelArgs {
@@ -121,6 +139,8 @@ impl ModelArgs {
             read_chunk: self.read_chunk as usize,
             moe_top_k: self.moe_top_k,
             device,
+            parallel: self.serving.parallel,
+            prefix_cache_bytes: self.serving.prefix_cache,
         })
     }
 

@@ -23,9 +23,22 @@ pub struct ServeArgs {
     /// a request does not set it (then also bounded by the context left).
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
     pub max_tokens: usize,
-    /// Sequence slots generating at once (each has its own KV cache of --ctx-size tokens).
+    /// Sequences generating at once, each with its own KV cache of --ctx-size tokens (the memory
+    /// plan counts them all and refuses what does not fit). Without speculative decoding they
+    /// share forward passes (continuous batching: one pass per step over every active request,
+    /// a MoE batch's experts read once); with --spec / --draft-model / --dflash, speculation runs
+    /// per sequence and requests do not share passes.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024).map(|v| v as usize))]
     pub parallel: usize,
+    /// Tokens one batched forward pass runs at most besides one prompt chunk (decode tokens of
+    /// running requests plus prefill chunks of new ones).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
+    pub batch_tokens: usize,
+    /// Keep finished requests' KV entries (in 64-token blocks, least recently used dropped first)
+    /// for later requests that share a prompt prefix, up to this many bytes (`0`: off). Counted
+    /// by the memory plan. Not used with speculative decoding.
+    #[arg(long, default_value = "256MiB", value_parser = strata_plan::parse_bytes)]
+    pub prefix_cache: u64,
     /// Requests that may wait for a slot; more are answered 503 at once.
     #[arg(long, default_value_t = 16)]
     pub queue_size: usize,
@@ -53,7 +66,7 @@ pub struct ServeArgs {
     pub sampling: SamplingArgs,
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
+pub fn run(mut a: ServeArgs) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -62,6 +75,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    let speculative = a.model.spec.kind()?.is_some();
+    let prefix_cache = if speculative { 0 } else { a.prefix_cache };
+    a.model.serving = crate::model_args::Serving { parallel: a.parallel, prefix_cache };
     let (engine, plan) = a.model.load_with_plan()?;
     let engine = Arc::new(engine);
     // `..default()` fills the `test-hooks` fields when a workspace build enables that feature.
@@ -80,6 +96,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         header_timeout: std::time::Duration::from_secs(a.header_timeout.max(1)),
         body_timeout: std::time::Duration::from_secs(a.body_timeout.max(1)),
         prefill_chunk: a.model.prefill_chunk,
+        batch_tokens: a.batch_tokens,
+        prefix_cache_bytes: prefix_cache as usize,
         sampling: a.sampling.params(&engine),
         plan: Some(plan),
         ..ServerConfig::default()

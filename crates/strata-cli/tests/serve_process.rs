@@ -388,3 +388,39 @@ fn serve_flags_are_checked_and_the_key_is_not_shown() {
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(help.contains("STRATA_API_KEY") && !help.contains("hunter2-secret"), "{help}");
 }
+
+/// The plan counts one KV cache per `--parallel` slot (and the prefix cache): `serve --parallel 64`
+/// where 64 caches do not fit is refused at start (exit 2, saying what to lower); `info` says
+/// the same, and a `--parallel` that fits is planned.
+#[test]
+fn parallel_slots_that_do_not_fit_are_refused_by_the_plan() {
+    let m = model().to_string_lossy().into_owned();
+    // SmolLM2: 46 KB of KV per token; 64 × 4096 tokens = 12 GB, 2 GB of RAM.
+    let args = ["--model", &m, "--ctx-size", "4096", "--ram", "2GiB", "--parallel", "64"];
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--port", &free_port().to_string()])
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--parallel") && err.contains("would fit"), "{err}");
+    let info = |extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["info", "--json", "--model", &m, "--ctx-size", "4096", "--ram", "2GiB"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (o.status.code(), v)
+    };
+    let (code, v) = info(&["--parallel", "64"]);
+    assert_eq!(code, Some(2));
+    assert_eq!(v["strategy"], "TOO-LARGE", "{v}");
+    let per_slot = v["memory"]["kv_cache"].as_u64().unwrap() / 64;
+    let (code, v) = info(&["--parallel", "4", "--prefix-cache", "256MiB"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["parallel"], 4);
+    assert_eq!(v["memory"]["kv_cache"].as_u64().unwrap(), 4 * per_slot);
+    assert_eq!(v["memory"]["prefix_cache"].as_u64().unwrap(), 256 << 20);
+}

@@ -8,17 +8,15 @@ use std::time::Instant;
 use candle_core::Device;
 use serde::Serialize;
 use strata_expert_store::StreamOptions;
-use strata_formats::{
-    ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, StreamDecoder, TextTokenizer,
-};
+use strata_formats::{ChatMessage, ChatTemplate, GenerationDefaults, ModelFiles, TextTokenizer};
 use strata_models::{
     DFlashDraft, ExpertProvider, ExpertStats, KvCache, Logits, PrefetchStats, Transformer,
 };
 
+use crate::output::SequenceOutput;
 use crate::routing_report::RoutingTrace;
-use crate::sampling::{log_softmax, top_logprobs, Sampler, SamplingParams};
+use crate::sampling::SamplingParams;
 use crate::spec::{Emitted, SpecConfig, SpecStats, Speculator};
-use crate::stop::{StopMatcher, StopScan};
 
 /// Errors of the engine. Request-level errors (prompt too long, bad template input) are separate
 /// variants so servers can map them to 4xx.
@@ -44,6 +42,9 @@ pub enum EngineError {
     /// The memory plan says the model cannot run here ([`crate::planned::load_planned`]).
     #[error("{0}")]
     PlanRefused(String),
+    /// A batched pass failed as a whole (every sequence in it gets this).
+    #[error("{0}")]
+    Internal(String),
     /// Speculative-decoding settings that do not fit the model (draft vocabulary, layer count).
     #[error("speculative decoding: {0}")]
     Spec(String),
@@ -259,12 +260,7 @@ impl Engine {
             Err(e) => return Err(e),
         };
 
-        let mut sampler = Sampler::new(req.sampling.clone());
-        let mut history = prompt.clone();
-        let mut tokens = Vec::new();
-        let mut text = String::new();
-        let mut decoder = StreamDecoder::new();
-        let mut stops = StopMatcher::new(req.stop.clone());
+        let mut out = SequenceOutput::new(req);
         let experts_prefilled = self.model.experts().stats();
         let prefetch_prefilled = self.model.prefetch_stats();
         // Speculative rounds route rejected drafts too: only plain decoding is traced.
@@ -274,11 +270,10 @@ impl Engine {
         let t1 = Instant::now();
         let mut ttft_ms = 0.0;
         let finish;
-        let mut stopped_by_string = false;
         // Tokens decided but not yet emitted (a speculative round decides several at once), each
         // with the target logits it was chosen from. The first comes from the prefill logits.
         let mut ready: std::collections::VecDeque<Emitted> = std::collections::VecDeque::new();
-        let first = sampler.sample(&logits, &history);
+        let first = out.sample(&logits);
         ready.push_back((first, logits));
         loop {
             if stop() {
@@ -286,42 +281,11 @@ impl Engine {
                 break;
             }
             let (id, logits) = ready.pop_front().expect("a decided token");
-            let logprobs = req.logprobs.map(|n| {
-                let lp = log_softmax(&logits);
-                TokenLogprobs { logprob: lp[id as usize], top: top_logprobs(&lp, n) }
-            });
-            if tokens.is_empty() {
+            if out.tokens.is_empty() {
                 ttft_ms = t0.elapsed().as_secs_f64() * 1e3;
             }
-            let is_eos = !req.ignore_eos && self.tokenizer.eos_ids.contains(&id);
-            tokens.push(id);
-            history.push(id);
-            let mut delta = String::new();
-            let mut stopped = false;
-            if !is_eos {
-                if let Some(piece) = decoder.push(&self.tokenizer, id)? {
-                    match stops.push(&piece) {
-                        StopScan::Continue(t) => delta = t,
-                        StopScan::Stopped(t) => {
-                            delta = t;
-                            stopped = true;
-                        }
-                    }
-                }
-            }
-            text.push_str(&delta);
-            let ev = TokenEvent { id, text: delta, logprobs };
-            if on_token(&ev).is_break() {
-                finish = FinishReason::Cancelled;
-                break;
-            }
-            if is_eos || stopped {
-                stopped_by_string = stopped;
-                finish = FinishReason::Stop;
-                break;
-            }
-            if tokens.len() >= req.max_tokens {
-                finish = FinishReason::Length;
+            if let Some(f) = out.emit(self, id, &logits, on_token)? {
+                finish = f;
                 break;
             }
             if !ready.is_empty() {
@@ -332,33 +296,21 @@ impl Engine {
                 break;
             }
             match spec.as_mut() {
-                Some(s) => ready.extend(s.round(
-                    cache,
-                    &history,
-                    &mut sampler,
-                    req.max_tokens - tokens.len(),
-                )?),
+                Some(s) => {
+                    let left = out.remaining();
+                    ready.extend(s.round(cache, &out.history, &mut out.sampler, left)?)
+                }
                 None => {
-                    let out = self.model.forward(&[id], cache, Logits::Last, &[])?;
+                    let fwd = self.model.forward(&[id], cache, Logits::Last, &[])?;
                     if let Some(t) = routing.as_mut() {
-                        t.push(&out.routing);
+                        t.push(&fwd.routing);
                     }
-                    let logits: Vec<f32> = out.logits.flatten_all()?.to_vec1()?;
-                    ready.push_back((sampler.sample(&logits, &history), logits));
+                    let logits: Vec<f32> = fwd.logits.flatten_all()?.to_vec1()?;
+                    ready.push_back((out.sample(&logits), logits));
                 }
             }
         }
-        if !stopped_by_string {
-            let piece = decoder.flush(&self.tokenizer)?;
-            let tail = match stops.push(&piece) {
-                StopScan::Continue(t) => t + &stops.flush(),
-                StopScan::Stopped(t) => t,
-            };
-            if !tail.is_empty() {
-                text.push_str(&tail);
-                let _ = on_token(&TokenEvent { id: u32::MAX, text: tail, logprobs: None });
-            }
-        }
+        out.flush(self, on_token)?;
         let decode_ms = t1.elapsed().as_secs_f64() * 1e3;
         let experts_end = self.model.experts().stats();
         let delta = |from: Option<ExpertStats>| match (experts_end, from) {
@@ -372,8 +324,8 @@ impl Engine {
         };
         Ok(Generation {
             prompt_tokens: prompt.len(),
-            tokens,
-            text,
+            tokens: out.tokens,
+            text: out.text,
             finish_reason: finish,
             timings: Timings { prefill_ms, decode_ms, ttft_ms },
             experts,

@@ -2,8 +2,10 @@
 //! sampling, stop handling, perplexity and the routing report. Benchmarks and synthetic models
 //! live in `strata-bench`.
 
+pub mod batch;
 pub mod device;
 pub mod engine;
+mod output;
 pub mod perplexity;
 pub mod planned;
 pub mod routing_report;

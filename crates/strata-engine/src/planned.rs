@@ -43,6 +43,10 @@ pub struct LoadRequest {
     /// Experts per token override (`--moe-top-k`).
     pub moe_top_k: Option<usize>,
     pub device: Device,
+    /// Sequences served at once (`serve --parallel`): the plan counts one KV cache each.
+    pub parallel: usize,
+    /// Bytes of the server's prefix cache, counted by the plan.
+    pub prefix_cache_bytes: u64,
 }
 
 impl LoadRequest {
@@ -66,6 +70,8 @@ impl LoadRequest {
             read_chunk: s.read_chunk,
             moe_top_k: None,
             device,
+            parallel: 1,
+            prefix_cache_bytes: 0,
         }
     }
 }
@@ -89,6 +95,8 @@ pub fn plan_for(files: &ModelFiles, path: &Path, req: &LoadRequest) -> Result<Pl
         observed: strata_plan::observed::load(path),
         gpu: req.gpu,
         gpu_expert_cache: req.gpu_expert_cache,
+        parallel: req.parallel,
+        prefix_cache: req.prefix_cache_bytes,
     };
     let system = strata_plan::SystemMemory::detect(req.ram);
     Ok(strata_plan::make_plan(&facts, &system, strata_plan::calibrate::load(path), &plan_req))

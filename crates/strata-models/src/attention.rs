@@ -75,17 +75,88 @@ impl Attention {
         })
     }
 
-    /// `x: [seq, hidden]` at positions `cache.len()..+seq` → `[seq, hidden]`. `mask: [seq, total]`
-    /// additive (0 / -inf), `None` for a single token.
+    /// `x: [seq, hidden]` at positions `cache.len()..+seq` → `[seq, hidden]`: a batch of one
+    /// sequence ([`Self::forward_batch`]).
     pub fn forward(
         &self,
         x: &Tensor,
         layer: usize,
         cache: &mut KvCache,
         rope: &RotaryEmbedding,
-        mask: Option<&Tensor>,
     ) -> Result<Tensor> {
         let seq = x.dim(0)?;
+        let mask = SeqPart::mask_for(seq, cache.len(), x.device())?;
+        self.forward_batch(x, layer, &mut [SeqPart { rows: 0..seq, cache, mask }], rope)
+    }
+
+    /// Batched attention: `x: [rows, hidden]` holds several sequences' tokens, sequence `s` in
+    /// rows `parts[s].rows` at positions `parts[s].cache.len()..` of its own cache →
+    /// `[rows, hidden]`.
+    /// The q/k/v and output projections run once over all rows (each row's result does not
+    /// depend on the others, [`Linear::forward`]); RoPE, the KV-cache write and the attention run
+    /// per sequence, so every sequence's output equals running it alone.
+    pub fn forward_batch(
+        &self,
+        x: &Tensor,
+        layer: usize,
+        parts: &mut [SeqPart<'_>],
+        rope: &RotaryEmbedding,
+    ) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let qw = if self.output_gate { 2 * nh * hd } else { nh * hd };
+        let (q, k, v) = match &self.qkv {
+            Qkv::Fused(qkv) => {
+                let y = qkv.forward(x)?;
+                (
+                    y.narrow(1, 0, qw)?,
+                    y.narrow(1, qw, nkv * hd)?,
+                    y.narrow(1, qw + nkv * hd, nkv * hd)?,
+                )
+            }
+            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+        };
+        // Gated attention: each head's projection is [query, gate] (transformers
+        // `Qwen3NextAttention`: `torch.chunk(q_proj(x).view(.., heads, 2·head_dim), 2, -1)`).
+        let (q, gate) = if self.output_gate {
+            let qg = q.reshape((rows, nh, 2 * hd))?;
+            (
+                qg.narrow(2, 0, hd)?.reshape((rows, nh * hd))?,
+                Some(qg.narrow(2, hd, hd)?.reshape((rows, nh * hd))?),
+            )
+        } else {
+            (q, None)
+        };
+        let mut outs = Vec::with_capacity(parts.len());
+        for p in parts.iter_mut() {
+            let (start, n) = (p.rows.start, p.rows.len());
+            let pick = |t: &Tensor| t.narrow(0, start, n);
+            let (q, k, v) = (pick(&q)?, pick(&k)?, pick(&v)?);
+            outs.push(self.attend(&q, &k, &v, layer, p.cache, rope, p.mask.as_ref())?);
+        }
+        let out = if outs.len() == 1 { outs.pop().unwrap_or(q) } else { Tensor::cat(&outs, 0)? };
+        let out = match &gate {
+            Some(g) => (out * candle_nn::ops::sigmoid(g)?)?,
+            None => out,
+        };
+        Ok(self.o.forward(&out)?)
+    }
+
+    /// One sequence's attention: projections `q: [seq, nh·hd]`, `k, v: [seq, nkv·hd]` of tokens
+    /// at positions `cache.len()..+seq` → `[seq, nh·hd]` (before the output projection), the keys
+    /// and values written to `cache`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        layer: usize,
+        cache: &mut KvCache,
+        rope: &RotaryEmbedding,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let seq = q.dim(0)?;
         let pos = cache.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let per_head = self.qk_norm == QkNorm::PerHead;
@@ -106,43 +177,13 @@ impl Attention {
             };
             t.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };
-        let qw = if self.output_gate { 2 * nh * hd } else { nh * hd };
-        let (q, k, v) = match &self.qkv {
-            Qkv::Fused(qkv) => {
-                let y = qkv.forward(x)?;
-                (
-                    y.narrow(1, 0, qw)?,
-                    y.narrow(1, qw, nkv * hd)?,
-                    y.narrow(1, qw + nkv * hd, nkv * hd)?,
-                )
-            }
-            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
-        };
-        // Gated attention: each head's projection is [query, gate] (transformers
-        // `Qwen3NextAttention`: `torch.chunk(q_proj(x).view(.., heads, 2·head_dim), 2, -1)`).
-        let (q, gate) = if self.output_gate {
-            let qg = q.reshape((seq, nh, 2 * hd))?;
-            (
-                qg.narrow(2, 0, hd)?.reshape((seq, nh * hd))?,
-                Some(qg.narrow(2, hd, hd)?.reshape((seq, nh * hd))?),
-            )
-        } else {
-            (q, None)
-        };
-        let finish = |out: Tensor| -> Result<Tensor> {
-            let out = match &gate {
-                Some(g) => (out * candle_nn::ops::sigmoid(g)?)?,
-                None => out,
-            };
-            Ok(self.o.forward(&out)?)
-        };
         let q = heads(q.contiguous()?, nh, &self.q_norm)?;
         let k = heads(k.contiguous()?, nkv, &self.k_norm)?;
         let v = heads(v.contiguous()?, nkv, &None)?;
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
         let (k_all, v_all) = cache.append(layer, &k, &v)?;
-        if seq <= EXACT_ROWS_MAX && x.device().is_cpu() {
+        if seq <= EXACT_ROWS_MAX && q.device().is_cpu() {
             // One query row at a time over its causal prefix, with the decode kernel: the logits of
             // a short multi-token pass (speculative verification) are bit-identical to decoding the
             // same tokens one by one, so greedy speculation reproduces plain decoding exactly.
@@ -157,7 +198,7 @@ impl Attention {
             let out = cache
                 .attend_tokens(layer, &rows, seq, nh, self.scale as f32, pos + 1)?
                 .ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
-            return finish(Tensor::from_vec(out, (seq, nh * hd), x.device())?);
+            return Ok(Tensor::from_vec(out, (seq, nh * hd), q.device())?);
         }
         let total = k_all.dim(2)?;
         // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
@@ -174,7 +215,33 @@ impl Attention {
             };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let out = att.matmul(&v_all)?; // [1, nkv, n_rep·seq, hd]
-        finish(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?)
+        Ok(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?)
+    }
+}
+
+/// One sequence's rows in a batched pass.
+pub struct SeqPart<'a> {
+    /// Its rows of the batch's `[rows, hidden]` input.
+    pub rows: std::ops::Range<usize>,
+    /// Its KV cache; the rows sit at positions `cache.len()..`.
+    pub cache: &'a mut KvCache,
+    /// Additive causal mask `[rows, cache.len() + rows]` for passes attended by GEMM
+    /// ([`SeqPart::mask_for`]).
+    pub mask: Option<Tensor>,
+}
+
+impl SeqPart<'_> {
+    /// The mask a pass of `seq` tokens after `past` cached ones needs: `None` where attention
+    /// runs row by row (one token, or CPU passes of at most [`EXACT_ROWS_MAX`] tokens).
+    pub fn mask_for(
+        seq: usize,
+        past: usize,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Option<Tensor>> {
+        if seq <= 1 || (seq <= EXACT_ROWS_MAX && device.is_cpu()) {
+            return Ok(None);
+        }
+        causal_mask(seq, past, device).map(Some)
     }
 }
 

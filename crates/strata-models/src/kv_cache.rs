@@ -7,8 +7,36 @@ use candle_core::{DType, Device, Tensor};
 use strata_formats::ModelConfig;
 
 use crate::error::{ModelError, Result};
-use crate::recurrent::{LinearState, RecurrentCache, StepLog};
+use crate::recurrent::{LinearState, RecurrentCache, RecurrentSnapshot, StepLog};
 use crate::synthetic_routing::RoutingHistory;
+
+/// A copy of a run of positions of one sequence's KV cache (see [`KvCache::export_block`]).
+#[derive(Debug)]
+pub struct KvBlock {
+    /// Per attention layer, `[1, kv_heads, len, head_dim]`.
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    /// A synthetic model's routing choices at those positions, per layer `[len · top_k]`.
+    routing: Option<Vec<Vec<u32>>>,
+    len: usize,
+}
+
+impl KvBlock {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        let t: usize = self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum();
+        t + self.routing.as_ref().map_or(0, |r| r.iter().map(|v| v.len() * 4).sum())
+    }
+}
 
 #[derive(Debug)]
 pub struct KvCache {
@@ -170,6 +198,64 @@ impl KvCache {
             q, k, v, layout, n_heads, seq, first, scale, &mut out,
         );
         Ok(Some(out))
+    }
+
+    /// A copy of positions `start..start + len` of every attention layer's keys and values (and a
+    /// synthetic model's routing history there): a block of a prefix cache. Errors when the
+    /// range is not cached.
+    pub fn export_block(&self, start: usize, len: usize) -> Result<KvBlock> {
+        if start + len > self.len {
+            return Err(ModelError::ContextFull { needed: start + len, capacity: self.len });
+        }
+        let copy = |t: &Tensor| t.narrow(2, start, len).and_then(|t| t.force_contiguous());
+        let k = self.k.iter().map(copy).collect::<candle_core::Result<Vec<_>>>()?;
+        let v = self.v.iter().map(copy).collect::<candle_core::Result<Vec<_>>>()?;
+        let routing = self.routing.as_ref().map(|h| h.rows(start, len));
+        Ok(KvBlock { k, v, routing, len })
+    }
+
+    /// Starts a new sequence from a cached prefix: `blocks` back to back from position 0, then
+    /// the recurrent state after the last of them (hybrid models need it: their state is not
+    /// in the blocks). The length becomes the blocks' total. Errors when they do not fit or do
+    /// not match this model's layers.
+    pub fn import_prefix(
+        &mut self,
+        blocks: &[&KvBlock],
+        recurrent: Option<&RecurrentSnapshot>,
+    ) -> Result<()> {
+        self.clear();
+        let total: usize = blocks.iter().map(|b| b.len).sum();
+        self.check_room(total)?;
+        let mut pos = 0;
+        for b in blocks {
+            if b.k.len() != self.k.len() || b.v.len() != self.v.len() {
+                return Err(candle_core::Error::msg("a prefix block of another model").into());
+            }
+            for (dst, src) in self.k.iter().zip(&b.k).chain(self.v.iter().zip(&b.v)) {
+                dst.slice_set(src, 2, pos)?;
+            }
+            if let (Some(h), Some(rows)) = (self.routing.as_mut(), &b.routing) {
+                h.set_rows(pos, rows);
+            }
+            pos += b.len;
+        }
+        match recurrent {
+            Some(r) => self.recurrent.restore(r),
+            None if self.recurrent.is_active() && total > 0 => {
+                return Err(candle_core::Error::msg(
+                    "a hybrid model's prefix needs its recurrent state",
+                )
+                .into())
+            }
+            None => {}
+        }
+        self.len = total;
+        Ok(())
+    }
+
+    /// A copy of the recurrent state now (`None` for attention-only models).
+    pub fn snapshot_recurrent(&self) -> Option<RecurrentSnapshot> {
+        self.recurrent.snapshot()
     }
 
     /// Commits `n` appended tokens.

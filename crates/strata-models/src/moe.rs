@@ -49,6 +49,15 @@ impl LayerRouting {
     }
 }
 
+/// A routed expert that could not be had in a pass that tolerates it
+/// ([`SparseMoe::forward_routed`]).
+#[derive(Debug)]
+pub struct ExpertFailure {
+    /// Rows of the pass routed to the expert.
+    pub tokens: Vec<u32>,
+    pub error: crate::error::ModelError,
+}
+
 /// The top-k router: `gate: [E, H]`.
 #[derive(Debug, Clone)]
 pub struct Router {
@@ -273,7 +282,7 @@ impl SparseMoe {
     ) -> Result<(Tensor, LayerRouting)> {
         let routing = self.route(x)?;
         experts.fetch_routed(self.layer, &routing.expert_ids);
-        Ok((self.forward_routed(x, &routing, experts)?, routing))
+        Ok((self.forward_routed(x, &routing, experts, None)?, routing))
     }
 
     /// The router's decision for `x: [seq, hidden]`.
@@ -294,11 +303,17 @@ impl SparseMoe {
 
     /// [`Self::forward`] with the routing already made (the caller has told the provider what it
     /// will need, and may have started prefetches meanwhile).
+    ///
+    /// `failures`: where an expert cannot be had (a streamed read failed), `None` fails the
+    /// whole call; `Some` records the expert's tokens and error there and goes on without that
+    /// expert (those tokens' outputs are then wrong: a batched pass fails only the sequences
+    /// they belong to). CPU path only; the device paths always fail the whole call.
     pub fn forward_routed(
         &self,
         x: &Tensor,
         routing: &LayerRouting,
         experts: &dyn ExpertProvider,
+        mut failures: Option<&mut Vec<ExpertFailure>>,
     ) -> Result<Tensor> {
         let (seq, h) = x.dims2()?;
         if let Some(call) = experts.fused(self.layer, &routing.expert_ids) {
@@ -316,7 +331,17 @@ impl SparseMoe {
         }
         let mut out = vec![0f32; seq * h];
         for (e, tokens) in by_expert {
-            let expert = experts.expert(self.layer, e as usize)?;
+            let expert = match (experts.expert(self.layer, e as usize), failures.as_deref_mut()) {
+                (Ok(x), _) => x,
+                (Err(error), Some(f)) => {
+                    f.push(ExpertFailure {
+                        tokens: tokens.iter().map(|&(t, _)| t).collect(),
+                        error,
+                    });
+                    continue;
+                }
+                (Err(e), None) => return Err(e),
+            };
             let xs = if tokens.len() == seq {
                 x.clone() // every token (always the case for decode): no gather
             } else {

@@ -194,6 +194,17 @@ struct Checkpoint {
     active: bool,
 }
 
+/// A copy of a sequence's recurrent state ([`RecurrentCache::snapshot`]).
+#[derive(Debug, Clone)]
+pub struct RecurrentSnapshot(Vec<Option<LinearState>>);
+
+impl RecurrentSnapshot {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.0.iter().flatten().map(|s| 4 * (s.conv.len() + s.ssm.len())).sum()
+    }
+}
+
 /// The recurrent state of every Gated DeltaNet layer of one sequence (`None` for attention layers).
 #[derive(Debug)]
 pub struct RecurrentCache {
@@ -298,6 +309,24 @@ impl RecurrentCache {
             }
         }
         Ok(())
+    }
+
+    /// A copy of every layer's state (`None` without recurrent layers): a prefix cache keeps it
+    /// with the prefix's last block.
+    pub fn snapshot(&self) -> Option<RecurrentSnapshot> {
+        self.is_active().then(|| RecurrentSnapshot(self.states.clone()))
+    }
+
+    /// Sets every state to `snap`'s (made by [`Self::snapshot`] on the same model) and drops the
+    /// checkpoint.
+    pub fn restore(&mut self, snap: &RecurrentSnapshot) {
+        for (dst, src) in self.states.iter_mut().zip(&snap.0) {
+            if let (Some(d), Some(s)) = (dst.as_mut(), src.as_ref()) {
+                d.conv.copy_from_slice(&s.conv);
+                d.ssm.copy_from_slice(&s.ssm);
+            }
+        }
+        self.checkpoint = None;
     }
 
     /// Zeroes every state and drops the checkpoint (a new sequence).

@@ -55,6 +55,32 @@ impl RoutingHistory {
     pub fn bytes(&self) -> usize {
         self.ids.iter().map(|v| v.capacity() * 4).sum()
     }
+
+    /// Every layer's choices at positions `start..start + len` (zeros where not recorded).
+    pub fn rows(&self, start: usize, len: usize) -> Vec<Vec<u32>> {
+        let k = self.top_k;
+        self.ids
+            .iter()
+            .map(|v| {
+                let mut out = vec![0; len * k];
+                let have = v.len().saturating_sub(start * k).min(len * k);
+                if have > 0 {
+                    out[..have].copy_from_slice(&v[start * k..start * k + have]);
+                }
+                out
+            })
+            .collect()
+    }
+
+    /// Writes [`Self::rows`]' output back at `start`.
+    pub fn set_rows(&mut self, start: usize, rows: &[Vec<u32>]) {
+        let k = self.top_k.max(1);
+        for (layer, r) in rows.iter().enumerate() {
+            for (i, ids) in r.chunks_exact(k).enumerate() {
+                self.set(layer, start + i, ids);
+            }
+        }
+    }
 }
 
 /// splitmix64's finaliser (Steele, Lea, Flood 2014).

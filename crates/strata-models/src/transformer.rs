@@ -14,16 +14,19 @@ use candle_core::quantized::QMatMul;
 use candle_core::{Device, Tensor};
 use strata_formats::{ModelConfig, ModelFiles, Weight};
 
-use crate::attention::{causal_mask, Attention};
+use crate::attention::Attention;
 use crate::error::{ModelError, Result};
 use crate::experts::{ExpertProvider, ResidentExperts};
 use crate::gated_delta_net::GatedDeltaNet;
 use crate::kv_cache::KvCache;
 use crate::layers::{Linear, RmsNorm, WeightLoader};
 use crate::mlp::Mlp;
-use crate::moe::{LayerRouting, SeqRoute, SparseMoe};
+use crate::moe::{LayerRouting, SparseMoe};
 use crate::prefetch::{PrefetchMode, PrefetchStats, Prefetcher};
 use crate::rope::RotaryEmbedding;
+
+mod batch;
+pub use batch::{BatchOptions, BatchSeq};
 
 /// Which positions get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -240,25 +243,6 @@ impl Transformer {
         (from..end).find(|&j| matches!(self.layers[j].ffn, FeedForward::Moe(_)))
     }
 
-    /// Predicts MoE layer `j`'s experts from the residual stream `x: [seq, hidden]` (pre-gating:
-    /// layer `j`'s ffn_norm and router on `x`) and the layer's last routing, and hands the
-    /// prediction to the provider.
-    fn prefetch_layer(
-        &self,
-        p: &Prefetcher,
-        j: usize,
-        x: &Tensor,
-        seq: Option<SeqRoute<'_>>,
-    ) -> Result<()> {
-        let FeedForward::Moe(moe) = &self.layers[j].ffn else { return Ok(()) };
-        let pregate = moe.route_seq(&self.layers[j].ffn_norm.forward(x)?, seq, true)?;
-        let ids = p.predict(j, Some(&pregate));
-        if !ids.is_empty() {
-            self.experts.prefetch(j, &ids);
-        }
-        Ok(())
-    }
-
     /// The provider routed experts are read through.
     pub fn experts(&self) -> &Arc<dyn ExpertProvider> {
         &self.experts
@@ -351,69 +335,10 @@ impl Transformer {
         n_layers: usize,
         stop: Option<&dyn Fn() -> bool>,
     ) -> Result<ForwardOutput> {
-        let seq = tokens.len();
-        cache.check_room(seq)?;
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(ModelError::BadToken { id, vocab: self.cfg.vocab_size });
-        }
-        let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.0.embedding(&ids)?; // [seq, hidden]
-        let scales = self.cfg.scales;
-        if scales.embedding != 1.0 {
-            x = (x * scales.embedding)?;
-        }
-        let mask = if seq > 1 { Some(causal_mask(seq, cache.len(), &self.device)?) } else { None };
-        let mut hidden_states = Vec::with_capacity(hidden_layers.len());
-        let mut routing = Vec::new();
-        let end = n_layers.clamp(1, self.layers.len());
-        let start = cache.len();
-        if let (Some(p), Some(j)) = (&self.prefetcher, self.next_moe_layer(0, end)) {
-            self.prefetch_layer(p, j, &x, seq_route(cache, start, tokens))?;
-        }
-        for (i, layer) in self.layers.iter().take(end).enumerate() {
-            if stop.is_some_and(|s| s()) {
-                return Err(ModelError::Interrupted);
-            }
-            let xn = layer.attn_norm.forward(&x)?;
-            let h = match &layer.mixer {
-                Mixer::Attention(a) => a.forward(&xn, i, cache, &self.rope, mask.as_ref())?,
-                Mixer::GatedDeltaNet(g) => g.forward(&xn, i, cache)?,
-            };
-            x = (x + residual_scaled(h, scales.residual)?)?;
-            let xn = layer.ffn_norm.forward(&x)?;
-            let h = match &layer.ffn {
-                FeedForward::Dense(m) => m.forward(&xn)?,
-                FeedForward::Moe(moe) => {
-                    let r = moe.route_seq(&xn, seq_route(cache, start, tokens), false)?;
-                    self.experts.fetch_routed(i, &r.expert_ids);
-                    if let Some(p) = &self.prefetcher {
-                        p.observe(&r);
-                        // Reads for the next MoE layer overlap this layer's experts and the next
-                        // layer's token mixer.
-                        if let Some(j) = self.next_moe_layer(i + 1, end) {
-                            self.prefetch_layer(p, j, &x, seq_route(cache, start, tokens))?;
-                        }
-                    }
-                    let h = moe.forward_routed(&xn, &r, self.experts.as_ref())?;
-                    routing.push(r);
-                    h
-                }
-            };
-            x = (x + residual_scaled(h, scales.residual)?)?;
-            if hidden_layers.contains(&i) {
-                hidden_states.push(x.clone());
-            }
-        }
-        cache.advance(seq);
-        let x = match logits {
-            Logits::Last => x.narrow(0, seq - 1, 1)?,
-            Logits::All => x,
-        };
-        let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
-        if scales.logits != 1.0 {
-            logits = (logits * scales.logits)?;
-        }
-        Ok(ForwardOutput { logits, hidden_states, routing })
+        let opts =
+            BatchOptions { hidden_layers, n_layers: Some(n_layers), stop, ..Default::default() };
+        let mut seq = [BatchSeq { tokens, cache, logits }];
+        self.forward_batch(&mut seq, opts)?.pop().expect("one result per sequence")
     }
 
     /// Speculative decoding: marks the sequence's current length as one [`Self::rollback`] can
@@ -439,12 +364,6 @@ impl Transformer {
     pub fn rollback(&self, cache: &mut KvCache, len: usize) -> Result<()> {
         cache.rollback(len)
     }
-}
-
-/// The sequence context of a pass at `start` for a synthetic model's routers (`None` for every
-/// other model: its routers need none).
-fn seq_route<'a>(cache: &'a mut KvCache, start: usize, tokens: &'a [u32]) -> Option<SeqRoute<'a>> {
-    cache.routing_history_mut().map(|history| SeqRoute { start, tokens, history })
 }
 
 /// A sub-layer's output times the residual multiplier (Granite's `residual_multiplier`); no op

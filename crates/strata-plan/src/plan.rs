@@ -56,6 +56,10 @@ pub struct PlanRequest {
     pub gpu: Option<GpuMemory>,
     /// `--gpu-expert-cache` (with `gpu`).
     pub gpu_expert_cache: CacheBudget,
+    /// Sequences served at once (`serve --parallel`): one KV cache (and draft KV cache) each.
+    pub parallel: usize,
+    /// Bytes of the server's prefix cache (`serve --prefix-cache`).
+    pub prefix_cache: u64,
 }
 
 /// The strategy.
@@ -91,10 +95,14 @@ pub struct MemoryBudget {
     pub dense_weights: u64,
     /// All routed experts if resident.
     pub expert_weights: u64,
+    /// KV caches and recurrent state of every sequence slot: `parallel × (ctx × per-token +
+    /// recurrent state)`.
     pub kv_cache: u64,
+    /// The server's prefix cache (KV blocks kept for reuse).
+    pub prefix_cache: u64,
     /// Activations, logits, thread stacks: `prefill_chunk · hidden · 64 + vocab · 8 + 64 MiB`.
     pub compute_buffers: u64,
-    /// Draft model weights and KV cache.
+    /// Draft model weights and one draft KV cache per sequence slot.
     pub draft: u64,
     /// Kept free for the OS and page cache: 512 MiB + 5% of available.
     pub reserve: u64,
@@ -124,6 +132,8 @@ pub struct Plan {
     pub model: ModelFacts,
     pub system: SystemMemory,
     pub ctx_size: usize,
+    /// Sequence slots the KV caches are counted for.
+    pub parallel: usize,
     pub memory: MemoryBudget,
     /// Everything resident ÷ available memory (> 1: does not fit resident).
     pub overcommit: f64,
@@ -164,12 +174,16 @@ pub fn make_plan(
     rates: (Bandwidths, RatesSource),
     req: &PlanRequest,
 ) -> Plan {
-    let kv = req.ctx_size as u64 * model.kv_bytes_per_token + model.recurrent_state_bytes;
+    let slots = req.parallel.max(1) as u64;
+    let per_seq_kv = req.ctx_size as u64 * model.kv_bytes_per_token + model.recurrent_state_bytes;
+    let kv = slots * per_seq_kv + req.prefix_cache;
     let compute = (req.prefill_chunk.min(req.ctx_size) * model.hidden * 64 + model.vocab * 8)
         as u64
         + (64 << 20);
     let draft = req.draft.as_ref().map_or(0, |d| {
-        d.dense_memory_bytes + d.expert_memory_bytes + req.ctx_size as u64 * d.kv_bytes_per_token
+        d.dense_memory_bytes
+            + d.expert_memory_bytes
+            + slots * req.ctx_size as u64 * d.kv_bytes_per_token
     });
     let available = system.available;
     let reserve = host_reserve(available);
@@ -178,7 +192,8 @@ pub fn make_plan(
     let memory = MemoryBudget {
         dense_weights: model.dense_memory_bytes,
         expert_weights: model.expert_memory_bytes,
-        kv_cache: kv,
+        kv_cache: kv - req.prefix_cache,
+        prefix_cache: req.prefix_cache,
         compute_buffers: compute,
         draft,
         reserve,
@@ -252,6 +267,7 @@ pub fn make_plan(
             model: model.clone(),
             system: *system,
             ctx_size: req.ctx_size,
+            parallel: req.parallel.max(1),
             overcommit: gpu.vram_resident_total as f64 / g.vram_free.max(1) as f64,
             memory,
             strategy,
@@ -319,13 +335,7 @@ pub fn make_plan(
             if mode == StreamMode::Off && model.is_moe() && can_stream {
                 reason += "; --stream-experts auto would stream the experts";
             }
-            let without_kv = need - kv;
-            if available > without_kv && model.kv_bytes_per_token > 0 {
-                let ctx = (available - without_kv) / model.kv_bytes_per_token;
-                if ctx >= 256 {
-                    reason += &format!("; --ctx-size {} would fit", ctx / 256 * 256);
-                }
-            }
+            reason += &lower_kv_hint(model, req, need - kv, available);
             let bits = (model.dense_bytes + model.expert_bytes) as f64 * 8.0
                 / model.total_params.max(1) as f64;
             if bits > 5.0 {
@@ -385,6 +395,9 @@ pub fn make_plan(
             shell_quote(&model.path),
             req.ctx_size
         );
+        if req.parallel > 1 {
+            c += &format!(" --parallel {}", req.parallel);
+        }
         match (strategy, cache) {
             (Strategy::ExpertStreaming, Some(b)) => {
                 c += &format!(" --stream-experts on --expert-cache {}MiB", b >> 20)
@@ -397,6 +410,7 @@ pub fn make_plan(
         model: model.clone(),
         system: *system,
         ctx_size: req.ctx_size,
+        parallel: req.parallel.max(1),
         memory,
         overcommit,
         strategy,
@@ -461,6 +475,36 @@ fn estimate(
         rates_source: source,
         observed: req.observed,
     }
+}
+
+/// What to lower so that the KV caches fit, when that is enough: `--parallel`, `--prefix-cache`,
+/// `--ctx-size` (`without_kv`: what the plan needs besides KV caches and the prefix cache).
+fn lower_kv_hint(model: &ModelFacts, req: &PlanRequest, without_kv: u64, available: u64) -> String {
+    let mut hint = String::new();
+    if available <= without_kv || model.kv_bytes_per_token == 0 {
+        return hint;
+    }
+    let room = available - without_kv;
+    let per_seq = req.ctx_size as u64 * model.kv_bytes_per_token + model.recurrent_state_bytes;
+    let slots = req.parallel.max(1) as u64;
+    if req.prefix_cache > 0 {
+        hint += &format!(
+            "; the prefix cache takes {} (--prefix-cache 0 frees it)",
+            gb(req.prefix_cache)
+        );
+    }
+    if slots > 1 {
+        let fit = room.saturating_sub(req.prefix_cache) / per_seq.max(1);
+        if fit >= 1 {
+            hint += &format!("; --parallel {} would fit", fit.min(slots - 1));
+        }
+    }
+    let per_slot = room.saturating_sub(req.prefix_cache) / slots;
+    let ctx = per_slot.saturating_sub(model.recurrent_state_bytes) / model.kv_bytes_per_token;
+    if ctx >= 256 {
+        hint += &format!("; --ctx-size {} would fit", ctx / 256 * 256);
+    }
+    hint
 }
 
 fn shell_quote(s: &str) -> String {

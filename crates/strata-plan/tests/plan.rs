@@ -32,6 +32,8 @@ fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
         observed: None,
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
+        parallel: 1,
+        prefix_cache: 0,
     };
     make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }
@@ -131,6 +133,8 @@ fn a_big_context_is_what_does_not_fit() {
         observed: None,
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
+        parallel: 1,
+        prefix_cache: 0,
     };
     let p = make_plan(&m, &ram(2 << 30), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert_eq!(p.strategy, Strategy::TooLarge);
@@ -151,6 +155,8 @@ fn a_draft_model_over_70_percent_of_ram_warns_and_shrinks_the_cache() {
         observed: None,
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
+        parallel: 1,
+        prefix_cache: 0,
     };
     let rates = || (Bandwidths::DEFAULTS, RatesSource::Defaults);
     let alone = make_plan(&m, &ram(ram_bytes), rates(), &req(None));
@@ -224,6 +230,8 @@ fn observed_runs_replace_the_typical_curve() {
         observed: Some(o),
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
+        parallel: 1,
+        prefix_cache: 0,
     };
     let p = make_plan(&m, &ram(tight), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert!(
@@ -259,6 +267,8 @@ fn gpu_plan(m: &ModelFacts, vram: u64, ram_bytes: u64, stream: StreamMode) -> Pl
         observed: None,
         gpu: Some(gpu),
         gpu_expert_cache: CacheBudget::Auto,
+        parallel: 1,
+        prefix_cache: 0,
     };
     make_plan(m, &ram(ram_bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }

@@ -3,12 +3,14 @@
 //! Request flow: `http.rs` (listener with time limits, API key, JSON-only POST bodies) → handler
 //! (`routes.rs`: body read under a time limit; parsing, validation (`request.rs`, 4xx with an
 //! OpenAI error body from `error.rs`), the prompt's size check and tokenization on the blocking
-//! pool) → `scheduler`: worker threads that each own a KV cache (`--parallel` slots) behind a
-//! bounded FIFO queue. Tokens come back over a channel and are returned as JSON or streamed as
+//! pool) → `scheduler`: a bounded FIFO queue in front of the batch thread (`batch_loop.rs`:
+//! every active request in shared forward passes, `--parallel` KV-cache slots, a prefix cache)
+//! or, with speculative decoding, per-slot worker threads (`slots.rs`). Tokens come back over a channel and are returned as JSON or streamed as
 //! server-sent events (`response.rs`). Dropping the channel (client gone) cancels the generation
 //! at the next token; a shutdown ends every generation between two layers and answers it with a
 //! `server_shutting_down` error.
 
+mod batch_loop;
 pub mod error;
 mod http;
 mod memory;
@@ -17,6 +19,7 @@ pub mod request;
 mod response;
 mod routes;
 pub mod scheduler;
+mod slots;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +56,11 @@ pub struct ServerConfig {
     /// Time a client has to send a request's body (408 after it).
     pub body_timeout: Duration,
     pub prefill_chunk: usize,
+    /// Tokens one batched forward pass runs at most beyond one prefill chunk (`--batch-tokens`).
+    pub batch_tokens: usize,
+    /// Bytes of KV entries kept for reuse by later requests sharing a prompt prefix
+    /// (`--prefix-cache`; 0: none).
+    pub prefix_cache_bytes: usize,
     /// Sampling used where a request is silent.
     pub sampling: SamplingParams,
     /// The memory plan made at start-up (`strata info --json`'s object), shown by `GET /health`
@@ -79,6 +87,8 @@ impl Default for ServerConfig {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             prefill_chunk: 512,
+            batch_tokens: 512,
+            prefix_cache_bytes: 0,
             sampling: SamplingParams::default(),
             plan: None,
             #[cfg(feature = "test-hooks")]
@@ -111,8 +121,13 @@ impl AppState {
         let trigger = config.panic_trigger.clone();
         #[cfg(not(feature = "test-hooks"))]
         let trigger = None;
-        let scheduler =
-            Scheduler::start(engine.clone(), &config, metrics.cancellations.clone(), trigger)?;
+        let scheduler = Scheduler::start(
+            engine.clone(),
+            &config,
+            metrics.cancellations.clone(),
+            metrics.batch.clone(),
+            trigger,
+        )?;
         let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

@@ -1,0 +1,120 @@
+//! One sequence's output side, shared by single-sequence generation ([`crate::Engine::generate`])
+//! and the batch scheduler ([`crate::batch`]): sampling, EOS, stop strings, `max_tokens`,
+//! log-probabilities and incremental detokenization of each decided token.
+
+use std::ops::ControlFlow;
+
+use strata_formats::StreamDecoder;
+
+use crate::engine::{Engine, FinishReason, GenerateRequest, Result, TokenEvent, TokenLogprobs};
+use crate::sampling::{log_softmax, top_logprobs, Sampler};
+use crate::stop::{StopMatcher, StopScan};
+
+/// The tokens and text a sequence has produced, and what ends it.
+pub(crate) struct SequenceOutput {
+    pub sampler: Sampler,
+    /// Prompt and generated tokens (repetition penalties read it).
+    pub history: Vec<u32>,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    max_tokens: usize,
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+    stopped_by_string: bool,
+}
+
+impl SequenceOutput {
+    pub fn new(req: &GenerateRequest) -> Self {
+        Self {
+            sampler: Sampler::new(req.sampling.clone()),
+            history: req.prompt.clone(),
+            tokens: Vec::new(),
+            text: String::new(),
+            decoder: StreamDecoder::new(),
+            stops: StopMatcher::new(req.stop.clone()),
+            max_tokens: req.max_tokens,
+            ignore_eos: req.ignore_eos,
+            logprobs: req.logprobs,
+            stopped_by_string: false,
+        }
+    }
+
+    /// Samples the next token from `logits: [vocab]`.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        self.sampler.sample(logits, &self.history)
+    }
+
+    /// Emits token `id` chosen from `logits` through `on_token`. Returns how the generation ends
+    /// with it, if it does: EOS or a stop string (`Stop`), `max_tokens` (`Length`), or the
+    /// callback asked to stop (`Cancelled`).
+    pub fn emit(
+        &mut self,
+        engine: &Engine,
+        id: u32,
+        logits: &[f32],
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<Option<FinishReason>> {
+        let logprobs = self.logprobs.map(|n| {
+            let lp = log_softmax(logits);
+            TokenLogprobs { logprob: lp[id as usize], top: top_logprobs(&lp, n) }
+        });
+        let is_eos = !self.ignore_eos && engine.tokenizer.eos_ids.contains(&id);
+        self.tokens.push(id);
+        self.history.push(id);
+        let mut delta = String::new();
+        let mut stopped = false;
+        if !is_eos {
+            if let Some(piece) = self.decoder.push(&engine.tokenizer, id)? {
+                match self.stops.push(&piece) {
+                    StopScan::Continue(t) => delta = t,
+                    StopScan::Stopped(t) => {
+                        delta = t;
+                        stopped = true;
+                    }
+                }
+            }
+        }
+        self.text.push_str(&delta);
+        let ev = TokenEvent { id, text: delta, logprobs };
+        if on_token(&ev).is_break() {
+            return Ok(Some(FinishReason::Cancelled));
+        }
+        if is_eos || stopped {
+            self.stopped_by_string = stopped;
+            return Ok(Some(FinishReason::Stop));
+        }
+        if self.tokens.len() >= self.max_tokens {
+            return Ok(Some(FinishReason::Length));
+        }
+        Ok(None)
+    }
+
+    /// Tokens still allowed by `max_tokens`.
+    pub fn remaining(&self) -> usize {
+        self.max_tokens.saturating_sub(self.tokens.len())
+    }
+
+    /// Flushes text held back (an incomplete character, a possible stop string that did not
+    /// complete) as a final event with `id == u32::MAX`.
+    pub fn flush(
+        &mut self,
+        engine: &Engine,
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<()> {
+        if self.stopped_by_string {
+            return Ok(());
+        }
+        let piece = self.decoder.flush(&engine.tokenizer)?;
+        let tail = match self.stops.push(&piece) {
+            StopScan::Continue(t) => t + &self.stops.flush(),
+            StopScan::Stopped(t) => t,
+        };
+        if !tail.is_empty() {
+            self.text.push_str(&tail);
+            let _ = on_token(&TokenEvent { id: u32::MAX, text: tail, logprobs: None });
+        }
+        Ok(())
+    }
+}

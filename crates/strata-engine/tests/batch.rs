@@ -1,0 +1,314 @@
+//! Continuous batching ([`strata_engine::batch::Batcher`]): batched requests give the tokens they
+//! give alone (greedy, bit-identical rows on our kernels), cancelling one leaves the others
+//! unchanged, an expert read error fails only the sequences routed to that expert, a stream of long
+//! prompts starves nobody, and the prefix cache skips the shared prefix's prefill.
+
+mod common;
+
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use strata_engine::batch::{BatchConfig, Batcher, SeqEvent, Submission};
+use strata_engine::{Engine, FinishReason, GenerateRequest, SamplingParams};
+use strata_models::{Expert, ExpertProvider, ModelError, ResidentExperts, Transformer};
+
+/// What one submission produced.
+#[derive(Default, Debug)]
+struct Outcome {
+    tokens: Vec<u32>,
+    done: Option<FinishReason>,
+    failed: Option<String>,
+    /// Batcher steps taken before each token arrived.
+    token_steps: Vec<usize>,
+}
+
+type Shared = Arc<Mutex<Outcome>>;
+
+fn submission(
+    req: GenerateRequest,
+    step: Arc<Mutex<usize>>,
+) -> (Submission, Shared, Arc<AtomicBool>) {
+    let out: Shared = Default::default();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let o = out.clone();
+    let sink = move |ev: SeqEvent<'_>| {
+        let mut o = o.lock().unwrap();
+        match ev {
+            SeqEvent::Token(t) if t.id != u32::MAX => {
+                o.tokens.push(t.id);
+                o.token_steps.push(*step.lock().unwrap());
+            }
+            SeqEvent::Token(_) => {}
+            SeqEvent::Done(g) => {
+                assert_eq!(g.tokens, o.tokens, "Done carries the streamed tokens");
+                o.done = Some(g.finish_reason);
+            }
+            SeqEvent::Failed(e) => o.failed = Some(e.to_string()),
+        }
+        ControlFlow::Continue(())
+    };
+    (Submission { req, sink: Box::new(sink), cancel: cancel.clone() }, out, cancel)
+}
+
+fn greedy(prompt: Vec<u32>, n: usize) -> GenerateRequest {
+    let mut r = GenerateRequest::new(prompt, n, SamplingParams::greedy());
+    r.ignore_eos = true;
+    r
+}
+
+/// Tokens `engine.generate` gives for `req` alone.
+fn alone(engine: &Engine, req: &GenerateRequest) -> Vec<u32> {
+    let mut cache = engine.new_cache(1024).unwrap();
+    engine.generate(&mut cache, req, &mut |_| ControlFlow::Continue(())).unwrap().tokens
+}
+
+/// One step; `step` counts steps (tokens record the step that emitted them).
+fn step_once(b: &mut Batcher, step: &Arc<Mutex<usize>>) {
+    *step.lock().unwrap() += 1;
+    b.step(&|| false).unwrap();
+}
+
+/// Runs the batcher until idle.
+fn drain(b: &mut Batcher, step: &Arc<Mutex<usize>>) {
+    let mut n = 0;
+    while b.has_work() {
+        step_once(b, step);
+        n += 1;
+        assert!(n < 10_000, "the batch never drains");
+    }
+}
+
+fn smollm2_prompts(engine: &Engine) -> Vec<Vec<u32>> {
+    let long: String = (0..40).map(|i| format!("Item {i} is a word. ")).collect();
+    [
+        "The capital of France is".to_string(),
+        "def fibonacci(n):".to_string(),
+        long,
+        "Once upon a time, in a small village by the sea,".to_string(),
+        "1, 2, 3, 4,".to_string(),
+        "The quick brown fox".to_string(),
+    ]
+    .iter()
+    .map(|t| engine.text_prompt(t).unwrap())
+    .collect()
+}
+
+#[test]
+fn batched_greedy_tokens_equal_each_request_alone() {
+    let engine = Arc::new(common::load_smollm2(1024));
+    let prompts = smollm2_prompts(&engine);
+    assert!(prompts[2].len() > 300, "one prompt spans several prefill chunks");
+    let reqs: Vec<GenerateRequest> =
+        prompts.iter().enumerate().map(|(i, p)| greedy(p.clone(), 12 + 3 * i)).collect();
+    let want: Vec<Vec<u32>> = reqs.iter().map(|r| alone(&engine, r)).collect();
+
+    let mut cfg = BatchConfig::new(4, 1024); // fewer slots than requests: some wait, then join
+    cfg.prefill_chunk = 128;
+    let mut b = Batcher::new(engine.clone(), cfg).unwrap();
+    let step = Arc::new(Mutex::new(0));
+    let outs: Vec<Shared> = reqs
+        .iter()
+        .map(|r| {
+            let (s, o, _) = submission(r.clone(), step.clone());
+            b.submit(s);
+            o
+        })
+        .collect();
+    let mut max_batch = 0;
+    while b.has_work() {
+        let st = b.step(&|| false).unwrap();
+        max_batch = max_batch.max(st.sequences);
+    }
+    assert_eq!(max_batch, 4, "requests shared passes");
+    for (i, o) in outs.iter().enumerate() {
+        let o = o.lock().unwrap();
+        assert_eq!(o.failed, None);
+        assert_eq!(o.done, Some(FinishReason::Length));
+        assert_eq!(o.tokens, want[i], "request {i}: batched tokens differ from alone");
+    }
+}
+
+#[test]
+fn cancelling_one_request_leaves_the_others_unchanged() {
+    let engine = Arc::new(common::load_smollm2(512));
+    let prompts = smollm2_prompts(&engine);
+    let reqs: Vec<GenerateRequest> = prompts[..3].iter().map(|p| greedy(p.clone(), 20)).collect();
+    let want: Vec<Vec<u32>> = reqs.iter().map(|r| alone(&engine, r)).collect();
+    let mut b = Batcher::new(engine.clone(), BatchConfig::new(3, 512)).unwrap();
+    let step = Arc::new(Mutex::new(0));
+    let subs: Vec<(Shared, Arc<AtomicBool>)> = reqs
+        .iter()
+        .map(|r| {
+            let (s, o, c) = submission(r.clone(), step.clone());
+            b.submit(s);
+            (o, c)
+        })
+        .collect();
+    while subs[1].0.lock().unwrap().tokens.len() < 5 {
+        b.step(&|| false).unwrap();
+    }
+    subs[1].1.store(true, Ordering::SeqCst);
+    drain(&mut b, &step);
+    let cancelled = subs[1].0.lock().unwrap();
+    assert_eq!(cancelled.done, Some(FinishReason::Cancelled));
+    assert!(cancelled.tokens.len() < 20);
+    assert_eq!(cancelled.tokens[..], want[1][..cancelled.tokens.len()]);
+    for i in [0, 2] {
+        let o = subs[i].0.lock().unwrap();
+        assert_eq!(o.done, Some(FinishReason::Length));
+        assert_eq!(o.tokens, want[i], "request {i} changed when another was cancelled");
+    }
+}
+
+/// Resident experts, but one (layer, expert) fails to "read".
+#[derive(Debug)]
+struct FailingExperts {
+    inner: ResidentExperts,
+    bad: (usize, usize),
+}
+
+impl ExpertProvider for FailingExperts {
+    fn expert(&self, layer: usize, expert: usize) -> strata_models::Result<Arc<Expert>> {
+        if (layer, expert) == self.bad {
+            return Err(ModelError::ExpertRead {
+                layer,
+                expert,
+                message: "injected I/O error".into(),
+            });
+        }
+        self.inner.expert(layer, expert)
+    }
+    fn memory_bytes(&self) -> u64 {
+        self.inner.memory_bytes()
+    }
+}
+
+#[test]
+fn an_expert_read_error_fails_only_the_sequences_routed_to_it() {
+    let path = common::repo_root().join("tests/fixtures/moe-tiny/qwen3_moe.gguf");
+    let files = strata_formats::ModelFiles::open(&path).unwrap();
+    let cfg = files.config().unwrap();
+    let plain = common::load(&path, 256);
+    // Two prompts and the experts each touches (prompt and generated tokens, every layer).
+    let prompts: Vec<Vec<u32>> = vec![vec![364, 223, 397, 100, 250], vec![9, 8, 7, 6, 5, 4]];
+    let reqs: Vec<GenerateRequest> = prompts.iter().map(|p| greedy(p.clone(), 8)).collect();
+    let want: Vec<Vec<u32>> = reqs.iter().map(|r| alone(&plain, r)).collect();
+    let used = |i: usize| {
+        let mut cache = plain.new_cache(256).unwrap();
+        let mut seq = prompts[i].clone();
+        seq.extend_from_slice(&want[i][..want[i].len() - 1]);
+        let out = plain.model.forward(&seq, &mut cache, strata_models::Logits::All, &[]).unwrap();
+        let mut set = std::collections::BTreeSet::new();
+        for r in &out.routing {
+            for &e in &r.expert_ids {
+                set.insert((r.layer, e as usize));
+            }
+        }
+        set
+    };
+    let (a, b_used) = (used(0), used(1));
+    let bad = *a.difference(&b_used).next().expect("an expert only the first request uses");
+
+    let mut resident = ResidentExperts::new(cfg.num_layers);
+    for l in 0..cfg.num_layers {
+        if cfg.is_moe_layer(l) {
+            resident.load_layer(&files, &cfg, l, &candle_core::Device::Cpu).unwrap();
+        }
+    }
+    let provider = Arc::new(FailingExperts { inner: resident, bad });
+    let model = Transformer::load_with_experts(
+        &files,
+        &candle_core::Device::Cpu,
+        256,
+        Some(provider),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let engine = Arc::new(Engine { model: Arc::new(model), ..common::load(&path, 256) });
+    let mut b = Batcher::new(engine, BatchConfig::new(2, 256)).unwrap();
+    let step = Arc::new(Mutex::new(0));
+    let outs: Vec<Shared> = reqs
+        .iter()
+        .map(|r| {
+            let (s, o, _) = submission(r.clone(), step.clone());
+            b.submit(s);
+            o
+        })
+        .collect();
+    drain(&mut b, &step);
+    let failed = outs[0].lock().unwrap();
+    let msg = failed.failed.as_deref().expect("the request routed to the bad expert fails");
+    assert!(msg.contains("injected I/O error"), "{msg}");
+    let ok = outs[1].lock().unwrap();
+    assert_eq!(ok.failed, None);
+    assert_eq!(ok.tokens, want[1], "the other request goes on unchanged");
+}
+
+#[test]
+fn long_prompts_starve_neither_running_requests_nor_earlier_prompts() {
+    let engine = Arc::new(common::load_smollm2(1024));
+    let long: String = (0..60).map(|i| format!("Line {i}: nothing to see here. ")).collect();
+    let long = engine.text_prompt(&long).unwrap();
+    assert!(long.len() > 500);
+    let mut cfg = BatchConfig::new(3, 1024);
+    cfg.prefill_chunk = 128;
+    cfg.step_tokens = 128;
+    let mut b = Batcher::new(engine.clone(), cfg).unwrap();
+    let step = Arc::new(Mutex::new(0));
+    let (s, short, _) = submission(greedy(engine.text_prompt("Hello").unwrap(), 24), step.clone());
+    b.submit(s);
+    step_once(&mut b, &step); // the short request is decoding
+    let mut longs = Vec::new();
+    let mut n = 1;
+    while b.has_work() {
+        // A new long prompt arrives every other step for a while.
+        if n % 2 == 0 && longs.len() < 8 {
+            let (s, o, _) = submission(greedy(long.clone(), 2), step.clone());
+            b.submit(s);
+            longs.push(o);
+        }
+        step_once(&mut b, &step);
+        n += 1;
+        assert!(n < 2_000);
+    }
+    let short = short.lock().unwrap();
+    assert_eq!(short.done, Some(FinishReason::Length));
+    // One token per step while it runs: prompts never hold a running request back.
+    for w in short.token_steps.windows(2) {
+        assert_eq!(w[1], w[0] + 1, "a decode step was skipped: {:?}", short.token_steps);
+    }
+    // Prompts finish in arrival order (first come, first served).
+    let firsts: Vec<usize> = longs.iter().map(|o| o.lock().unwrap().token_steps[0]).collect();
+    assert!(firsts.windows(2).all(|w| w[0] <= w[1]), "{firsts:?}");
+    assert!(longs.iter().all(|o| o.lock().unwrap().done == Some(FinishReason::Length)));
+}
+
+#[test]
+fn the_prefix_cache_skips_a_shared_prefix() {
+    let engine = Arc::new(common::load_smollm2(2048));
+    let shared: String = (0..50).map(|i| format!("Rule {i}: be kind to the user. ")).collect();
+    let ask = |q: &str| engine.text_prompt(&format!("{shared}\nQuestion: {q}\nAnswer:")).unwrap();
+    let (p1, p2) = (ask("What is rule 3?"), ask("What is the last rule?"));
+    let common_len = p1.iter().zip(&p2).take_while(|(a, b)| a == b).count();
+    assert!(common_len > 500, "{common_len}");
+    let want2 = alone(&engine, &greedy(p2.clone(), 8));
+
+    let mut cfg = BatchConfig::new(1, 2048);
+    cfg.prefix_cache_bytes = 256 << 20;
+    let mut b = Batcher::new(engine.clone(), cfg).unwrap();
+    let step = Arc::new(Mutex::new(0));
+    let (s, _, _) = submission(greedy(p1.clone(), 8), step.clone());
+    b.submit(s);
+    drain(&mut b, &step);
+    let st = b.prefix_stats().unwrap();
+    assert_eq!((st.lookups, st.hits), (1, 0));
+    assert!(st.bytes > 0);
+    let (s, o2, _) = submission(greedy(p2.clone(), 8), step.clone());
+    b.submit(s);
+    drain(&mut b, &step);
+    let st = b.prefix_stats().unwrap();
+    assert_eq!((st.lookups, st.hits), (2, 1));
+    assert_eq!(st.reused_tokens as usize, common_len / 64 * 64, "whole 64-token blocks reused");
+    assert_eq!(o2.lock().unwrap().tokens, want2, "a prefix hit gives the tokens of a cold run");
+}

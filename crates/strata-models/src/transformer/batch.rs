@@ -1,0 +1,317 @@
+//! The forward pass over a batch of sequences (continuous batching): every sequence's tokens are
+//! stacked into one `[rows, hidden]` matrix, so each dense weight and each routed expert is read
+//! once per pass for all of them — with streamed experts, a batch's experts are the union of its
+//! tokens' experts, fetched once. Token mixers (attention over a sequence's own KV cache, Gated
+//! DeltaNet over its own recurrent state) run per sequence; norms, projections, the MLP and the
+//! MoE block run over all rows. A one-sequence batch is [`Transformer::forward`].
+//!
+//! Each row's arithmetic does not depend on the other rows where the weights run on our kernels
+//! (tile kernels are bit-identical per token, [`crate::layers::Linear::forward`]) or where the
+//! batch has at most [`crate::EXACT_ROWS_MAX`] rows: a sequence's logits then equal running it
+//! alone. Batches of more rows through candle's GEMM (formats other than Q4_1 / Q8_0 for dense
+//! weights) may differ from single-sequence passes by float rounding.
+
+use std::ops::Range;
+
+use candle_core::Tensor;
+
+use super::{residual_scaled, FeedForward, ForwardOutput, Logits, Mixer, Transformer};
+use crate::attention::SeqPart;
+use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
+use crate::moe::{ExpertFailure, LayerRouting, SeqRoute, SparseMoe};
+use crate::prefetch::Prefetcher;
+
+/// One sequence's part of a batched forward pass.
+pub struct BatchSeq<'a> {
+    /// Tokens to run at positions `cache.len()..` (a decode token, or a prefill chunk).
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+    /// Which of its positions get logits.
+    pub logits: Logits,
+}
+
+/// Options of a batched pass shared by every sequence.
+#[derive(Clone, Copy, Default)]
+pub struct BatchOptions<'a> {
+    /// Output hidden states of these layers ([`ForwardOutput::hidden_states`]).
+    pub hidden_layers: &'a [usize],
+    /// Run only the first `n` decoder layers (`None`: all; the self-speculative draft).
+    pub n_layers: Option<usize>,
+    /// Polled before every layer: `true` ends the pass with [`ModelError::Interrupted`].
+    pub stop: Option<&'a dyn Fn() -> bool>,
+    /// A sequence whose routed expert cannot be read fails alone (its result is the error), the
+    /// others go on. Without it the whole pass fails.
+    pub isolate_expert_errors: bool,
+}
+
+impl Transformer {
+    /// Runs every sequence's tokens in one pass and commits them to its cache.
+    ///
+    /// Returns one result per sequence, in order: its logits (`[1 or tokens, vocab]`), hidden
+    /// states and routing, or its own error — the cache is full, a token is outside the
+    /// vocabulary, or (with [`BatchOptions::isolate_expert_errors`]) one of its experts could not
+    /// be read; such a sequence's cache is left as it was in length, but may hold partial entries
+    /// (clear it, or roll back, before reuse). The outer error fails the whole batch (a kernel
+    /// error, [`ModelError::Interrupted`]): every cache's length is unchanged then, but layers
+    /// already run have written their entries and recurrent state.
+    pub fn forward_batch(
+        &self,
+        seqs: &mut [BatchSeq<'_>],
+        opts: BatchOptions<'_>,
+    ) -> Result<Vec<Result<ForwardOutput>>> {
+        let mut results: Vec<Option<Result<ForwardOutput>>> = Vec::with_capacity(seqs.len());
+        let mut live = Vec::new(); // indices of sequences that run
+        for (i, s) in seqs.iter().enumerate() {
+            let bad = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size);
+            let err = if s.tokens.is_empty() {
+                Some(ModelError::Candle(candle_core::Error::msg("a batch entry has no tokens")))
+            } else if let Some(&id) = bad {
+                Some(ModelError::BadToken { id, vocab: self.cfg.vocab_size })
+            } else {
+                s.cache.check_room(s.tokens.len()).err()
+            };
+            results.push(err.map(Err));
+            if results[i].is_none() {
+                live.push(i);
+            }
+        }
+        if !live.is_empty() {
+            let outs = self.run_batch(seqs, &live, opts)?;
+            for (i, out) in live.into_iter().zip(outs) {
+                results[i] = Some(out);
+            }
+        }
+        Ok(results.into_iter().map(|r| r.expect("every sequence has a result")).collect())
+    }
+
+    fn run_batch(
+        &self,
+        seqs: &mut [BatchSeq<'_>],
+        live: &[usize],
+        opts: BatchOptions<'_>,
+    ) -> Result<Vec<Result<ForwardOutput>>> {
+        let mut ranges: Vec<Range<usize>> = Vec::with_capacity(live.len());
+        let mut tokens: Vec<u32> = Vec::new();
+        let mut starts = Vec::with_capacity(live.len());
+        for &i in live {
+            let t = seqs[i].tokens;
+            ranges.push(tokens.len()..tokens.len() + t.len());
+            tokens.extend_from_slice(t);
+            starts.push(seqs[i].cache.len());
+        }
+        let ids = Tensor::new(tokens.as_slice(), &self.device)?;
+        let mut x = self.embed.0.embedding(&ids)?; // [rows, hidden]
+        let scales = self.cfg.scales;
+        if scales.embedding != 1.0 {
+            x = (x * scales.embedding)?;
+        }
+        let mut masks = Vec::with_capacity(live.len());
+        for (k, r) in ranges.iter().enumerate() {
+            masks.push(SeqPart::mask_for(r.len(), starts[k], &self.device)?);
+        }
+        let mut hidden_states: Vec<Vec<Tensor>> = vec![Vec::new(); live.len()];
+        let mut routing = Vec::new();
+        let mut failed: Vec<Option<ModelError>> = (0..live.len()).map(|_| None).collect();
+        let mut failures = Vec::new();
+        let end = opts.n_layers.unwrap_or(self.layers.len()).clamp(1, self.layers.len());
+        let modes: Vec<Logits> = live.iter().map(|&i| seqs[i].logits).collect();
+        let mut caches: Vec<&mut KvCache> = seqs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| live.contains(i))
+            .map(|(_, s)| &mut *s.cache)
+            .collect();
+        let ctx = RouteCtx { ranges: &ranges, starts: &starts, tokens: &tokens };
+        if let (Some(p), Some(j)) = (&self.prefetcher, self.next_moe_layer(0, end)) {
+            self.prefetch_batch(p, j, &x, &ctx, &mut caches)?;
+        }
+        for (i, layer) in self.layers.iter().take(end).enumerate() {
+            if opts.stop.is_some_and(|s| s()) {
+                return Err(ModelError::Interrupted);
+            }
+            let xn = layer.attn_norm.forward(&x)?;
+            let h = match &layer.mixer {
+                Mixer::Attention(a) => {
+                    let mut parts: Vec<SeqPart<'_>> = caches
+                        .iter_mut()
+                        .zip(&ranges)
+                        .zip(&masks)
+                        .map(|((c, r), m)| SeqPart { rows: r.clone(), cache: c, mask: m.clone() })
+                        .collect();
+                    a.forward_batch(&xn, i, &mut parts, &self.rope)?
+                }
+                Mixer::GatedDeltaNet(g) => {
+                    let mut outs = Vec::with_capacity(ranges.len());
+                    for (c, r) in caches.iter_mut().zip(&ranges) {
+                        outs.push(g.forward(&xn.narrow(0, r.start, r.len())?, i, c)?);
+                    }
+                    cat_rows(outs)?
+                }
+            };
+            x = (x + residual_scaled(h, scales.residual)?)?;
+            let xn = layer.ffn_norm.forward(&x)?;
+            let h = match &layer.ffn {
+                FeedForward::Dense(m) => m.forward(&xn)?,
+                FeedForward::Moe(moe) => {
+                    let r = route_batch(moe, &xn, &ctx, &mut caches, false)?;
+                    self.experts.fetch_routed(i, &r.expert_ids);
+                    if let Some(p) = &self.prefetcher {
+                        p.observe(&r);
+                        // Reads for the next MoE layer overlap this layer's experts and the next
+                        // layer's token mixer.
+                        if let Some(j) = self.next_moe_layer(i + 1, end) {
+                            self.prefetch_batch(p, j, &x, &ctx, &mut caches)?;
+                        }
+                    }
+                    let sink = opts.isolate_expert_errors.then_some(&mut failures);
+                    let h = moe.forward_routed(&xn, &r, self.experts.as_ref(), sink)?;
+                    for f in failures.drain(..) {
+                        fail_rows(&mut failed, &ranges, f);
+                    }
+                    routing.push(r);
+                    h
+                }
+            };
+            x = (x + residual_scaled(h, scales.residual)?)?;
+            if opts.hidden_layers.contains(&i) {
+                for (k, r) in ranges.iter().enumerate() {
+                    hidden_states[k].push(x.narrow(0, r.start, r.len())?);
+                }
+            }
+        }
+        // Logits for the rows each sequence asked for, in one lm_head pass.
+        let mut rows: Vec<u32> = Vec::new();
+        let mut picked: Vec<Range<usize>> = Vec::with_capacity(live.len());
+        for (r, mode) in ranges.iter().zip(&modes) {
+            let from = rows.len();
+            match mode {
+                Logits::Last => rows.push(r.end as u32 - 1),
+                Logits::All => rows.extend(r.start as u32..r.end as u32),
+            }
+            picked.push(from..rows.len());
+        }
+        let x = if rows.len() == x.dim(0)? {
+            x
+        } else {
+            x.index_select(&Tensor::new(rows.as_slice(), &self.device)?, 0)?
+        };
+        let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
+        if scales.logits != 1.0 {
+            logits = (logits * scales.logits)?;
+        }
+        let mut out = Vec::with_capacity(live.len());
+        for (k, (failure, states)) in failed.into_iter().zip(hidden_states).enumerate() {
+            if let Some(e) = failure {
+                out.push(Err(e));
+                continue;
+            }
+            let r = &ranges[k];
+            caches[k].advance(r.len());
+            let p = &picked[k];
+            let logits = logits.narrow(0, p.start, p.len())?;
+            let routing = routing.iter().map(|lr| slice_routing(lr, r)).collect();
+            out.push(Ok(ForwardOutput { logits, hidden_states: states, routing }));
+        }
+        Ok(out)
+    }
+
+    /// Predicts MoE layer `j`'s experts for every row of `x: [rows, hidden]` (pre-gating: layer
+    /// `j`'s ffn_norm and router on `x`) and the layer's last routing, and hands the prediction
+    /// (the batch's union) to the provider.
+    fn prefetch_batch(
+        &self,
+        p: &Prefetcher,
+        j: usize,
+        x: &Tensor,
+        ctx: &RouteCtx<'_>,
+        caches: &mut [&mut KvCache],
+    ) -> Result<()> {
+        let FeedForward::Moe(moe) = &self.layers[j].ffn else { return Ok(()) };
+        let xn = self.layers[j].ffn_norm.forward(x)?;
+        let pregate = route_batch(moe, &xn, ctx, caches, true)?;
+        let ids = p.predict(j, Some(&pregate));
+        if !ids.is_empty() {
+            self.experts.prefetch(j, &ids);
+        }
+        Ok(())
+    }
+}
+
+/// Where each sequence's rows sit in the batch and in its sequence.
+struct RouteCtx<'a> {
+    ranges: &'a [Range<usize>],
+    /// Position of each sequence's first row.
+    starts: &'a [usize],
+    /// `[rows]`: the batch's token ids.
+    tokens: &'a [u32],
+}
+
+/// Routes every row of `xn: [rows, hidden]`. A synthetic model's routers choose per sequence
+/// (their choice depends on the sequence's history); every other router routes all rows at once.
+fn route_batch(
+    moe: &SparseMoe,
+    xn: &Tensor,
+    ctx: &RouteCtx<'_>,
+    caches: &mut [&mut KvCache],
+    predict: bool,
+) -> Result<LayerRouting> {
+    if !caches.iter_mut().any(|c| c.routing_history_mut().is_some()) {
+        return moe.route_seq(xn, None, predict);
+    }
+    let mut all: Option<LayerRouting> = None;
+    for (k, c) in caches.iter_mut().enumerate() {
+        let r = &ctx.ranges[k];
+        let seq = c.routing_history_mut().map(|history| SeqRoute {
+            start: ctx.starts[k],
+            tokens: &ctx.tokens[r.clone()],
+            history,
+        });
+        let part = moe.route_seq(&xn.narrow(0, r.start, r.len())?, seq, predict)?;
+        match all.as_mut() {
+            None => all = Some(part),
+            Some(a) => {
+                a.expert_ids.extend(part.expert_ids);
+                a.weights.extend(part.weights);
+            }
+        }
+    }
+    all.ok_or_else(|| ModelError::Candle(candle_core::Error::msg("routing an empty batch")))
+}
+
+/// Marks the sequences owning `f`'s rows as failed (the first error of each is kept).
+fn fail_rows(failed: &mut [Option<ModelError>], ranges: &[Range<usize>], f: ExpertFailure) {
+    for (k, r) in ranges.iter().enumerate() {
+        if failed[k].is_none() && f.tokens.iter().any(|&t| r.contains(&(t as usize))) {
+            failed[k] = Some(duplicate(&f.error));
+        }
+    }
+}
+
+/// A copy of an expert error for each sequence it fails (`ModelError` is not `Clone`).
+fn duplicate(e: &ModelError) -> ModelError {
+    match e {
+        ModelError::ExpertRead { layer, expert, message } => {
+            ModelError::ExpertRead { layer: *layer, expert: *expert, message: message.clone() }
+        }
+        other => ModelError::Candle(candle_core::Error::msg(other.to_string())),
+    }
+}
+
+/// The rows `r` of a batch's routing.
+fn slice_routing(lr: &LayerRouting, r: &Range<usize>) -> LayerRouting {
+    let k = lr.top_k;
+    LayerRouting {
+        layer: lr.layer,
+        top_k: k,
+        expert_ids: lr.expert_ids[r.start * k..r.end * k].to_vec(),
+        weights: lr.weights[r.start * k..r.end * k].to_vec(),
+    }
+}
+
+fn cat_rows(mut parts: Vec<Tensor>) -> candle_core::Result<Tensor> {
+    if parts.len() == 1 {
+        return Ok(parts.pop().expect("one part"));
+    }
+    Tensor::cat(&parts, 0)
+}

@@ -1,0 +1,217 @@
+//! The batch thread: takes queued requests into free sequence slots and runs every active request
+//! in shared forward passes ([`strata_engine::batch::Batcher`]: continuous batching, prefix
+//! cache). A panic inside a step fails the requests of that step; the thread keeps serving.
+
+use std::ops::ControlFlow;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata_engine::batch::{BatchConfig, Batcher, SeqEvent, StepStats, Submission};
+use strata_engine::{Engine, EngineError, FinishReason};
+
+use crate::error::ApiError;
+use crate::metrics::BatchMetrics;
+use crate::scheduler::{panic_message, GenEvent, Job, Scheduler};
+use crate::ServerConfig;
+
+/// Allocates the slots' KV caches and starts the batch thread.
+pub fn start(
+    engine: Arc<Engine>,
+    config: &ServerConfig,
+    rx: Receiver<Job>,
+    s: &Scheduler,
+    metrics: BatchMetrics,
+    trigger: Option<Vec<u32>>,
+) -> Result<(), String> {
+    let mut bc = BatchConfig::new(config.parallel, config.ctx_size);
+    bc.prefill_chunk = config.prefill_chunk.max(1);
+    bc.step_tokens = config.batch_tokens.max(1);
+    bc.prefix_cache_bytes = config.prefix_cache_bytes;
+    let batcher = Batcher::new(engine, bc).map_err(|e| format!("starting the batch: {e}"))?;
+    let s = s.clone();
+    std::thread::Builder::new()
+        .name("strata-batch".into())
+        .spawn(move || run(batcher, rx, s, metrics, trigger))
+        .map_err(|e| format!("spawning the batch thread: {e}"))?;
+    Ok(())
+}
+
+fn run(
+    mut b: Batcher,
+    rx: Receiver<Job>,
+    s: Scheduler,
+    metrics: BatchMetrics,
+    trigger: Option<Vec<u32>>,
+) {
+    let mut log = StepLog::new();
+    loop {
+        // Block while idle; otherwise take what the free slots can start this step.
+        if !b.has_work() {
+            match rx.recv() {
+                Ok(job) => admit(&mut b, job, &s, trigger.as_ref()),
+                Err(_) => return,
+            }
+        }
+        while b.free_slots() > b.waiting() {
+            match rx.try_recv() {
+                Ok(job) => admit(&mut b, job, &s, trigger.as_ref()),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) if b.has_work() => break,
+                Err(TryRecvError::Disconnected) => return,
+            }
+        }
+        if s.is_shut_down() {
+            b.fail_all(&|| EngineError::Model(strata_models::ModelError::Interrupted));
+            s.active.store(0, Ordering::SeqCst);
+            continue;
+        }
+        let stop = || s.is_shut_down();
+        let step = std::panic::catch_unwind(AssertUnwindSafe(|| b.step(&stop)));
+        match step {
+            Ok(Ok(stats)) => {
+                metrics.observe(&stats, b.prefix_stats());
+                log.add(&stats);
+            }
+            Ok(Err(e)) => {
+                let msg = e.to_string();
+                b.fail_all(&|| match &e {
+                    EngineError::Model(strata_models::ModelError::Interrupted) => {
+                        EngineError::Model(strata_models::ModelError::Interrupted)
+                    }
+                    _ => EngineError::Internal(msg.clone()),
+                });
+            }
+            Err(p) => {
+                let msg = panic_message(p.as_ref());
+                tracing::error!("generation panicked: {msg}");
+                let msg = format!("internal error during generation: {msg}");
+                b.fail_all(&|| EngineError::Internal(msg.clone()));
+            }
+        }
+        s.active.store(b.active(), Ordering::SeqCst);
+    }
+}
+
+/// Takes a job off the queue into the batcher (or answers it at once: shutdown, client gone).
+fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
+    s.queued.fetch_sub(1, Ordering::SeqCst);
+    if s.is_shut_down() {
+        s.cancellations.by_shutdown.inc();
+        tracing::info!(id = job.id, "request refused: the server is shutting down");
+        let _ = job.events.send(GenEvent::Failed(ApiError::shutting_down()));
+        return;
+    }
+    if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
+        s.cancellations.by_client.inc();
+        tracing::info!(id = job.id, "request cancelled by the client before it started");
+        return;
+    }
+    // The test hook panics inside the step, on the request's first token (once).
+    let panic_once = Arc::new(AtomicBool::new(trigger == Some(&job.req.prompt)));
+    let (id, events, s2) = (job.id, job.events, s.clone());
+    let sink = move |ev: SeqEvent<'_>| -> ControlFlow<()> {
+        match ev {
+            SeqEvent::Token(t) => {
+                if panic_once.swap(false, Ordering::SeqCst) {
+                    panic!("test panic trigger");
+                }
+                if events.send(GenEvent::Token(t.clone())).is_err() {
+                    return ControlFlow::Break(());
+                }
+            }
+            SeqEvent::Done(g) if g.finish_reason == FinishReason::Cancelled => {
+                let (generated, prompt_tokens) = (g.tokens.len(), g.prompt_tokens);
+                if s2.is_shut_down() {
+                    s2.cancellations.by_shutdown.inc();
+                    tracing::info!(
+                        id,
+                        generated,
+                        prompt_tokens,
+                        "request cut short by the shutdown"
+                    );
+                    let _ = events.send(GenEvent::Failed(ApiError::shutting_down()));
+                } else {
+                    s2.cancellations.by_client.inc();
+                    tracing::info!(id, generated, prompt_tokens, "request cancelled by the client");
+                    let _ = events.send(GenEvent::Done(g));
+                }
+            }
+            SeqEvent::Done(g) => {
+                let _ = events.send(GenEvent::Done(g));
+            }
+            SeqEvent::Failed(e) => {
+                let err = match e {
+                    EngineError::Model(strata_models::ModelError::Interrupted) => {
+                        s2.cancellations.by_shutdown.inc();
+                        tracing::info!(id, "request cut short by the shutdown");
+                        ApiError::shutting_down()
+                    }
+                    EngineError::PromptTooLong { prompt, ctx } => {
+                        ApiError::context_length(format!(
+                            "This model's context is {ctx} tokens; the prompt has {prompt} tokens"
+                        ))
+                    }
+                    e => ApiError::internal(format!("generation failed: {e}")),
+                };
+                let _ = events.send(GenEvent::Failed(err));
+            }
+        }
+        ControlFlow::Continue(())
+    };
+    b.submit(Submission { req: job.req, sink: Box::new(sink), cancel: job.cancel });
+}
+
+/// Logs the batch's figures every few seconds while it works.
+struct StepLog {
+    since: Instant,
+    steps: u64,
+    sequences: u64,
+    rows: u64,
+    generated: u64,
+    distinct: f64,
+    bytes: u64,
+}
+
+impl StepLog {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            steps: 0,
+            sequences: 0,
+            rows: 0,
+            generated: 0,
+            distinct: 0.0,
+            bytes: 0,
+        }
+    }
+
+    fn add(&mut self, st: &StepStats) {
+        if st.sequences == 0 {
+            return;
+        }
+        self.steps += 1;
+        self.sequences += st.sequences as u64;
+        self.rows += st.rows as u64;
+        self.generated += st.generated as u64;
+        self.distinct += st.distinct_experts_per_layer;
+        self.bytes += st.expert_bytes_read;
+        let elapsed = self.since.elapsed();
+        if elapsed < Duration::from_secs(5) {
+            return;
+        }
+        let n = self.steps as f64;
+        tracing::info!(
+            steps = self.steps,
+            batch_size = format!("{:.2}", self.sequences as f64 / n),
+            rows_per_step = format!("{:.1}", self.rows as f64 / n),
+            tok_s = format!("{:.1}", self.generated as f64 / elapsed.as_secs_f64()),
+            distinct_experts_per_layer = format!("{:.1}", self.distinct / n),
+            expert_bytes_per_token = self.bytes / self.generated.max(1),
+            "batch"
+        );
+        *self = Self::new();
+    }
+}
