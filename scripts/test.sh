@@ -6,8 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || { echo "cargo (Rust stable) is required" >&2; exit 1; }
-# The official OpenAI Python client, for the end-to-end client test (which fails without it).
-python3 -m pip install --quiet --disable-pip-version-check openai >/dev/null 2>&1 || { echo "could not install the openai Python package (pip)" >&2; exit 1; }
+# The official OpenAI Python client and jsonschema, for the end-to-end client tests, and selenium
+# with Debian's chromium + chromedriver for the chat page's browser test (the tests fail without
+# them).
+python3 -m pip install --quiet --disable-pip-version-check openai jsonschema selenium >/dev/null 2>&1 || { echo "could not install openai, jsonschema, selenium (pip)" >&2; exit 1; }
+if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  { $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium chromium-driver; } >/dev/null 2>&1 \
+    || { echo "could not install chromium and chromium-driver (apt-get)" >&2; exit 1; }
+fi
 cargo fmt --all --check
 cargo clippy --release --workspace --all-targets -- -D warnings
 cargo build --release --workspace --all-targets

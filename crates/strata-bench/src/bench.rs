@@ -64,3 +64,47 @@ pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResul
     }
     Ok(BenchResult { test: format!("tg{n}"), tokens: n, median_tok_s: median(&runs), runs })
 }
+
+/// Batched text generation (llama-batched-bench's S_TG): `batch` sequences decoding together, one
+/// forward pass over all of them per step ([`strata_models::Transformer::forward_batch`]), `n`
+/// steps from empty caches, `reps` times; tok/s counts every sequence's tokens.
+pub fn bench_batch_decode(
+    engine: &Engine,
+    batch: usize,
+    n: usize,
+    reps: usize,
+) -> Result<BenchResult> {
+    use strata_models::{BatchOptions, BatchSeq};
+    let vocab = engine.model.config().vocab_size as u32;
+    let mut caches =
+        (0..batch.max(1)).map(|_| engine.new_cache(n + 2)).collect::<Result<Vec<_>>>()?;
+    let step = |caches: &mut [strata_models::KvCache], i: u32| -> Result<()> {
+        let toks: Vec<[u32; 1]> =
+            (0..caches.len() as u32).map(|s| [(i * 7919 + s * 104_729 + 13) % vocab]).collect();
+        let mut seqs: Vec<BatchSeq<'_>> = caches
+            .iter_mut()
+            .zip(&toks)
+            .map(|(cache, t)| BatchSeq { tokens: t, cache, logits: Logits::Last })
+            .collect();
+        for r in engine.model.forward_batch(&mut seqs, BatchOptions::default())? {
+            r?;
+        }
+        Ok(())
+    };
+    step(&mut caches, 0)?; // warm-up
+    let mut runs = Vec::new();
+    for _ in 0..reps {
+        caches.iter_mut().for_each(|c| c.clear());
+        let t = std::time::Instant::now();
+        for i in 0..n as u32 {
+            step(&mut caches, i)?;
+        }
+        runs.push((n * caches.len()) as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(BenchResult {
+        test: format!("tg{n} x{}", caches.len()),
+        tokens: n * caches.len(),
+        median_tok_s: median(&runs),
+        runs,
+    })
+}

@@ -73,6 +73,11 @@ pub struct BenchArgs {
     /// Print results as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also decode --n-gen tokens in B sequences at once, one forward pass per step over all of
+    /// them (continuous batching's decode; llama-batched-bench's S_TG); repeatable or
+    /// comma-separated: `--batch 2,4,8`.
+    #[arg(long, value_delimiter = ',')]
+    pub batch: Vec<usize>,
     /// Benchmark one MoE layer of Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8, expert
     /// intermediate 768) with synthetic weights instead of a model: ms per layer for 1 and
     /// --n-prompt tokens against the RAM-bandwidth and compute floors.
@@ -268,17 +273,21 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let engine = m.load()?;
     let pp = strata_bench::bench::bench_prefill(&engine, a.n_prompt, a.n_prompt, a.reps.max(1))?;
     let tg = strata_bench::bench::bench_decode(&engine, a.n_gen, a.reps.max(1))?;
+    let mut results = vec![pp, tg];
+    for &b in a.batch.iter().filter(|&&b| b > 1) {
+        results.push(strata_bench::bench::bench_batch_decode(&engine, b, a.n_gen, a.reps.max(1))?);
+    }
     let threads = m.threads();
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"model": engine.name, "threads": threads, "results": [pp, tg]})
+            serde_json::json!({"model": engine.name, "threads": threads, "results": results})
         );
         return Ok(());
     }
     println!("| model | threads | test | tok/s (median of {}) | runs |", a.reps);
     println!("|---|---|---|---|---|");
-    for r in [&pp, &tg] {
+    for r in &results {
         let runs: Vec<String> = r.runs.iter().map(|x| format!("{x:.1}")).collect();
         println!(
             "| {} | {} | {} | {:.1} | {} |",

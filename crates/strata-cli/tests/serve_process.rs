@@ -424,3 +424,78 @@ fn parallel_slots_that_do_not_fit_are_refused_by_the_plan() {
     assert_eq!(v["memory"]["kv_cache"].as_u64().unwrap(), 4 * per_slot);
     assert_eq!(v["memory"]["prefix_cache"].as_u64().unwrap(), 256 << 20);
 }
+
+/// Issue 27's API surface through the official `openai` client (`scripts/openai_api_check.py`):
+/// tool round trips, `tool_choice` required / named, 20 JSON schemas validated with `jsonschema`,
+/// JSON mode, `n`, `logit_bias`, embeddings, refused fields.
+#[test]
+fn openai_client_tools_structured_outputs_and_more() {
+    let m = model();
+    let port = free_port();
+    let mut child = spawn_with(
+        port,
+        &["--ctx-size", "2048", "-t", "2", "--parallel", "3", "--model", &m.to_string_lossy()],
+    );
+    // The id greedy decoding starts with, for the logit_bias check, and the model's width.
+    let engine = strata_engine::Engine::load(
+        &m,
+        &strata_engine::LoadOptions::new(64, candle_core::Device::Cpu),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let req = strata_engine::GenerateRequest::new(
+        engine.text_prompt("The capital of France is").unwrap(),
+        1,
+        strata_engine::SamplingParams::greedy(),
+    );
+    let mut cache = engine.new_cache(64).unwrap();
+    let first =
+        engine.generate(&mut cache, &req, &mut |_| std::ops::ControlFlow::Continue(())).unwrap();
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../scripts/openai_api_check.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(format!("http://127.0.0.1:{port}/v1"))
+        .arg(first.tokens[0].to_string())
+        .arg(engine.model.config().hidden_size.to_string())
+        .output()
+        .unwrap();
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let _ = child.wait();
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("{text}");
+    assert!(out.status.success(), "openai api check failed:\n{text}");
+    assert!(text.contains("openai api check: ok"), "{text}");
+}
+
+/// The chat page at `/` in a real headless Chromium (`scripts/web_chat_check.py`, selenium with
+/// Debian's chromium and chromedriver, which `scripts/test.sh` installs): a message sent from the
+/// page gets a streamed answer on the page; the screenshot is left in the test output directory.
+#[test]
+fn web_chat_page_answers_in_chromium() {
+    let port = free_port();
+    let mut child = spawn(port);
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("test-output");
+    std::fs::create_dir_all(&dir).unwrap();
+    let shot = dir.join("web_chat.png");
+    let _ = std::fs::remove_file(&shot);
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../scripts/web_chat_check.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(format!("http://127.0.0.1:{port}"))
+        .arg(&shot)
+        .output()
+        .unwrap();
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let _ = child.wait();
+    let text =
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("{text}");
+    assert!(out.status.success(), "web chat check failed:\n{text}");
+    assert!(text.contains("web chat check: ok"), "{text}");
+    let png = std::fs::read(&shot).expect("a screenshot");
+    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot at {}", shot.display());
+    eprintln!("screenshot: {}", shot.display());
+}

@@ -42,6 +42,9 @@ pub enum EngineError {
     /// The memory plan says the model cannot run here ([`crate::planned::load_planned`]).
     #[error("{0}")]
     PlanRefused(String),
+    /// The request's grammar does not compile, or constrained decoding failed.
+    #[error(transparent)]
+    Grammar(strata_grammar::GrammarError),
     /// A batched pass failed as a whole (every sequence in it gets this).
     #[error("{0}")]
     Internal(String),
@@ -71,6 +74,8 @@ pub struct Engine {
     pub resident_weight_bytes: u64,
     /// Speculative decoding for every generation ([`Engine::set_speculation`]).
     pub spec: Option<SpecConfig>,
+    /// The grammar compiler over this model's vocabulary, built on first use.
+    pub grammars: std::sync::OnceLock<std::result::Result<strata_grammar::Grammars, String>>,
 }
 
 /// Options for loading.
@@ -135,6 +140,7 @@ impl Engine {
             name: files.short_name(),
             resident_weight_bytes,
             spec: None,
+            grammars: std::sync::OnceLock::new(),
         })
     }
 
@@ -173,6 +179,18 @@ impl Engine {
         Ok(())
     }
 
+    /// The grammar compiler for this model (built on first use: a token trie of the vocabulary).
+    /// Errors: the tokenizer cannot back constrained decoding (no EOS token).
+    pub fn grammars(&self) -> Result<&strata_grammar::Grammars> {
+        self.grammars
+            .get_or_init(|| {
+                strata_grammar::Grammars::new(&self.tokenizer, self.model.config().vocab_size)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| EngineError::Grammar(strata_grammar::GrammarError::Runtime(e.clone())))
+    }
+
     /// Renders messages through the chat template (with the generation prompt) and tokenizes the
     /// result without adding BOS (templates include it themselves, as in transformers).
     ///
@@ -181,14 +199,24 @@ impl Engine {
     /// [`EngineError::SpecialTokenInContent`] when a content holds one and the template changes
     /// contents beyond trimming, so that Strata cannot tell where the content landed.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<(String, Vec<u32>)> {
+        self.chat_prompt_with_tools(messages, None)
+    }
+
+    /// [`Self::chat_prompt`] with the request's tool definitions passed to the template (see
+    /// [`ChatTemplate::render_with_tools`]).
+    pub fn chat_prompt_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<(String, Vec<u32>)> {
         let tpl = self.chat_template.as_ref().ok_or(EngineError::NoChatTemplate)?;
         let Some(special) = messages.iter().find_map(|m| self.tokenizer.find_special(&m.content))
         else {
-            let text = tpl.render(messages, true)?;
+            let text = tpl.render_with_tools(messages, true, tools)?;
             let ids = self.tokenizer.encode(&text, false)?;
             return Ok((text, ids));
         };
-        let r = tpl.render_spans(messages, true)?;
+        let r = tpl.render_spans(messages, true, tools)?;
         let spans =
             r.spans.ok_or_else(|| EngineError::SpecialTokenInContent(special.to_string()))?;
         let ids = self.tokenizer.encode_with_plain_spans(&r.text, &spans)?;
@@ -237,7 +265,11 @@ impl Engine {
         let experts0 = self.model.experts().stats();
         let streaming = experts0.is_some();
         let chunk = req.prefill_chunk.max(1);
+        // A grammar or logit bias changes sampling inside the loop: such requests decode plainly.
+        let plain = req.grammar.is_some() || !req.logit_bias.is_empty();
+        let mut out = SequenceOutput::new(self, req)?;
         let mut spec = match &self.spec {
+            Some(_) if plain => None,
             Some(cfg) => {
                 Some(Speculator::new(&self.model, cfg, cache.capacity(), streaming, chunk)?)
             }
@@ -260,7 +292,6 @@ impl Engine {
             Err(e) => return Err(e),
         };
 
-        let mut out = SequenceOutput::new(req);
         let experts_prefilled = self.model.experts().stats();
         let prefetch_prefilled = self.model.prefetch_stats();
         // Speculative rounds route rejected drafts too: only plain decoding is traced.
@@ -273,7 +304,7 @@ impl Engine {
         // Tokens decided but not yet emitted (a speculative round decides several at once), each
         // with the target logits it was chosen from. The first comes from the prefill logits.
         let mut ready: std::collections::VecDeque<Emitted> = std::collections::VecDeque::new();
-        let first = out.sample(&logits);
+        let first = out.sample(&logits)?;
         ready.push_back((first, logits));
         loop {
             if stop() {
@@ -306,7 +337,7 @@ impl Engine {
                         t.push(&fwd.routing);
                     }
                     let logits: Vec<f32> = fwd.logits.flatten_all()?.to_vec1()?;
-                    ready.push_back((out.sample(&logits), logits));
+                    ready.push_back((out.sample(&logits)?, logits));
                 }
             }
         }
@@ -322,6 +353,7 @@ impl Engine {
             (Some(now), Some(before)) => Some(now.since(&before)),
             _ => None,
         };
+        let mask = out.mask_stats();
         Ok(Generation {
             prompt_tokens: prompt.len(),
             tokens: out.tokens,
@@ -333,6 +365,7 @@ impl Engine {
             prefetch_decode,
             spec: spec.map(|s| s.stats),
             routing,
+            mask,
         })
     }
 }
@@ -371,6 +404,10 @@ pub struct GenerateRequest {
     /// Record every MoE layer's experts for each decoded token ([`Generation::routing`]; plain
     /// decoding only).
     pub record_routing: bool,
+    /// The grammar the output must follow (`response_format`, tool calls).
+    pub grammar: Option<strata_grammar::GrammarSpec>,
+    /// `[(token, bias)]` added to the logits before sampling (OpenAI `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl GenerateRequest {
@@ -384,6 +421,8 @@ impl GenerateRequest {
             logprobs: None,
             prefill_chunk: 512,
             record_routing: false,
+            grammar: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -456,6 +495,8 @@ pub struct Generation {
     /// The decode steps' routing, with [`GenerateRequest::record_routing`] and no speculation.
     #[serde(skip)]
     pub routing: Option<RoutingTrace>,
+    /// What the grammar's token masks cost (`None` without a grammar).
+    pub mask: Option<strata_grammar::MaskStats>,
 }
 
 impl Generation {
@@ -472,6 +513,7 @@ impl Generation {
             prefetch_decode: None,
             spec: None,
             routing: None,
+            mask: None,
         }
     }
 

@@ -4,6 +4,7 @@
 
 pub mod batch;
 pub mod device;
+mod embed;
 pub mod engine;
 mod output;
 pub mod perplexity;

@@ -1,12 +1,16 @@
 //! One sequence's output side, shared by single-sequence generation ([`crate::Engine::generate`])
-//! and the batch scheduler ([`crate::batch`]): sampling, EOS, stop strings, `max_tokens`,
-//! log-probabilities and incremental detokenization of each decided token.
+//! and the batch scheduler ([`crate::batch`]): sampling (after `logit_bias` and the grammar's
+//! token mask), EOS, stop strings, `max_tokens`, log-probabilities (of the raw logits) and
+//! incremental detokenization of each decided token.
 
 use std::ops::ControlFlow;
 
 use strata_formats::StreamDecoder;
+use strata_grammar::{Constraint, MaskStats};
 
-use crate::engine::{Engine, FinishReason, GenerateRequest, Result, TokenEvent, TokenLogprobs};
+use crate::engine::{
+    Engine, EngineError, FinishReason, GenerateRequest, Result, TokenEvent, TokenLogprobs,
+};
 use crate::sampling::{log_softmax, top_logprobs, Sampler};
 use crate::stop::{StopMatcher, StopScan};
 
@@ -23,11 +27,20 @@ pub(crate) struct SequenceOutput {
     ignore_eos: bool,
     logprobs: Option<usize>,
     stopped_by_string: bool,
+    /// `[(token, bias)]` added to the logits before sampling.
+    logit_bias: Vec<(u32, f32)>,
+    /// The grammar the output must follow.
+    constraint: Option<Constraint>,
 }
 
 impl SequenceOutput {
-    pub fn new(req: &GenerateRequest) -> Self {
-        Self {
+    /// Errors: the request's grammar does not compile ([`EngineError::Grammar`]).
+    pub fn new(engine: &Engine, req: &GenerateRequest) -> Result<Self> {
+        let constraint = match &req.grammar {
+            Some(g) => Some(engine.grammars()?.compile(g).map_err(EngineError::Grammar)?),
+            None => None,
+        };
+        Ok(Self {
             sampler: Sampler::new(req.sampling.clone()),
             history: req.prompt.clone(),
             tokens: Vec::new(),
@@ -38,12 +51,32 @@ impl SequenceOutput {
             ignore_eos: req.ignore_eos,
             logprobs: req.logprobs,
             stopped_by_string: false,
-        }
+            logit_bias: req.logit_bias.clone(),
+            constraint,
+        })
     }
 
-    /// Samples the next token from `logits: [vocab]`.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        self.sampler.sample(logits, &self.history)
+    /// Samples the next token from `logits: [vocab]`, after adding `logit_bias` and masking what
+    /// the grammar cannot take. Errors: the grammar's parser failed.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        if self.logit_bias.is_empty() && self.constraint.is_none() {
+            return Ok(self.sampler.sample(logits, &self.history));
+        }
+        let mut l = logits.to_vec();
+        for &(id, b) in &self.logit_bias {
+            if let Some(x) = l.get_mut(id as usize) {
+                *x += b;
+            }
+        }
+        if let Some(c) = self.constraint.as_mut() {
+            c.apply(&mut l).map_err(EngineError::Grammar)?;
+        }
+        Ok(self.sampler.sample(&l, &self.history))
+    }
+
+    /// What the grammar's masks cost (`None` without a grammar).
+    pub fn mask_stats(&self) -> Option<MaskStats> {
+        self.constraint.as_ref().map(Constraint::stats)
     }
 
     /// Emits token `id` chosen from `logits` through `on_token`. Returns how the generation ends
@@ -63,6 +96,11 @@ impl SequenceOutput {
         let is_eos = !self.ignore_eos && engine.tokenizer.eos_ids.contains(&id);
         self.tokens.push(id);
         self.history.push(id);
+        let mut grammar_done = false;
+        if let Some(c) = self.constraint.as_mut() {
+            c.commit(id).map_err(EngineError::Grammar)?;
+            grammar_done = !is_eos && c.is_finished();
+        }
         let mut delta = String::new();
         let mut stopped = false;
         if !is_eos {
@@ -81,7 +119,7 @@ impl SequenceOutput {
         if on_token(&ev).is_break() {
             return Ok(Some(FinishReason::Cancelled));
         }
-        if is_eos || stopped {
+        if is_eos || stopped || grammar_done {
             self.stopped_by_string = stopped;
             return Ok(Some(FinishReason::Stop));
         }

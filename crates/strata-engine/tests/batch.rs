@@ -35,12 +35,12 @@ fn submission(
     let sink = move |ev: SeqEvent<'_>| {
         let mut o = o.lock().unwrap();
         match ev {
-            SeqEvent::Token(t) if t.id != u32::MAX => {
+            SeqEvent::Token { event: t, .. } if t.id != u32::MAX => {
                 o.tokens.push(t.id);
                 o.token_steps.push(*step.lock().unwrap());
             }
-            SeqEvent::Token(_) => {}
-            SeqEvent::Done(g) => {
+            SeqEvent::Token { .. } => {}
+            SeqEvent::Done { generation: g, .. } => {
                 assert_eq!(g.tokens, o.tokens, "Done carries the streamed tokens");
                 o.done = Some(g.finish_reason);
             }
@@ -48,7 +48,7 @@ fn submission(
         }
         ControlFlow::Continue(())
     };
-    (Submission { req, sink: Box::new(sink), cancel: cancel.clone() }, out, cancel)
+    (Submission::new(req, Box::new(sink), cancel.clone()), out, cancel)
 }
 
 fn greedy(prompt: Vec<u32>, n: usize) -> GenerateRequest {
@@ -311,4 +311,108 @@ fn the_prefix_cache_skips_a_shared_prefix() {
     assert_eq!((st.lookups, st.hits), (2, 1));
     assert_eq!(st.reused_tokens as usize, common_len / 64 * 64, "whole 64-token blocks reused");
     assert_eq!(o2.lock().unwrap().tokens, want2, "a prefix hit gives the tokens of a cold run");
+}
+
+/// Hybrid models (Gated DeltaNet): the prefix cache keeps the recurrent state at the last block
+/// boundary inside each prompt, and a later prompt sharing that prefix starts from it: its tokens
+/// and their log-probabilities are a cold run's (within float rounding of the cut prefill).
+#[test]
+fn a_hybrid_prefix_hit_restores_the_recurrent_state() {
+    let path = common::repo_root().join("tests/fixtures/moe-tiny/qwen3_next.gguf");
+    let engine = Arc::new(common::load(&path, 512));
+    let shared: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 500).collect();
+    let with = |tail: &[u32]| [shared.as_slice(), tail].concat();
+    let (p1, p2) = (with(&[7, 8, 9]), with(&[300, 301, 302, 303]));
+    let mut req2 = greedy(p2.clone(), 12);
+    req2.logprobs = Some(0);
+    let mut cache = engine.new_cache(512).unwrap();
+    let mut cold = Vec::new();
+    engine
+        .generate(&mut cache, &req2, &mut |ev| {
+            if let Some(l) = &ev.logprobs {
+                cold.push((ev.id, l.logprob));
+            }
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    let mut cfg = BatchConfig::new(1, 512);
+    cfg.prefix_cache_bytes = 64 << 20;
+    cfg.prefill_chunk = 100; // the snapshot boundary (128) falls inside a chunk: the pass is cut there
+    let mut b = Batcher::new(engine.clone(), cfg).unwrap();
+    let step = Arc::new(Mutex::new(0));
+    let (s, _, _) = submission(greedy(p1, 12), step.clone());
+    b.submit(s);
+    drain(&mut b, &step);
+    assert_eq!(b.prefix_stats().unwrap().hits, 0);
+    let warm: Arc<Mutex<Vec<(u32, f32)>>> = Default::default();
+    let w = warm.clone();
+    let sink = move |ev: SeqEvent<'_>| {
+        if let SeqEvent::Token { event: t, .. } = ev {
+            if let Some(l) = &t.logprobs {
+                w.lock().unwrap().push((t.id, l.logprob));
+            }
+        }
+        ControlFlow::Continue(())
+    };
+    let cancel = Arc::new(AtomicBool::new(false));
+    b.submit(Submission::new(req2, Box::new(sink), cancel));
+    drain(&mut b, &step);
+    let st = b.prefix_stats().unwrap();
+    assert_eq!(
+        (st.hits, st.reused_tokens),
+        (1, 128),
+        "two 64-token blocks, the second with its state"
+    );
+    let warm = warm.lock().unwrap();
+    assert_eq!(warm.len(), cold.len());
+    for ((wi, wl), (ci, cl)) in warm.iter().zip(&cold) {
+        assert_eq!(wi, ci);
+        assert!((wl - cl).abs() < 1e-4, "logprob {wl} against a cold run's {cl}");
+    }
+}
+
+/// `n` choices from one prefill: the prompt runs once (one prefill pass), each choice samples on
+/// its own seed; greedy choices are all the request's greedy answer.
+#[test]
+fn n_choices_share_one_prefill() {
+    let engine = Arc::new(common::load_smollm2(512));
+    let prompt = engine.text_prompt("Write a short poem about the sea:").unwrap();
+    let greedy_alone = alone(&engine, &greedy(prompt.clone(), 10));
+    let run = |req: GenerateRequest| {
+        let mut b = Batcher::new(engine.clone(), BatchConfig::new(3, 512)).unwrap();
+        let outs: Arc<Mutex<Vec<Vec<u32>>>> = Arc::new(Mutex::new(vec![Vec::new(); 3]));
+        let done = Arc::new(Mutex::new(0));
+        let (o, d) = (outs.clone(), done.clone());
+        let sink = move |ev: SeqEvent<'_>| {
+            match ev {
+                SeqEvent::Token { choice, event } if event.id != u32::MAX => {
+                    o.lock().unwrap()[choice].push(event.id)
+                }
+                SeqEvent::Done { .. } => *d.lock().unwrap() += 1,
+                SeqEvent::Failed(e) => panic!("{e}"),
+                _ => {}
+            }
+            ControlFlow::Continue(())
+        };
+        let mut sub = Submission::new(req, Box::new(sink), Arc::new(AtomicBool::new(false)));
+        sub.n = 3;
+        b.submit(sub);
+        let first = b.step(&|| false).unwrap();
+        assert_eq!((first.sequences, first.generated), (1, 3), "one prefill, three first tokens");
+        while b.has_work() {
+            b.step(&|| false).unwrap();
+        }
+        assert_eq!(*done.lock().unwrap(), 3);
+        let v = outs.lock().unwrap().clone();
+        v
+    };
+    for o in run(greedy(prompt.clone(), 10)) {
+        assert_eq!(o, greedy_alone);
+    }
+    let mut sampled = greedy(prompt, 10);
+    sampled.sampling =
+        SamplingParams { temperature: 1.0, seed: Some(7), ..SamplingParams::default() };
+    let o = run(sampled);
+    assert!(o.iter().all(|c| c.len() == 10));
+    assert!(o[0] != o[1] || o[1] != o[2], "seeds differ per choice: {o:?}");
 }

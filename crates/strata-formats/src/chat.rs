@@ -8,15 +8,30 @@ use serde::{Deserialize, Serialize};
 use crate::error::{FormatError, Result};
 
 /// One chat message. `content` is plain text (array-of-parts content is flattened by the caller).
+/// Tool use follows transformers' chat-template convention: an assistant message's `tool_calls`
+/// (`[{type: "function", function: {name, arguments}}]`, arguments an object) and a `tool`
+/// message's `tool_call_id`; absent fields are undefined in the template.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
     }
 }
 
@@ -131,6 +146,11 @@ fn py_tojson(
 }
 
 impl ChatTemplate {
+    /// Whether the template reads a `tools` variable (renders tool definitions itself).
+    pub fn takes_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
     /// Compiles `source`. Errors name the template syntax problem.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut env = minijinja::Environment::new();
@@ -170,15 +190,16 @@ impl ChatTemplate {
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
     ) -> Result<Rendered> {
-        let text = self.render(messages, add_generation_prompt)?;
+        let text = self.render_with_tools(messages, add_generation_prompt, tools)?;
         let marked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
             .map(|(i, m)| ChatMessage { content: sentinel(i), ..m.clone() })
             .collect();
         let spans = self
-            .render(&marked, add_generation_prompt)
+            .render_with_tools(&marked, add_generation_prompt, tools)
             .ok()
             .and_then(|t| content_spans(&text, &t, messages));
         Ok(Rendered { text, spans })
@@ -189,12 +210,24 @@ impl ChatTemplate {
     /// Errors: the template fails, runs out of its instruction budget ([`TEMPLATE_FUEL`]) or
     /// writes more than [`TEMPLATE_MAX_OUTPUT`] bytes.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// [`Self::render`] with the request's `tools` (`[{type: "function", function: {…}}]`) in
+    /// the template's `tools` variable, as transformers passes them.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String> {
         let tpl = self.env.get_template("chat").map_err(tpl_err)?;
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
+            tools => tools,
         };
         let mut out = LimitedWriter { buf: Vec::new(), limit: TEMPLATE_MAX_OUTPUT };
         tpl.render_captured_to(ctx, &mut out).map_err(tpl_err)?;

@@ -114,15 +114,17 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
     let (id, events, s2) = (job.id, job.events, s.clone());
     let sink = move |ev: SeqEvent<'_>| -> ControlFlow<()> {
         match ev {
-            SeqEvent::Token(t) => {
+            SeqEvent::Token { choice, event } => {
                 if panic_once.swap(false, Ordering::SeqCst) {
                     panic!("test panic trigger");
                 }
-                if events.send(GenEvent::Token(t.clone())).is_err() {
+                if events.send(GenEvent::Token(choice, event.clone())).is_err() {
                     return ControlFlow::Break(());
                 }
             }
-            SeqEvent::Done(g) if g.finish_reason == FinishReason::Cancelled => {
+            SeqEvent::Done { choice, generation: g }
+                if g.finish_reason == FinishReason::Cancelled =>
+            {
                 let (generated, prompt_tokens) = (g.tokens.len(), g.prompt_tokens);
                 if s2.is_shut_down() {
                     s2.cancellations.by_shutdown.inc();
@@ -136,11 +138,11 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
                 } else {
                     s2.cancellations.by_client.inc();
                     tracing::info!(id, generated, prompt_tokens, "request cancelled by the client");
-                    let _ = events.send(GenEvent::Done(g));
+                    let _ = events.send(GenEvent::Done(choice, g));
                 }
             }
-            SeqEvent::Done(g) => {
-                let _ = events.send(GenEvent::Done(g));
+            SeqEvent::Done { choice, generation } => {
+                let _ = events.send(GenEvent::Done(choice, generation));
             }
             SeqEvent::Failed(e) => {
                 let err = match e {
@@ -161,7 +163,7 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
         }
         ControlFlow::Continue(())
     };
-    b.submit(Submission { req: job.req, sink: Box::new(sink), cancel: job.cancel });
+    b.submit(Submission { req: job.req, n: job.n, sink: Box::new(sink), cancel: job.cancel });
 }
 
 /// Logs the batch's figures every few seconds while it works.
@@ -173,6 +175,7 @@ struct StepLog {
     generated: u64,
     distinct: f64,
     bytes: u64,
+    pass_ms: f64,
 }
 
 impl StepLog {
@@ -185,6 +188,7 @@ impl StepLog {
             generated: 0,
             distinct: 0.0,
             bytes: 0,
+            pass_ms: 0.0,
         }
     }
 
@@ -198,6 +202,7 @@ impl StepLog {
         self.generated += st.generated as u64;
         self.distinct += st.distinct_experts_per_layer;
         self.bytes += st.expert_bytes_read;
+        self.pass_ms += st.pass_ms;
         let elapsed = self.since.elapsed();
         if elapsed < Duration::from_secs(5) {
             return;
@@ -208,6 +213,8 @@ impl StepLog {
             batch_size = format!("{:.2}", self.sequences as f64 / n),
             rows_per_step = format!("{:.1}", self.rows as f64 / n),
             tok_s = format!("{:.1}", self.generated as f64 / elapsed.as_secs_f64()),
+            pass_ms = format!("{:.1}", self.pass_ms / n),
+            step_ms = format!("{:.1}", elapsed.as_secs_f64() * 1e3 / n),
             distinct_experts_per_layer = format!("{:.1}", self.distinct / n),
             expert_bytes_per_token = self.bytes / self.generated.max(1),
             "batch"

@@ -36,10 +36,11 @@ pub fn authorized(st: &AppState, headers: &HeaderMap) -> bool {
     scheme_ok & constant_time_eq(token.as_bytes(), key.as_bytes())
 }
 
-/// Every route but `/health` needs the key (when one is set); `/health` answers everyone but
-/// shows its details only with the key.
+/// Every route but `/health` and the chat page (`/`, static) needs the key (when one is set);
+/// `/health` answers everyone but shows its details only with the key.
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if req.uri().path() != "/health" && !authorized(&st, req.headers()) {
+    let open = matches!(req.uri().path(), "/health" | "/");
+    if !open && !authorized(&st, req.headers()) {
         return ApiError::unauthorized().into_response();
     }
     next.run(req).await
@@ -83,6 +84,8 @@ pub fn router(st: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/models", get(routes::models))
+        .route("/v1/embeddings", post(crate::embeddings::embeddings))
+        .route("/", get(crate::web::index))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)

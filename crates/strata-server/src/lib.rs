@@ -11,6 +11,7 @@
 //! `server_shutting_down` error.
 
 mod batch_loop;
+mod embeddings;
 pub mod error;
 mod http;
 mod memory;
@@ -20,6 +21,9 @@ mod response;
 mod routes;
 pub mod scheduler;
 mod slots;
+mod stream;
+pub mod tools;
+mod web;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,6 +111,8 @@ pub struct AppState {
     /// Requests being parsed, size-checked and tokenised at once (on the blocking pool): one per
     /// core, so a burst of large bodies never spawns a thread (and a malloc arena) per request.
     pub prepare_permits: Arc<tokio::sync::Semaphore>,
+    /// One embedding computed at a time (on the blocking pool, beside generation).
+    pub embed_permit: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -141,6 +147,7 @@ impl AppState {
             metrics,
             started,
             prepare_permits: Arc::new(tokio::sync::Semaphore::new(cores)),
+            embed_permit: Arc::new(tokio::sync::Semaphore::new(1)),
         }))
     }
 }

@@ -6,8 +6,10 @@
 use serde_json::Value;
 use strata_engine::SamplingParams;
 use strata_formats::ChatMessage;
+use strata_grammar::GrammarSpec;
 
 use crate::error::ApiError;
+use crate::tools::Tools;
 
 /// What both endpoints share after validation.
 #[derive(Debug, Clone)]
@@ -23,6 +25,15 @@ pub struct GenParams {
     pub logprobs: Option<usize>,
     /// llama.cpp extension: keep generating past EOS.
     pub ignore_eos: bool,
+    /// Choices sampled from one prefill (OpenAI `n`).
+    pub n: usize,
+    /// `logit_bias`: `[(token id, bias)]`, ids checked against the vocabulary by the caller.
+    pub logit_bias: Vec<(u64, f32)>,
+    /// The grammar the output follows: `response_format` (`json_object`, `json_schema`) or the
+    /// `grammar` extension (a Lark grammar in llguidance's dialect).
+    pub grammar: Option<GrammarSpec>,
+    /// Chat only: `tools`, `tool_choice`, `parallel_tool_calls`.
+    pub tools: Option<Tools>,
 }
 
 pub enum Prompt {
@@ -44,25 +55,23 @@ impl Prompt {
 }
 
 /// OpenAI chat-completion fields that change the output and that Strata does not implement:
-/// each is refused with a 400 naming it when present with a non-default value.
-pub const UNSUPPORTED_CHAT: [&str; 13] = [
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
+/// each is refused with a 400 naming it when present with a non-default value. (`user`,
+/// `metadata`, `service_tier`, `prompt_cache_key` and `safety_identifier` do not change the
+/// output and are accepted.)
+pub const UNSUPPORTED_CHAT: [&str; 9] = [
     "functions",
     "function_call",
-    "response_format",
-    "logit_bias",
     "audio",
     "modalities",
     "prediction",
     "web_search_options",
     "reasoning_effort",
+    "verbosity",
     "store",
 ];
 
 /// The same for `/v1/completions`.
-pub const UNSUPPORTED_COMPLETION: [&str; 4] = ["echo", "suffix", "best_of", "logit_bias"];
+pub const UNSUPPORTED_COMPLETION: [&str; 3] = ["echo", "suffix", "best_of"];
 
 /// Whether `v` is the value OpenAI treats as "not set" for `key` (absent, null, false, empty,
 /// `best_of: 1`, `parallel_tool_calls: true`, `tool_choice: "none"`).
@@ -73,9 +82,6 @@ fn is_default(key: &str, v: &Value) -> bool {
         (_, Value::Array(a)) if a.is_empty() => true,
         (_, Value::Object(o)) if o.is_empty() => true,
         ("best_of", Value::Number(n)) => n.as_u64() == Some(1),
-        // Only meaningful with `tools`, which are refused themselves.
-        ("parallel_tool_calls", Value::Bool(_)) => true,
-        ("tool_choice", Value::String(s)) => s == "none" || s == "auto",
         ("modalities", Value::Array(a)) => a.iter().all(|m| m == "text"),
         _ => false,
     }
@@ -150,11 +156,16 @@ pub fn gen_params(
     if !body.is_object() {
         return Err(ApiError::bad_request("The request body must be a JSON object"));
     }
-    if let Some(n) = int(body, "n")? {
-        if n != 1 {
-            return Err(ApiError::invalid("n", format!("Only n = 1 is supported, got {n}")));
+    let n = match int(body, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_N).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` must be between 1 and {MAX_N}, got {n}"),
+            ))
         }
-    }
+    };
     let (mut max_tokens, mut max_tokens_key) = (None, None);
     for key in ["max_completion_tokens", "max_tokens"] {
         if let Some(m) = int(body, key)? {
@@ -263,6 +274,15 @@ pub fn gen_params(
         }
     };
     let ignore_eos = boolean(body, "ignore_eos")?.unwrap_or(false);
+    let tools = if chat { crate::tools::parse(body)? } else { None };
+    let grammar = grammar(body)?;
+    // The tools' grammar is made with the model's call format (routes.rs).
+    if grammar.is_some() && tools.as_ref().is_some_and(Tools::active) {
+        return Err(ApiError::invalid(
+            "tools",
+            "`tools` cannot be combined with `response_format` / `grammar`",
+        ));
+    }
     Ok(GenParams {
         max_tokens,
         max_tokens_key,
@@ -272,7 +292,101 @@ pub fn gen_params(
         include_usage,
         logprobs,
         ignore_eos,
+        n,
+        logit_bias: logit_bias(body)?,
+        grammar,
+        tools,
     })
+}
+
+/// Most choices one request may ask for.
+pub const MAX_N: i64 = 16;
+
+/// `logit_bias`: `{"token id": bias}` with biases in −100..=100.
+fn logit_bias(body: &Value) -> Result<Vec<(u64, f32)>, ApiError> {
+    let map = match body.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "`logit_bias` must be an object of token ids to biases",
+            ))
+        }
+    };
+    map.iter()
+        .map(|(k, v)| {
+            let id = k.parse::<u64>().map_err(|_| {
+                ApiError::invalid("logit_bias", format!("`logit_bias` key `{k}` is not a token id"))
+            })?;
+            match v.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias[{k}]` must be a number between -100 and 100"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// `response_format` (`text`, `json_object`, `json_schema` with `schema` and `strict`) and the
+/// `grammar` extension (a Lark grammar, llguidance's dialect); at most one of them.
+fn grammar(body: &Value) -> Result<Option<GrammarSpec>, ApiError> {
+    let from_format = match body.get("response_format") {
+        None | Some(Value::Null) => None,
+        Some(rf @ Value::Object(_)) => match rf.get("type").and_then(Value::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some(GrammarSpec::JsonObject),
+            Some("json_schema") => {
+                let js = rf.get("json_schema").filter(|j| j.is_object()).ok_or_else(|| {
+                    ApiError::invalid(
+                        "response_format",
+                        "`response_format.json_schema` is required",
+                    )
+                })?;
+                boolean(js, "strict")?;
+                match js.get("schema") {
+                    Some(s @ Value::Object(_)) => Some(GrammarSpec::JsonSchema(s.clone())),
+                    Some(Value::Bool(true)) | None => Some(GrammarSpec::JsonObject),
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "response_format",
+                            "`response_format.json_schema.schema` must be a JSON schema object",
+                        ))
+                    }
+                }
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "`response_format.type` must be text, json_object or json_schema, got {}",
+                        other.unwrap_or("nothing")
+                    ),
+                ))
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::invalid("response_format", "`response_format` must be an object"))
+        }
+    };
+    let from_grammar = match body.get("grammar") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(g)) if !g.trim().is_empty() => Some(GrammarSpec::Lark(g.clone())),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "grammar",
+                "`grammar` must be a non-empty string (a Lark grammar, llguidance's dialect)",
+            ))
+        }
+    };
+    match (from_format, from_grammar) {
+        (Some(_), Some(_)) => {
+            Err(ApiError::invalid("grammar", "`grammar` cannot be combined with `response_format`"))
+        }
+        (a, b) => Ok(a.or(b)),
+    }
 }
 
 /// `messages`: a non-empty list of `{role, content}` where content is a string or a list of
@@ -294,7 +408,7 @@ pub fn chat_messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
             let param = format!("messages[{i}]");
             let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| ApiError::invalid(&param, format!("{param}.role must be a string")))?;
             if !["system", "user", "assistant", "developer", "tool"].contains(&role) {
-                return Err(ApiError::invalid(&param, format!("{param}.role `{role}` is not one of system, user, assistant")));
+                return Err(ApiError::invalid(&param, format!("{param}.role `{role}` is not one of system, user, assistant, tool")));
             }
             let content = match m.get("content") {
                 Some(Value::String(s)) => s.clone(),
@@ -312,7 +426,20 @@ pub fn chat_messages(body: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                 Some(_) => return Err(ApiError::invalid(&param, format!("{param}.content must be a string or a list of text parts"))),
             };
             let role = if role == "developer" { "system" } else { role };
-            Ok(ChatMessage::new(role, content))
+            let mut msg = ChatMessage::new(role, content);
+            if role == "assistant" {
+                msg.tool_calls = message_tool_calls(m, &param)?;
+            }
+            if role == "tool" {
+                match m.get("tool_call_id") {
+                    Some(Value::String(id)) => msg.tool_call_id = Some(id.clone()),
+                    _ => return Err(ApiError::invalid(&param, format!("{param}.tool_call_id is required for role tool"))),
+                }
+            }
+            if let Some(Value::String(n)) = m.get("name") {
+                msg.name = Some(n.clone());
+            }
+            Ok(msg)
         })
         .collect()
 }
@@ -344,4 +471,42 @@ pub fn completion_prompt(body: &Value) -> Result<Prompt, ApiError> {
             "`prompt` must be a string, a list with one string, or a list of token ids",
         )),
     }
+}
+
+/// An assistant message's `tool_calls` in the chat-template convention (arguments parsed from
+/// their JSON text into an object).
+fn message_tool_calls(m: &Value, param: &str) -> Result<Option<Value>, ApiError> {
+    let calls = match m.get("tool_calls") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(a)) if a.is_empty() => return Ok(None),
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(ApiError::invalid(param, format!("{param}.tool_calls must be a list")))
+        }
+    };
+    let bad = || {
+        ApiError::invalid(
+            param,
+            format!("{param}.tool_calls entries must be {{id, type: \"function\", function: {{name, arguments}}}}"),
+        )
+    };
+    let mut out = Vec::with_capacity(calls.len());
+    for c in calls {
+        let f = c.get("function").ok_or_else(bad)?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(bad)?;
+        let args = match f.get("arguments") {
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| {
+                ApiError::invalid(param, format!("{param}.tool_calls: arguments are not JSON: {e}"))
+            })?,
+            Some(v @ Value::Object(_)) => v.clone(),
+            None | Some(Value::Null) => serde_json::json!({}),
+            Some(_) => return Err(bad()),
+        };
+        out.push(serde_json::json!({
+            "id": c.get("id").cloned().unwrap_or(Value::Null),
+            "type": "function",
+            "function": {"name": name, "arguments": args}
+        }));
+    }
+    Ok(Some(Value::Array(out)))
 }

@@ -3,6 +3,7 @@
 use serde_json::{json, Value};
 use strata_engine::{FinishReason, Generation, TokenLogprobs};
 
+use crate::tools::{parse_output, ToolFormat};
 use crate::AppState;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -28,40 +29,84 @@ pub struct Meta {
     pub created: u64,
     pub model: String,
     pub kind: Kind,
+    /// Chat requests with active tools: how to read calls out of the text.
+    pub tool_format: Option<ToolFormat>,
+    /// Choices.
+    pub n: usize,
+}
+
+/// One finished choice and its log-probabilities.
+pub struct Choice {
+    pub gen: Generation,
+    pub logprobs: Vec<(u32, TokenLogprobs)>,
 }
 
 impl Meta {
-    pub fn usage(gen: &Generation) -> Value {
-        json!({"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.tokens.len(), "total_tokens": gen.prompt_tokens + gen.tokens.len()})
+    /// Usage of all choices: the prompt once, every choice's tokens.
+    pub fn usage(gens: &[&Generation]) -> Value {
+        let prompt = gens.first().map_or(0, |g| g.prompt_tokens);
+        let completion: usize = gens.iter().map(|g| g.tokens.len()).sum();
+        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
     }
 
-    pub fn full_response(
-        &self,
-        st: &AppState,
-        gen: &Generation,
-        lps: Vec<(u32, TokenLogprobs)>,
-        want_lp: bool,
-    ) -> Value {
-        let logprobs = if want_lp { logprobs_json(st, &lps, self.kind) } else { Value::Null };
-        let choice = match self.kind {
-            Kind::Chat => {
-                json!({"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)})
+    /// A chat choice's message and finish reason: tool calls parsed out of the text when the
+    /// request has tools (finish reason `tool_calls`).
+    pub fn message(&self, gen: &Generation) -> (Value, &'static str) {
+        let finish = finish_str(gen.finish_reason);
+        match self.tool_format {
+            Some(f) => {
+                let p = parse_output(&gen.text, f);
+                if p.calls.is_empty() {
+                    (json!({"role": "assistant", "content": gen.text}), finish)
+                } else {
+                    let finish = if p.truncated { "length" } else { "tool_calls" };
+                    (
+                        json!({"role": "assistant", "content": p.content, "tool_calls": p.calls}),
+                        finish,
+                    )
+                }
             }
-            Kind::Completion => {
-                json!({"index": 0, "text": gen.text, "logprobs": logprobs, "finish_reason": finish_str(gen.finish_reason)})
-            }
-        };
+            None => (json!({"role": "assistant", "content": gen.text}), finish),
+        }
+    }
+
+    pub fn full_response(&self, st: &AppState, choices: &[Choice], want_lp: bool) -> Value {
+        let out: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let lp =
+                    if want_lp { logprobs_json(st, &c.logprobs, self.kind) } else { Value::Null };
+                match self.kind {
+                    Kind::Chat => {
+                        let (message, finish) = self.message(&c.gen);
+                        json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+                    }
+                    Kind::Completion => {
+                        json!({"index": i, "text": c.gen.text, "logprobs": lp, "finish_reason": finish_str(c.gen.finish_reason)})
+                    }
+                }
+            })
+            .collect();
         let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": Self::usage(gen)})
+        let gens: Vec<&Generation> = choices.iter().map(|c| &c.gen).collect();
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": out, "usage": Self::usage(&gens)})
     }
 
-    pub fn chunk(&self, delta_or_text: Value, logprobs: Value, finish: Option<&str>) -> Value {
+    /// A stream chunk of choice `index`.
+    pub fn chunk(
+        &self,
+        index: usize,
+        delta_or_text: Value,
+        logprobs: Value,
+        finish: Option<&str>,
+    ) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
-                json!({"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         let object =

@@ -1,11 +1,11 @@
-//! HTTP handlers: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`.
+//! HTTP handlers: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`
+//! (`/v1/embeddings` is `embeddings.rs`, the chat page `web.rs`).
 //!
 //! A request's body is read under a time limit, then parsed, validated and tokenized on the
 //! blocking pool (never on the async runtime, so `/health` stays responsive under huge prompts),
 //! after a size check that refuses a prompt whose bytes cannot fit the context before any
 //! tokenizer work.
 
-use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -13,11 +13,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode, Uri};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use strata_engine::{GenerateRequest, Generation, TokenLogprobs};
+use strata_engine::{GenerateRequest, Generation};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
@@ -26,8 +26,9 @@ use crate::request::{
     chat_messages, check_model, completion_prompt, gen_params, refuse_unsupported, GenParams,
     Prompt, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION,
 };
-use crate::response::{finish_str, logprobs_json, Kind, Meta};
+use crate::response::{Choice, Kind, Meta};
 use crate::scheduler::GenEvent;
+use crate::tools::ToolFormat;
 use crate::AppState;
 
 fn now() -> u64 {
@@ -96,8 +97,8 @@ async fn handle(st: Arc<AppState>, req: Request, kind: Kind) -> Response {
         })
         .await
         .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?;
-        let (ids, params) = prepared?;
-        run(st.clone(), ids, params, kind).await
+        let prepared = prepared?;
+        run(st.clone(), prepared, kind).await
     }
     .await;
     res.unwrap_or_else(|e| {
@@ -106,16 +107,31 @@ async fn handle(st: Arc<AppState>, req: Request, kind: Kind) -> Response {
     })
 }
 
-/// Parses and validates the body, checks the prompt's size, tokenizes it, and fixes
-/// `max_tokens`. Blocking work: runs on the blocking pool.
-fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParams), ApiError> {
+/// A validated request ready to queue.
+pub struct Prepared {
+    pub ids: Vec<u32>,
+    pub params: GenParams,
+    /// The tool-call format to parse the output with (chat requests with active tools).
+    pub tool_format: Option<ToolFormat>,
+}
+
+/// Parses and validates the body, checks the prompt's size, tokenizes it (tools rendered into
+/// it), checks the grammar compiles, and fixes `max_tokens`. Blocking work: runs on the blocking
+/// pool.
+fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiError> {
     let body: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("Malformed JSON body: {e}")))?;
     let chat = kind == Kind::Chat;
     let mut params = gen_params(&body, &st.config.sampling, chat)?;
     check_model(&body, &st.model_name, &st.config.model_aliases)?;
     refuse_unsupported(&body, if chat { &UNSUPPORTED_CHAT } else { &UNSUPPORTED_COMPLETION })?;
+    check_n(st, params.n)?;
     let prompt = if chat { Prompt::Chat(chat_messages(&body)?) } else { completion_prompt(&body)? };
+    let grammar_param = if body.get("response_format").is_some_and(|v| !v.is_null()) {
+        "response_format"
+    } else {
+        "grammar"
+    };
     drop(body);
     let engine = &st.engine;
     let ctx = st.config.ctx_size;
@@ -128,20 +144,39 @@ fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParam
     if least >= ctx {
         return Err(too_long(format!("at least {least}")));
     }
+    let vocab = engine.model.config().vocab_size as u64;
+    if let Some((id, _)) = params.logit_bias.iter().find(|(id, _)| *id >= vocab) {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("`logit_bias` token {id} is outside the vocabulary (0..{vocab})"),
+        ));
+    }
+    let mut tool_format = None;
     let ids = match prompt {
         Prompt::Chat(m) => {
-            engine
-                .chat_prompt(&m)
-                .map_err(|e| {
-                    ApiError::invalid("messages", format!("Cannot apply the chat template: {e}"))
-                })?
-                .1
+            let tpl_err = |e: strata_engine::EngineError| {
+                ApiError::invalid("messages", format!("Cannot apply the chat template: {e}"))
+            };
+            let tpl = engine
+                .chat_template
+                .as_ref()
+                .ok_or_else(|| tpl_err(strata_engine::EngineError::NoChatTemplate))?;
+            let active = params.tools.as_ref().filter(|t| t.active());
+            let (messages, defs, format) = if tpl.takes_tools() {
+                (m, active.map(|t| &t.defs), ToolFormat::of_template(&tpl.source))
+            } else {
+                (crate::tools::for_plain_template(m, active), None, ToolFormat::Hermes)
+            };
+            if let Some(t) = active {
+                params.grammar = t.grammar(format);
+                tool_format = Some(format);
+            }
+            engine.chat_prompt_with_tools(&messages, defs).map_err(tpl_err)?.1
         }
         Prompt::Text(t) => {
             engine.text_prompt(&t).map_err(|e| ApiError::bad_request(e.to_string()))?
         }
         Prompt::Tokens(t) => {
-            let vocab = engine.model.config().vocab_size as u64;
             if let Some((i, bad)) = t.iter().enumerate().find(|(_, &x)| x >= vocab) {
                 return Err(ApiError::invalid(
                     "prompt",
@@ -151,6 +186,14 @@ fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParam
             t.into_iter().map(|x| x as u32).collect()
         }
     };
+    if let Some(g) = &params.grammar {
+        let param = if tool_format.is_some() { "tools" } else { grammar_param };
+        engine
+            .grammars()
+            .map_err(|e| ApiError::invalid(param, e.to_string()))?
+            .compile(g)
+            .map_err(|e| ApiError::invalid(param, e.to_string()))?;
+    }
     if ids.is_empty() {
         return Err(ApiError::invalid("prompt", "The prompt is empty"));
     }
@@ -169,21 +212,39 @@ fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<(Vec<u32>, GenParam
         Some(m) => m,
         None => cap.min(ctx - ids.len()),
     });
-    Ok((ids, params))
+    Ok(Prepared { ids, params, tool_format })
+}
+
+/// `n` choices need `n` sequence slots of continuous batching.
+fn check_n(st: &AppState, n: usize) -> Result<(), ApiError> {
+    if n > 1 && !st.scheduler.is_batched() {
+        return Err(ApiError::invalid(
+            "n",
+            "`n` > 1 is not available with speculative decoding (the server runs one generation per slot)",
+        ));
+    }
+    if n > st.config.parallel {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "`n` = {n} needs {n} sequence slots; this server has {} (--parallel)",
+                st.config.parallel
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Queues the request and answers (JSON or SSE).
-async fn run(
-    st: Arc<AppState>,
-    ids: Vec<u32>,
-    p: GenParams,
-    kind: Kind,
-) -> Result<Response, ApiError> {
-    let mut req = GenerateRequest::new(ids, p.max_tokens.unwrap_or(1), p.sampling.clone());
+async fn run(st: Arc<AppState>, prep: Prepared, kind: Kind) -> Result<Response, ApiError> {
+    let p = prep.params;
+    let mut req = GenerateRequest::new(prep.ids, p.max_tokens.unwrap_or(1), p.sampling.clone());
     req.stop = p.stop.clone();
     req.logprobs = p.logprobs;
     req.ignore_eos = p.ignore_eos;
     req.prefill_chunk = st.config.prefill_chunk;
+    req.grammar = p.grammar.clone();
+    req.logit_bias = p.logit_bias.iter().map(|&(id, b)| (id as u32, b)).collect();
     let (tx, rx) = unbounded_channel();
     let start = Instant::now();
     let meta = Meta {
@@ -191,14 +252,16 @@ async fn run(
         created: now(),
         model: st.model_name.clone(),
         kind,
+        tool_format: prep.tool_format,
+        n: p.n,
     };
-    let cancel = st.scheduler.submit(req, tx, meta.id.clone())?;
+    let cancel = st.scheduler.submit(req, p.n, tx, meta.id.clone())?;
     st.metrics.queue_depth.set(st.scheduler.queue_depth() as i64);
     if p.stream {
-        let (sse_tx, sse_rx) = unbounded_channel::<Result<Event, Infallible>>();
+        let (sse_tx, sse_rx) = unbounded_channel();
         let st2 = st.clone();
         tokio::spawn(async move {
-            stream_events(st2, rx, sse_tx, meta, p, start).await;
+            crate::stream::stream_events(st2, rx, sse_tx, meta, p, start).await;
             cancel.store(true, Ordering::SeqCst);
         });
         return Ok(Sse::new(UnboundedReceiverStream::new(sse_rx))
@@ -207,9 +270,10 @@ async fn run(
     }
     // Dropping `_guard` (client went away, the handler future is dropped) cancels the generation.
     let _guard = CancelOnDrop(cancel);
-    let (gen, logprobs) = collect(rx).await?;
-    record(&st, &meta.id, &gen, start);
-    Ok(Json(meta.full_response(&st, &gen, logprobs, p.logprobs.is_some())).into_response())
+    let choices = collect(rx, p.n).await?;
+    let gens: Vec<&Generation> = choices.iter().map(|c| &c.gen).collect();
+    record(&st, &meta.id, &gens, start);
+    Ok(Json(meta.full_response(&st, &choices, p.logprobs.is_some())).into_response())
 }
 
 struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>);
@@ -219,98 +283,73 @@ impl Drop for CancelOnDrop {
     }
 }
 
-async fn collect(
-    mut rx: UnboundedReceiver<GenEvent>,
-) -> Result<(Generation, Vec<(u32, TokenLogprobs)>), ApiError> {
-    let mut lps = Vec::new();
+/// Waits for every choice's `Done`.
+async fn collect(mut rx: UnboundedReceiver<GenEvent>, n: usize) -> Result<Vec<Choice>, ApiError> {
+    let mut lps: Vec<Vec<_>> = vec![Vec::new(); n];
+    let mut done: Vec<Option<Generation>> = (0..n).map(|_| None).collect();
     while let Some(ev) = rx.recv().await {
         match ev {
-            GenEvent::Token(t) => {
-                if let Some(l) = t.logprobs {
-                    lps.push((t.id, l));
+            GenEvent::Token(c, t) => {
+                if let (Some(l), Some(v)) = (t.logprobs, lps.get_mut(c)) {
+                    v.push((t.id, l));
                 }
             }
-            GenEvent::Done(g) => return Ok((*g, lps)),
+            GenEvent::Done(c, g) => {
+                if let Some(d) = done.get_mut(c) {
+                    *d = Some(*g);
+                }
+                if done.iter().all(Option::is_some) {
+                    return Ok(done
+                        .into_iter()
+                        .zip(lps)
+                        .map(|(g, logprobs)| Choice { gen: g.expect("all done"), logprobs })
+                        .collect());
+                }
+            }
             GenEvent::Failed(e) => return Err(e),
         }
     }
     Err(ApiError::internal("generation ended without a result"))
 }
 
-fn record(st: &AppState, id: &str, gen: &Generation, start: Instant) {
+/// Counts a finished request's choices in the metrics and logs it.
+pub(crate) fn record(st: &AppState, id: &str, gens: &[&Generation], start: Instant) {
     let m = &st.metrics;
-    m.prompt_tokens.inc_by(gen.prompt_tokens as u64);
-    m.generated_tokens.inc_by(gen.tokens.len() as u64);
-    m.ttft.observe(gen.timings.ttft_ms / 1e3);
-    if gen.tokens.len() > 1 {
-        m.token_latency.observe(gen.timings.decode_ms / 1e3 / (gen.tokens.len() - 1) as f64);
-    }
-    m.queue_depth.set(st.scheduler.queue_depth() as i64);
-    if let Some(s) = &gen.spec {
-        m.spec.observe(s);
-        tracing::info!(id, "{}", s.summary());
-    }
-    tracing::info!(
-        id,
-        prompt_tokens = gen.prompt_tokens,
-        generated = gen.tokens.len(),
-        ttft_ms = format!("{:.0}", gen.timings.ttft_ms),
-        tok_s = format!("{:.1}", gen.decode_tok_s()),
-        total_ms = format!("{:.0}", start.elapsed().as_secs_f64() * 1e3),
-        finish_reason = finish_str(gen.finish_reason),
-        "request done"
-    );
-}
-
-async fn stream_events(
-    st: Arc<AppState>,
-    mut rx: UnboundedReceiver<GenEvent>,
-    out: tokio::sync::mpsc::UnboundedSender<Result<Event, Infallible>>,
-    meta: Meta,
-    p: GenParams,
-    start: Instant,
-) {
-    let send = |v: Value| out.send(Ok(Event::default().data(v.to_string()))).is_ok();
-    if meta.kind == Kind::Chat
-        && !send(meta.chunk(json!({"role": "assistant", "content": ""}), Value::Null, None))
-    {
-        return;
-    }
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            GenEvent::Token(t) => {
-                let lp = match (&t.logprobs, p.logprobs.is_some()) {
-                    (Some(l), true) => logprobs_json(&st, &[(t.id, l.clone())], meta.kind),
-                    _ => Value::Null,
-                };
-                if t.text.is_empty() && lp.is_null() {
-                    continue;
-                }
-                if !send(meta.chunk(meta.text_delta(&t.text), lp, None)) {
-                    return;
-                }
-            }
-            GenEvent::Done(gen) => {
-                record(&st, &meta.id, &gen, start);
-                let empty = if meta.kind == Kind::Chat { json!({}) } else { json!("") };
-                send(meta.chunk(empty, Value::Null, Some(finish_str(gen.finish_reason))));
-                if p.include_usage {
-                    let mut u = meta.chunk(Value::Null, Value::Null, None);
-                    u["choices"] = json!([]);
-                    u["usage"] = Meta::usage(&gen);
-                    send(u);
-                }
-                let _ = out.send(Ok(Event::default().data("[DONE]")));
-                return;
-            }
-            GenEvent::Failed(e) => {
-                st.metrics.request_errors.inc();
-                send(e.body());
-                let _ = out.send(Ok(Event::default().data("[DONE]")));
-                return;
-            }
+    let Some(first) = gens.first() else { return };
+    m.prompt_tokens.inc_by(first.prompt_tokens as u64);
+    m.ttft.observe(first.timings.ttft_ms / 1e3);
+    let generated: usize = gens.iter().map(|g| g.tokens.len()).sum();
+    m.generated_tokens.inc_by(generated as u64);
+    for gen in gens {
+        if gen.tokens.len() > 1 {
+            m.token_latency.observe(gen.timings.decode_ms / 1e3 / (gen.tokens.len() - 1) as f64);
+        }
+        if let Some(s) = &gen.spec {
+            m.spec.observe(s);
+            tracing::info!(id, "{}", s.summary());
+        }
+        if let Some(k) = &gen.mask {
+            tracing::info!(
+                id,
+                grammar_compile_us = k.compile_us,
+                masks = k.masks,
+                mask_us_per_token = k.mask_us / k.masks.max(1),
+                "grammar"
+            );
         }
     }
+    m.queue_depth.set(st.scheduler.queue_depth() as i64);
+    tracing::info!(
+        id,
+        prompt_tokens = first.prompt_tokens,
+        generated,
+        choices = gens.len(),
+        ttft_ms = format!("{:.0}", first.timings.ttft_ms),
+        tok_s = format!("{:.1}", first.decode_tok_s()),
+        total_ms = format!("{:.0}", start.elapsed().as_secs_f64() * 1e3),
+        finish_reason = crate::response::finish_str(first.finish_reason),
+        "request done"
+    );
 }
 
 pub async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {

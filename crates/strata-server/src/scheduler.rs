@@ -25,15 +25,19 @@ use crate::ServerConfig;
 /// What a worker reports to the request handler.
 #[derive(Debug)]
 pub enum GenEvent {
-    Token(TokenEvent),
-    /// Boxed: the finished generation is large and sent once.
-    Done(Box<Generation>),
+    /// A token of choice `.0`.
+    Token(usize, TokenEvent),
+    /// Choice `.0` ended. Boxed: the finished generation is large and sent once.
+    Done(usize, Box<Generation>),
+    /// The request failed (no more events follow).
     Failed(ApiError),
 }
 
 pub(crate) struct Job {
     pub id: String,
     pub req: GenerateRequest,
+    /// Choices (OpenAI `n`; 1 with speculative decoding).
+    pub n: usize,
     pub events: UnboundedSender<GenEvent>,
     pub cancel: Arc<AtomicBool>,
 }
@@ -93,6 +97,7 @@ impl Scheduler {
     pub fn submit(
         &self,
         req: GenerateRequest,
+        n: usize,
         events: UnboundedSender<GenEvent>,
         id: String,
     ) -> Result<Arc<AtomicBool>, ApiError> {
@@ -101,7 +106,7 @@ impl Scheduler {
         }
         let cancel = Arc::new(AtomicBool::new(false));
         self.queued.fetch_add(1, Ordering::SeqCst);
-        match self.tx.try_send(Job { id, req, events, cancel: cancel.clone() }) {
+        match self.tx.try_send(Job { id, req, n, events, cancel: cancel.clone() }) {
             Ok(()) => Ok(cancel),
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
                 self.queued.fetch_sub(1, Ordering::SeqCst);

@@ -73,7 +73,7 @@ fn worker(
                 &mut cache,
                 &job.req,
                 &mut |ev| {
-                    if events.send(GenEvent::Token(ev.clone())).is_err() {
+                    if events.send(GenEvent::Token(0, ev.clone())).is_err() {
                         return ControlFlow::Break(());
                     }
                     ControlFlow::Continue(())
@@ -101,9 +101,9 @@ fn worker(
                     prompt_tokens = g.prompt_tokens,
                     "request cancelled by the client"
                 );
-                GenEvent::Done(Box::new(g))
+                GenEvent::Done(0, Box::new(g))
             }
-            Ok(Ok(g)) => GenEvent::Done(Box::new(g)),
+            Ok(Ok(g)) => GenEvent::Done(0, Box::new(g)),
             Ok(Err(e)) => GenEvent::Failed(ApiError::internal(format!("generation failed: {e}"))),
             Err(p) => {
                 let msg = panic_message(p.as_ref());

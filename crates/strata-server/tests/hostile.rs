@@ -57,22 +57,34 @@ fn unsupported_fields_are_refused_by_name_never_ignored() {
         b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         http::post(addr, "/v1/chat/completions", &b)
     };
-    for (field, value) in [
-        ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
-        ("tool_choice", json!("required")),
-        ("response_format", json!({"type": "json_object"})),
-        ("logit_bias", json!({"42": -100})),
-        ("top_logprobs", json!(3)),
-        ("reasoning_effort", json!("high")),
-        ("audio", json!({"voice": "alloy"})),
-        ("store", json!(true)),
+    // Fields Strata does not implement, and malformed values of those it does.
+    for (field, value, param) in [
+        ("functions", json!([{"name": "f"}]), "functions"),
+        ("reasoning_effort", json!("high"), "reasoning_effort"),
+        ("audio", json!({"voice": "alloy"}), "audio"),
+        ("store", json!(true), "store"),
+        ("prediction", json!({"type": "content", "content": "x"}), "prediction"),
+        ("top_logprobs", json!(3), "top_logprobs"),
+        ("tool_choice", json!("required"), "tool_choice"),
+        ("tools", json!([{"type": "function", "function": {"name": "bad name"}}]), "tools[0]"),
+        ("response_format", json!({"type": "xml"}), "response_format"),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}),
+            "response_format",
+        ),
+        ("grammar", json!("start: ("), "grammar"),
+        ("logit_bias", json!({"42": -101}), "logit_bias"),
+        ("logit_bias", json!({"999999999": 1}), "logit_bias"),
+        ("n", json!(0), "n"),
+        ("n", json!(2), "n"), // more choices than the shared server's one slot
     ] {
         let e = error_of(&chat(json!({ field: value })), 400);
-        assert_eq!(e["param"], field, "{field}: {e}");
+        assert_eq!(e["param"], param, "{field}: {e}");
     }
     // Defaults of those fields are accepted, as is `user` (an end-user id, not an output setting).
     for extra in [
-        json!({"tools": [], "tool_choice": "none", "logit_bias": {}, "store": false, "modalities": ["text"], "user": "u1"}),
+        json!({"tools": [], "tool_choice": "none", "logit_bias": {}, "store": false, "modalities": ["text"], "user": "u1", "response_format": {"type": "text"}, "n": 1}),
         json!({"logprobs": true, "top_logprobs": 2}),
     ] {
         assert_eq!(chat(extra.clone()).status, 200, "{extra}");
@@ -86,7 +98,7 @@ fn unsupported_fields_are_refused_by_name_never_ignored() {
         ("echo", json!(true)),
         ("suffix", json!(" the end")),
         ("best_of", json!(3)),
-        ("logit_bias", json!({"1": 5})),
+        ("logit_bias", json!({"1": 500})),
     ] {
         assert_eq!(error_of(&comp(json!({ field: value })), 400)["param"], field);
     }

@@ -19,6 +19,7 @@
 //! (the server then runs one generation per slot, `serve --help`).
 
 pub mod prefix_cache;
+mod seq;
 
 use std::collections::VecDeque;
 use std::ops::ControlFlow;
@@ -26,14 +27,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use strata_models::{BatchOptions, BatchSeq, ExpertStats, KvCache, Logits, RecurrentSnapshot};
+use strata_models::{BatchOptions, BatchSeq, KvCache, Logits};
 
 pub use prefix_cache::{PrefixCache, PrefixHit, PrefixStats};
 
 use crate::engine::{
-    Engine, EngineError, FinishReason, GenerateRequest, Generation, Result, Timings, TokenEvent,
+    Engine, EngineError, FinishReason, GenerateRequest, Generation, Result, TokenEvent,
 };
 use crate::output::SequenceOutput;
+use seq::{Group, Phase, Seq, Snapshot};
 
 /// Settings of a [`Batcher`].
 #[derive(Debug, Clone)]
@@ -66,47 +68,38 @@ impl BatchConfig {
     }
 }
 
-/// What a sequence reports to its submitter.
+/// What a request's sequences report to its submitter.
 pub enum SeqEvent<'a> {
-    Token(&'a TokenEvent),
-    /// The generation ended (finish reason `stop`, `length`, or `cancelled`).
-    Done(Box<Generation>),
+    /// A token of choice `choice` (0..n).
+    Token { choice: usize, event: &'a TokenEvent },
+    /// Choice `choice` ended (finish reason `stop`, `length`, or `cancelled`).
+    Done { choice: usize, generation: Box<Generation> },
+    /// The request failed; no further event follows for any of its choices.
     Failed(EngineError),
 }
 
-/// A request for the batcher: the generation, where its events go, and its cancellation flag.
+/// Receives a request's events.
+pub type Sink = Box<dyn FnMut(SeqEvent<'_>) -> ControlFlow<()> + Send>;
+
+/// A request for the batcher: the generation, how many choices to sample from its one prefill,
+/// where its events go, and its cancellation flag.
 pub struct Submission {
     pub req: GenerateRequest,
-    /// Receives every token, then exactly one `Done` or `Failed`. `Break` on a token cancels the
-    /// sequence (it then ends with `Done`, finish reason `cancelled`).
-    pub sink: Box<dyn FnMut(SeqEvent<'_>) -> ControlFlow<()> + Send>,
-    /// Set by the submitter to cancel; checked before every step.
+    /// Choices (OpenAI `n`): the prompt is prefilled once, then its KV cache is copied into
+    /// `n − 1` more slots and each choice samples on its own (choice `i` seeded `seed + i`).
+    pub n: usize,
+    /// Receives every token, then exactly one `Done` per choice, or one `Failed`. `Break` on a
+    /// token cancels that choice (it then ends with `Done`, finish reason `cancelled`).
+    pub sink: Sink,
+    /// Set by the submitter to cancel every choice; checked before every step.
     pub cancel: Arc<AtomicBool>,
 }
 
-/// A hybrid model's recurrent state after position `.0`.
-type Snapshot = Option<(usize, RecurrentSnapshot)>;
-
-enum Phase {
-    /// Prompt positions `done..` still to run.
-    Prefill { done: usize },
-    /// `next` was emitted and runs in the next step.
-    Decode { next: u32 },
-}
-
-struct Seq {
-    sub: Submission,
-    slot: usize,
-    phase: Phase,
-    out: SequenceOutput,
-    admitted: Instant,
-    first_token: Option<Instant>,
-    experts0: Option<ExpertStats>,
-    experts_prefilled: Option<ExpertStats>,
-    /// Hybrids: the recurrent state at the last block boundary inside the prompt.
-    snapshot: Snapshot,
-    /// Hybrids: where that boundary is (0: none).
-    snapshot_at: usize,
+impl Submission {
+    /// One choice.
+    pub fn new(req: GenerateRequest, sink: Sink, cancel: Arc<AtomicBool>) -> Self {
+        Self { req, n: 1, sink, cancel }
+    }
 }
 
 /// What one step did.
@@ -140,7 +133,11 @@ pub struct Batcher {
     running: Vec<Seq>,
     prefix: Option<PrefixCache>,
     hybrid: bool,
+    next_id: u64,
 }
+
+/// How a sequence ended in a step.
+type Outcome = std::result::Result<FinishReason, EngineError>;
 
 impl Batcher {
     /// Allocates `cfg.slots` KV caches. Errors: the engine has speculative decoding on, or a
@@ -166,10 +163,11 @@ impl Batcher {
             running: Vec::new(),
             prefix,
             hybrid,
+            next_id: 0,
         })
     }
 
-    /// Queues a request; it joins the batch when a slot is free.
+    /// Queues a request; it joins the batch when `n` slots are free.
     pub fn submit(&mut self, s: Submission) {
         self.waiting.push_back(s);
     }
@@ -179,7 +177,7 @@ impl Batcher {
         self.running.len()
     }
 
-    /// Requests waiting for a slot.
+    /// Requests waiting for slots.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
     }
@@ -198,10 +196,10 @@ impl Batcher {
         self.prefix.as_ref().map(PrefixCache::stats)
     }
 
-    /// Ends every running and waiting sequence with `error()` (a server shutdown).
+    /// Ends every running and waiting request with `error()` (a server shutdown).
     pub fn fail_all(&mut self, error: &dyn Fn() -> EngineError) {
-        for mut s in std::mem::take(&mut self.running) {
-            let _ = (s.sub.sink)(SeqEvent::Failed(error()));
+        for s in std::mem::take(&mut self.running) {
+            s.group.fail(error());
             self.release(s.slot, None);
         }
         for mut w in std::mem::take(&mut self.waiting) {
@@ -219,32 +217,7 @@ impl Batcher {
         if self.running.is_empty() {
             return Ok(StepStats::default());
         }
-        // Decode tokens first, then prefill chunks first-come first-served under the budget.
-        let mut plan: Vec<(usize, Vec<u32>)> = Vec::new(); // (running index, tokens)
-        let mut rows = 0;
-        for (i, s) in self.running.iter().enumerate() {
-            if let Phase::Decode { next } = s.phase {
-                plan.push((i, vec![next]));
-                rows += 1;
-            }
-        }
-        let decode_rows = rows;
-        let mut took_prefill = false;
-        for (i, s) in self.running.iter().enumerate() {
-            let Phase::Prefill { done } = s.phase else { continue };
-            let prompt = &s.sub.req.prompt;
-            let mut end = (done + self.cfg.prefill_chunk.max(1)).min(prompt.len());
-            if s.snapshot_at > done && s.snapshot_at < end {
-                end = s.snapshot_at; // hybrids: stop at the boundary to snapshot the state
-            }
-            let n = end - done;
-            if took_prefill && rows + n > self.cfg.step_tokens + decode_rows {
-                break;
-            }
-            plan.push((i, prompt[done..end].to_vec()));
-            rows += n;
-            took_prefill = true;
-        }
+        let (plan, rows, decode_rows) = self.plan();
         let before = self.engine.model.experts().stats();
         let t = Instant::now();
         let results = {
@@ -267,15 +240,14 @@ impl Batcher {
         if let (Some(a), Some(b)) = (self.engine.model.experts().stats(), before) {
             stats.expert_bytes_read = a.since(&b).bytes_read;
         }
-        let mut finished: Vec<(usize, std::result::Result<FinishReason, EngineError>)> = Vec::new();
-        let mut moe_layers = 0;
-        let mut distinct = 0;
+        let ids: Vec<u64> = plan.iter().map(|(i, _)| self.running[*i].id).collect();
+        let mut finished: Vec<(u64, Outcome)> = Vec::new();
         let mut seen: Vec<Vec<u32>> = Vec::new();
-        for ((i, tokens), res) in plan.iter().zip(results) {
+        for ((id, (_, tokens)), res) in ids.iter().zip(&plan).zip(results) {
             let out = match res {
                 Ok(o) => o,
                 Err(e) => {
-                    finished.push((*i, Err(e.into())));
+                    finished.push((*id, Err(e.into())));
                     continue;
                 }
             };
@@ -285,111 +257,177 @@ impl Batcher {
                 }
                 seen[l].extend_from_slice(&r.expert_ids);
             }
-            match self.advance(*i, tokens.len(), &out.logits) {
-                Ok(Some(f)) => finished.push((*i, Ok(f))),
-                Ok(None) => {}
-                Err(e) => finished.push((*i, Err(e))),
+            stats.generated += self.advance(*id, tokens.len(), &out.logits, &mut finished);
+        }
+        let layers = seen.len();
+        let distinct: usize = seen
+            .into_iter()
+            .map(|mut ids| {
+                ids.sort_unstable();
+                ids.dedup();
+                ids.len()
+            })
+            .sum();
+        if layers > 0 {
+            stats.distinct_experts_per_layer = distinct as f64 / layers as f64;
+        }
+        for (id, outcome) in finished {
+            if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                let s = self.running.remove(i);
+                self.finish(s, outcome);
             }
-            if matches!(self.running[*i].phase, Phase::Decode { .. }) {
-                stats.generated += 1;
-            }
-        }
-        for mut ids in seen {
-            ids.sort_unstable();
-            ids.dedup();
-            moe_layers += 1;
-            distinct += ids.len();
-        }
-        if moe_layers > 0 {
-            stats.distinct_experts_per_layer = distinct as f64 / moe_layers as f64;
-        }
-        // Finish from the highest index down so that indices stay valid.
-        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
-        for (i, outcome) in finished {
-            let s = self.running.remove(i);
-            self.finish(s, outcome);
         }
         Ok(stats)
     }
 
-    /// Takes a pass's logits `[1, vocab]` for sequence `i`, which ran `n` tokens: samples and emits
-    /// the next token when the prompt is done. Returns how the sequence ends, if it does.
+    /// This step's rows: every decode token, then prefill chunks first-come first-served under
+    /// the budget (at least one). Returns `[(running index, tokens)]`, rows, decode rows.
+    #[allow(clippy::type_complexity)]
+    fn plan(&self) -> (Vec<(usize, Vec<u32>)>, usize, usize) {
+        let mut plan = Vec::new();
+        let mut rows = 0;
+        for (i, s) in self.running.iter().enumerate() {
+            if let Phase::Decode { next } = s.phase {
+                plan.push((i, vec![next]));
+                rows += 1;
+            }
+        }
+        let decode_rows = rows;
+        let mut took_prefill = false;
+        for (i, s) in self.running.iter().enumerate() {
+            let Phase::Prefill { done } = s.phase else { continue };
+            let prompt = &s.group.req.prompt;
+            let mut end = (done + self.cfg.prefill_chunk.max(1)).min(prompt.len());
+            if s.snapshot_at > done && s.snapshot_at < end {
+                end = s.snapshot_at; // hybrids: stop at the boundary to snapshot the state
+            }
+            let n = end - done;
+            if took_prefill && rows + n > self.cfg.step_tokens + decode_rows {
+                break;
+            }
+            plan.push((i, prompt[done..end].to_vec()));
+            rows += n;
+            took_prefill = true;
+        }
+        (plan, rows, decode_rows)
+    }
+
+    /// Takes a pass's logits `[1, vocab]` for sequence `id`, which ran `n` tokens: samples and
+    /// emits the next token when the prompt is done (and forks the request's other choices from
+    /// it). Pushes sequences that end onto `finished`; returns the tokens emitted.
     fn advance(
         &mut self,
-        i: usize,
+        id: u64,
         n: usize,
         logits: &candle_core::Tensor,
-    ) -> Result<Option<FinishReason>> {
-        let engine = self.engine.clone();
-        let cap = self.cfg.ctx_size;
+        finished: &mut Vec<(u64, Outcome)>,
+    ) -> usize {
+        let Some(i) = self.running.iter().position(|s| s.id == id) else { return 0 };
         let s = &mut self.running[i];
+        let mut forks = false;
         if let Phase::Prefill { done } = s.phase {
             let done = done + n;
             if s.snapshot_at > 0 && done == s.snapshot_at {
                 s.snapshot = self.caches[s.slot].snapshot_recurrent().map(|r| (done, r));
             }
-            if done < s.sub.req.prompt.len() {
+            if done < s.group.req.prompt.len() {
                 s.phase = Phase::Prefill { done };
-                return Ok(None);
+                return 0;
             }
-            s.experts_prefilled = engine.model.experts().stats();
+            s.experts_prefilled = self.engine.model.experts().stats();
+            forks = true;
         }
-        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-        let id = s.out.sample(&logits);
+        let logits: Vec<f32> = match logits.flatten_all().and_then(|l| l.to_vec1()) {
+            Ok(l) => l,
+            Err(e) => {
+                finished.push((id, Err(e.into())));
+                return 0;
+            }
+        };
+        let mut emitted = 1;
+        self.sample_into(i, &logits, finished);
+        if forks {
+            // The request's other choices copy this prompt's cache and sample from its logits.
+            let group = self.running[i].group.clone();
+            let from = self.running[i].slot;
+            let followers: Vec<usize> = (0..self.running.len())
+                .filter(|&j| {
+                    let f = &self.running[j];
+                    Arc::ptr_eq(&f.group, &group) && matches!(f.phase, Phase::Fork)
+                })
+                .collect();
+            for j in followers {
+                let to = self.running[j].slot;
+                if let Err(e) = copy_cache(&mut self.caches, from, to) {
+                    finished.push((self.running[j].id, Err(e.into())));
+                    continue;
+                }
+                self.running[j].experts_prefilled = self.running[i].experts_prefilled;
+                self.sample_into(j, &logits, finished);
+                emitted += 1;
+            }
+        }
+        emitted
+    }
+
+    /// Samples running sequence `i`'s next token from `logits` and emits it; records its end.
+    fn sample_into(&mut self, i: usize, logits: &[f32], finished: &mut Vec<(u64, Outcome)>) {
+        let id = self.running[i].id;
+        match self.sample_and_emit(i, logits) {
+            Ok(None) => {}
+            Ok(Some(f)) => finished.push((id, Ok(f))),
+            Err(e) => finished.push((id, Err(e))),
+        }
+    }
+
+    fn sample_and_emit(&mut self, i: usize, logits: &[f32]) -> Result<Option<FinishReason>> {
+        let engine = self.engine.clone();
+        let cap = self.cfg.ctx_size;
+        let s = &mut self.running[i];
+        let id = s.out.sample(logits)?;
         if s.first_token.is_none() {
             s.first_token = Some(Instant::now());
         }
-        let sink = &mut s.sub.sink;
-        let finish = s.out.emit(&engine, id, &logits, &mut |ev| sink(SeqEvent::Token(ev)))?;
+        let (group, choice) = (s.group.clone(), s.choice);
+        let finish = s.out.emit(&engine, id, logits, &mut |event| {
+            group.send(SeqEvent::Token { choice, event })
+        })?;
         let len = self.caches[s.slot].len();
         s.phase = Phase::Decode { next: id };
         Ok(finish.or((len + 1 > cap).then_some(FinishReason::Length)))
     }
 
-    /// Ends sequence `s`: flushes its text, reports it, keeps its prefix, frees its slot.
-    fn finish(&mut self, mut s: Seq, outcome: std::result::Result<FinishReason, EngineError>) {
+    /// Ends sequence `s`: flushes its text, reports it, keeps its prefix, frees its slot. A
+    /// failure fails the whole request: its other choices end too.
+    fn finish(&mut self, mut s: Seq, outcome: Outcome) {
         let finish = match outcome {
             Ok(f) => f,
-            Err(e) => {
-                let _ = (s.sub.sink)(SeqEvent::Failed(e));
-                self.release(s.slot, None);
-                return;
-            }
+            Err(e) => return self.fail_group(s, e),
         };
         let engine = self.engine.clone();
-        let sink = &mut s.sub.sink;
-        if let Err(e) = s.out.flush(&engine, &mut |ev| sink(SeqEvent::Token(ev))) {
-            let _ = (s.sub.sink)(SeqEvent::Failed(e));
-            self.release(s.slot, None);
-            return;
+        let (group, choice) = (s.group.clone(), s.choice);
+        if let Err(e) =
+            s.out.flush(&engine, &mut |event| group.send(SeqEvent::Token { choice, event }))
+        {
+            return self.fail_group(s, e);
         }
-        let end = Instant::now();
-        let first = s.first_token.unwrap_or(end);
-        let prefill_ms = (first - s.admitted).as_secs_f64() * 1e3;
-        let experts_end = engine.model.experts().stats();
-        let delta = |from: Option<ExpertStats>| match (experts_end, from) {
-            (Some(now), Some(before)) => Some(now.since(&before)),
-            _ => None,
-        };
-        let gen = Generation {
-            prompt_tokens: s.sub.req.prompt.len(),
-            tokens: std::mem::take(&mut s.out.tokens),
-            text: std::mem::take(&mut s.out.text),
-            finish_reason: finish,
-            timings: Timings {
-                prefill_ms,
-                decode_ms: (end - first).as_secs_f64() * 1e3,
-                ttft_ms: prefill_ms,
-            },
-            experts: delta(s.experts0),
-            experts_decode: delta(s.experts_prefilled),
-            prefetch_decode: None,
-            spec: None,
-            routing: None,
-        };
-        let _ = (s.sub.sink)(SeqEvent::Done(Box::new(gen)));
+        let gen = s.generation(finish, engine.model.experts().stats());
+        if !s.group.has_failed() {
+            let _ = s.group.send(SeqEvent::Done { choice, generation: Box::new(gen) });
+        }
         // A cancelled sequence's entries are as good as a finished one's.
-        self.release(s.slot, Some((s.out.history, s.snapshot)));
+        self.release(s.slot, Some((std::mem::take(&mut s.out.history), s.snapshot.take())));
+    }
+
+    /// Fails `s`'s request with `e` and ends its other choices.
+    fn fail_group(&mut self, s: Seq, e: EngineError) {
+        s.group.fail(e);
+        self.release(s.slot, None);
+        let group = s.group;
+        while let Some(i) = self.running.iter().position(|o| Arc::ptr_eq(&o.group, &group)) {
+            let o = self.running.remove(i);
+            self.release(o.slot, None);
+        }
     }
 
     /// Returns slot `slot`'s cache to the pool, keeping its prefix (`history`: the sequence's
@@ -409,7 +447,7 @@ impl Batcher {
     fn drop_cancelled(&mut self) {
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].sub.cancel.load(Ordering::SeqCst) {
+            if self.running[i].group.cancel.load(Ordering::SeqCst) {
                 let s = self.running.remove(i);
                 self.finish(s, Ok(FinishReason::Cancelled));
             } else {
@@ -419,48 +457,87 @@ impl Batcher {
         self.waiting.retain(|w| !w.cancel.load(Ordering::SeqCst));
     }
 
-    /// Moves waiting requests into free slots, starting each from its longest cached prefix.
+    /// Moves waiting requests into free slots (`n` each, first come first served), starting each
+    /// from its longest cached prefix.
     fn admit(&mut self) {
-        while let Some(slot) = self.busy.iter().position(|b| !b) {
-            let Some(mut sub) = self.waiting.pop_front() else { return };
-            if let Err(e) = self.check(&sub.req) {
-                let _ = (sub.sink)(SeqEvent::Failed(e));
-                continue;
+        while let Some(front) = self.waiting.front() {
+            let n = front.n.max(1);
+            if n <= self.caches.len() && self.free_slots() < n {
+                return; // waits for slots; later requests wait behind it
             }
-            let cache = &mut self.caches[slot];
+            let Some(sub) = self.waiting.pop_front() else { return };
+            self.admit_one(sub);
+        }
+    }
+
+    fn admit_one(&mut self, mut sub: Submission) {
+        let n = sub.n.max(1);
+        let check = if n > self.caches.len() {
+            Err(EngineError::Internal(format!(
+                "{n} choices need {n} sequence slots; the server has {}",
+                self.caches.len()
+            )))
+        } else {
+            self.check(&sub.req)
+        };
+        // Every choice's output state first: a grammar that does not compile fails the request.
+        let outs = check.and_then(|()| {
+            (0..n)
+                .map(|c| {
+                    let mut req = sub.req.clone();
+                    req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(c as u64));
+                    SequenceOutput::new(&self.engine, &req)
+                })
+                .collect::<Result<Vec<_>>>()
+        });
+        let outs = match outs {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = (sub.sink)(SeqEvent::Failed(e));
+                return;
+            }
+        };
+        let group = Group::new(sub.req, sub.sink, sub.cancel);
+        let block = self.cfg.prefix_block.max(1);
+        let snapshot_at = if self.hybrid && self.prefix.is_some() {
+            (group.req.prompt.len() - 1) / block * block
+        } else {
+            0
+        };
+        let experts0 = self.engine.model.experts().stats();
+        for (choice, out) in outs.into_iter().enumerate() {
+            let slot = self.busy.iter().position(|b| !b).expect("free slots were counted");
+            self.busy[slot] = true;
             let mut done = 0;
-            if let Some(hit) =
-                self.prefix.as_mut().and_then(|p| p.lookup(&sub.req.prompt, self.hybrid))
-            {
-                match hit.import(cache) {
-                    Ok(()) => done = hit.tokens,
-                    Err(e) => {
-                        tracing::warn!("prefix cache: import failed, prefilling all: {e}");
-                        cache.clear();
+            if choice == 0 {
+                let cache = &mut self.caches[slot];
+                if let Some(hit) =
+                    self.prefix.as_mut().and_then(|p| p.lookup(&group.req.prompt, self.hybrid))
+                {
+                    match hit.import(cache) {
+                        Ok(()) => done = hit.tokens,
+                        Err(e) => {
+                            tracing::warn!("prefix cache: import failed, prefilling all: {e}");
+                            cache.clear();
+                        }
                     }
                 }
             }
-            let block = self.cfg.prefix_block.max(1);
-            let snapshot_at = if self.hybrid && self.prefix.is_some() {
-                (sub.req.prompt.len() - 1) / block * block
-            } else {
-                0
-            };
-            let out = SequenceOutput::new(&sub.req);
-            let experts0 = self.engine.model.experts().stats();
+            self.next_id += 1;
             self.running.push(Seq {
-                sub,
+                id: self.next_id,
+                group: group.clone(),
+                choice,
                 slot,
-                phase: Phase::Prefill { done },
+                phase: if choice == 0 { Phase::Prefill { done } } else { Phase::Fork },
                 out,
                 admitted: Instant::now(),
                 first_token: None,
                 experts0,
                 experts_prefilled: None,
                 snapshot: None,
-                snapshot_at: if snapshot_at > done { snapshot_at } else { 0 },
+                snapshot_at: if choice == 0 && snapshot_at > done { snapshot_at } else { 0 },
             });
-            self.busy[slot] = true;
         }
     }
 
@@ -476,4 +553,12 @@ impl Batcher {
         }
         Ok(())
     }
+}
+
+/// Copies slot `from`'s cache (every position, recurrent state, routing history) into slot `to`.
+fn copy_cache(caches: &mut [KvCache], from: usize, to: usize) -> strata_models::Result<()> {
+    let src = &caches[from];
+    let block = src.export_block(0, src.len())?;
+    let state = src.snapshot_recurrent();
+    caches[to].import_prefix(&[&block], state.as_ref())
 }
