@@ -36,6 +36,7 @@ one() {  # CLIENTS LABEL
 for r in $(seq 1 "$ROUNDS"); do
   echo 0 > $CG/memory.force_empty 2>/dev/null || true
   echo "$MEM" > $CG/memory.limit_in_bytes
+  echo 0 > $CG/memory.max_usage_in_bytes; echo 0 > $CG/memory.failcnt
   sync; echo 3 > /proc/sys/vm/drop_caches
   bash -c "echo \$\$ > $CG/cgroup.procs; exec $STRATA serve --model $MODEL --parallel $CLIENTS --ctx-size $CTX --stream-experts on --prefix-cache 0 -t $THREADS --port $PORT ${EXTRA:-}" >/tmp/bench_batching_stream.log 2>&1 &
   pid=$!; wait_up

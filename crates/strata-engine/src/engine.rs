@@ -265,11 +265,8 @@ impl Engine {
         let experts0 = self.model.experts().stats();
         let streaming = experts0.is_some();
         let chunk = req.prefill_chunk.max(1);
-        // A grammar or logit bias changes sampling inside the loop: such requests decode plainly.
-        let plain = req.grammar.is_some() || !req.logit_bias.is_empty();
         let mut out = SequenceOutput::new(self, req)?;
         let mut spec = match &self.spec {
-            Some(_) if plain => None,
             Some(cfg) => {
                 Some(Speculator::new(&self.model, cfg, cache.capacity(), streaming, chunk)?)
             }
@@ -329,7 +326,8 @@ impl Engine {
             match spec.as_mut() {
                 Some(s) => {
                     let left = out.remaining();
-                    ready.extend(s.round(cache, &out.history, &mut out.sampler, left)?)
+                    let rules = out.rules.active();
+                    ready.extend(s.round(cache, &out.history, &mut out.sampler, left, rules)?)
                 }
                 None => {
                     let fwd = self.model.forward(&[id], cache, Logits::Last, &[])?;

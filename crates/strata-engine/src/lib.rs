@@ -21,7 +21,9 @@ pub use engine::{
 pub use planned::{load_planned, plan_for, LoadRequest};
 pub use routing_report::{RoutingReport, RoutingTrace};
 pub use sampling::{Sampler, SamplingParams};
-pub use spec::{DraftSource, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator};
+pub use spec::{
+    DraftSource, LogitsConstraint, NgramParams, RoundTrace, SpecConfig, SpecStats, Speculator,
+};
 pub use strata_expert_store as expert_store;
 pub use strata_expert_store::{DirectIo, EvictionPolicy, StreamOptions};
 pub use strata_models::{ExpertStats, PrefetchMode, PrefetchStats};

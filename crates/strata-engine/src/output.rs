@@ -12,6 +12,7 @@ use crate::engine::{
     Engine, EngineError, FinishReason, GenerateRequest, Result, TokenEvent, TokenLogprobs,
 };
 use crate::sampling::{log_softmax, top_logprobs, Sampler};
+use crate::spec::LogitsConstraint;
 use crate::stop::{StopMatcher, StopScan};
 
 /// The tokens and text a sequence has produced, and what ends it.
@@ -27,10 +28,70 @@ pub(crate) struct SequenceOutput {
     ignore_eos: bool,
     logprobs: Option<usize>,
     stopped_by_string: bool,
+    /// What changes the logits before sampling: `logit_bias` and the grammar.
+    pub rules: OutputRules,
+}
+
+/// A sequence's changes to the model's logits before sampling: `logit_bias`, then the grammar's
+/// token mask. Speculative verification applies them at every verified position
+/// ([`LogitsConstraint`]), so speculation samples from the same distributions as plain decoding.
+pub(crate) struct OutputRules {
     /// `[(token, bias)]` added to the logits before sampling.
     logit_bias: Vec<(u32, f32)>,
     /// The grammar the output must follow.
     constraint: Option<Constraint>,
+    /// Tokens a verify round consumed tentatively (rolled back by [`LogitsConstraint::undo`]).
+    tentative: usize,
+}
+
+impl OutputRules {
+    /// `None` when nothing changes the logits (the sampler then reads them as they are).
+    pub fn active(&mut self) -> Option<&mut dyn LogitsConstraint> {
+        if self.logit_bias.is_empty() && self.constraint.is_none() {
+            None
+        } else {
+            Some(self)
+        }
+    }
+}
+
+impl LogitsConstraint for OutputRules {
+    fn constrain(&mut self, logits: &mut [f32]) -> Result<()> {
+        for &(id, b) in &self.logit_bias {
+            if let Some(x) = logits.get_mut(id as usize) {
+                *x += b;
+            }
+        }
+        if let Some(c) = self.constraint.as_mut() {
+            c.apply(logits).map_err(EngineError::Grammar)?;
+        }
+        Ok(())
+    }
+
+    fn valid_prefix(&mut self, drafts: &[u32]) -> Result<usize> {
+        match self.constraint.as_mut() {
+            Some(c) => c.valid_prefix(drafts).map_err(EngineError::Grammar),
+            None => Ok(drafts.len()),
+        }
+    }
+
+    fn advance(&mut self, token: u32) -> Result<()> {
+        if let Some(c) = self.constraint.as_mut() {
+            if !c.is_eos(token) {
+                c.commit(token).map_err(EngineError::Grammar)?;
+                self.tentative += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn undo(&mut self) -> Result<()> {
+        let n = std::mem::take(&mut self.tentative);
+        match self.constraint.as_mut() {
+            Some(c) => c.rollback(n).map_err(EngineError::Grammar),
+            None => Ok(()),
+        }
+    }
 }
 
 impl SequenceOutput {
@@ -51,32 +112,24 @@ impl SequenceOutput {
             ignore_eos: req.ignore_eos,
             logprobs: req.logprobs,
             stopped_by_string: false,
-            logit_bias: req.logit_bias.clone(),
-            constraint,
+            rules: OutputRules { logit_bias: req.logit_bias.clone(), constraint, tentative: 0 },
         })
     }
 
     /// Samples the next token from `logits: [vocab]`, after adding `logit_bias` and masking what
     /// the grammar cannot take. Errors: the grammar's parser failed.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
-        if self.logit_bias.is_empty() && self.constraint.is_none() {
+        let Some(rules) = self.rules.active() else {
             return Ok(self.sampler.sample(logits, &self.history));
-        }
+        };
         let mut l = logits.to_vec();
-        for &(id, b) in &self.logit_bias {
-            if let Some(x) = l.get_mut(id as usize) {
-                *x += b;
-            }
-        }
-        if let Some(c) = self.constraint.as_mut() {
-            c.apply(&mut l).map_err(EngineError::Grammar)?;
-        }
+        rules.constrain(&mut l)?;
         Ok(self.sampler.sample(&l, &self.history))
     }
 
     /// What the grammar's masks cost (`None` without a grammar).
     pub fn mask_stats(&self) -> Option<MaskStats> {
-        self.constraint.as_ref().map(Constraint::stats)
+        self.rules.constraint.as_ref().map(Constraint::stats)
     }
 
     /// Emits token `id` chosen from `logits` through `on_token`. Returns how the generation ends
@@ -97,7 +150,7 @@ impl SequenceOutput {
         self.tokens.push(id);
         self.history.push(id);
         let mut grammar_done = false;
-        if let Some(c) = self.constraint.as_mut() {
+        if let Some(c) = self.rules.constraint.as_mut() {
             c.commit(id).map_err(EngineError::Grammar)?;
             grammar_done = !is_eos && c.is_finished();
         }

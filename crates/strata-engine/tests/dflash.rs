@@ -68,7 +68,7 @@ fn rounds_equal_zlab_reference() {
         // drafts full blocks to the end; ask for a block more so that no round of ours is cut short.
         while out.len() <= greedy.len() {
             let emitted = spec
-                .round(&mut cache, &history, &mut sampler, greedy.len() + 8 - out.len())
+                .round(&mut cache, &history, &mut sampler, greedy.len() + 8 - out.len(), None)
                 .unwrap();
             for (t, _) in emitted {
                 out.push(t);

@@ -138,7 +138,8 @@ pub fn compact(mut schema: Value) -> Value {
 pub struct MaskStats {
     /// Microseconds to compile the grammar.
     pub compile_us: u64,
-    /// Masks computed (one per sampled token).
+    /// Masks computed (one per sampled token; with speculative decoding, one per verified
+    /// position).
     pub masks: u64,
     /// Microseconds spent computing them.
     pub mask_us: u64,
@@ -184,6 +185,24 @@ impl Constraint {
             return Ok(());
         }
         self.matcher.consume_token(token).map_err(|e| GrammarError::Runtime(e.to_string()))
+    }
+
+    /// Undoes the last `n` tokens [`Self::commit`] consumed (end-of-sequence tokens consume
+    /// nothing and do not count). Speculative verification commits accepted drafts tentatively and
+    /// rolls them back at the end of its round. Errors: `n` exceeds the tokens consumed.
+    pub fn rollback(&mut self, n: usize) -> Result<(), GrammarError> {
+        self.matcher.rollback(n).map_err(|e| GrammarError::Runtime(e.to_string()))
+    }
+
+    /// How many of `tokens`, taken in order from the current state, the grammar accepts; the
+    /// state does not change (a draft past that point could never be accepted).
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> Result<usize, GrammarError> {
+        self.matcher.validate_tokens(tokens).map_err(|e| GrammarError::Runtime(e.to_string()))
+    }
+
+    /// Whether `token` is an end-of-sequence token ([`Self::commit`] does not consume those).
+    pub fn is_eos(&self, token: u32) -> bool {
+        self.eos.contains(&token)
     }
 
     /// Whether the grammar is complete and can take nothing more (only EOS is allowed then).

@@ -65,7 +65,6 @@ fn run(
         }
         if s.is_shut_down() {
             b.fail_all(&|| EngineError::Model(strata_models::ModelError::Interrupted));
-            s.active.store(0, Ordering::SeqCst);
             continue;
         }
         let stop = || s.is_shut_down();
@@ -91,7 +90,6 @@ fn run(
                 b.fail_all(&|| EngineError::Internal(msg.clone()));
             }
         }
-        s.active.store(b.active(), Ordering::SeqCst);
     }
 }
 
@@ -111,8 +109,26 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
     }
     // The test hook panics inside the step, on the request's first token (once).
     let panic_once = Arc::new(AtomicBool::new(trigger == Some(&job.req.prompt)));
-    let (id, events, s2) = (job.id, job.events, s.clone());
+    let (id, events, s_end) = (job.id, job.events, s.clone());
+    // A request counts as active from here until its last event is sent: `/health` never shows
+    // a request the client has seen end as still active.
+    s.active.fetch_add(1, Ordering::SeqCst);
+    let mut choices_left = job.n.max(1);
+    let mut ended = false;
+    let mut end = move |last: bool| {
+        if !ended && last {
+            ended = true;
+            s_end.active.fetch_sub(1, Ordering::SeqCst);
+        }
+    };
+    let s2 = s.clone();
     let sink = move |ev: SeqEvent<'_>| -> ControlFlow<()> {
+        if let SeqEvent::Done { .. } = ev {
+            choices_left = choices_left.saturating_sub(1);
+            end(choices_left == 0);
+        } else if let SeqEvent::Failed(_) = ev {
+            end(true);
+        }
         match ev {
             SeqEvent::Token { choice, event } => {
                 if panic_once.swap(false, Ordering::SeqCst) {
@@ -151,11 +167,12 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
                         tracing::info!(id, "request cut short by the shutdown");
                         ApiError::shutting_down()
                     }
-                    EngineError::PromptTooLong { prompt, ctx } => {
-                        ApiError::context_length(format!(
+                    EngineError::PromptTooLong { prompt, ctx } => ApiError::context_length(
+                        None,
+                        format!(
                             "This model's context is {ctx} tokens; the prompt has {prompt} tokens"
-                        ))
-                    }
+                        ),
+                    ),
                     e => ApiError::internal(format!("generation failed: {e}")),
                 };
                 let _ = events.send(GenEvent::Failed(err));

@@ -119,10 +119,13 @@ fn embed(st: &AppState, body: &[u8]) -> Result<Value, ApiError> {
             return Err(ApiError::invalid("input", format!("input[{i}] is empty")));
         }
         if ids.len() >= ctx {
-            return Err(ApiError::context_length(format!(
-                "This model's context is {ctx} tokens; input[{i}] has {} tokens",
-                ids.len()
-            )));
+            return Err(ApiError::context_length(
+                Some("input"),
+                format!(
+                    "This model's context is {ctx} tokens; input[{i}] has {} tokens",
+                    ids.len()
+                ),
+            ));
         }
         total += ids.len();
         let v = engine

@@ -35,10 +35,12 @@ impl ApiError {
         }
     }
 
-    pub fn context_length(message: impl Into<String>) -> Self {
+    /// 400 `context_length_exceeded`; `param`: the field holding the input (`messages`,
+    /// `prompt`, `input`), `None` where the request is no longer at hand.
+    pub fn context_length(param: Option<&str>, message: impl Into<String>) -> Self {
         Self {
             code: Some("context_length_exceeded"),
-            param: Some("messages".into()),
+            param: param.map(Into::into),
             ..Self::bad_request(message)
         }
     }

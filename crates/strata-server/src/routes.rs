@@ -135,10 +135,12 @@ fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiError>
     drop(body);
     let engine = &st.engine;
     let ctx = st.config.ctx_size;
+    let input_param = if chat { "messages" } else { "prompt" };
     let too_long = |n: String| {
-        ApiError::context_length(format!(
-            "This model's context is {ctx} tokens; the prompt has {n} tokens"
-        ))
+        ApiError::context_length(
+            Some(input_param),
+            format!("This model's context is {ctx} tokens; the prompt has {n} tokens"),
+        )
     };
     let least = engine.tokenizer.min_tokens_for(prompt.text_bytes());
     if least >= ctx {
@@ -203,7 +205,7 @@ fn prepare(st: &AppState, body: &[u8], kind: Kind) -> Result<Prepared, ApiError>
     let cap = st.config.max_tokens;
     params.max_tokens = Some(match params.max_tokens {
         Some(m) if ids.len() + m > ctx => {
-            return Err(ApiError::context_length(format!("This model's context is {ctx} tokens; the prompt ({} tokens) plus max_tokens ({m}) exceed it", ids.len())))
+            return Err(ApiError::context_length(Some(input_param), format!("This model's context is {ctx} tokens; the prompt ({} tokens) plus max_tokens ({m}) exceed it", ids.len())))
         }
         Some(m) if m > cap => {
             let key = params.max_tokens_key.unwrap_or("max_tokens");

@@ -322,11 +322,15 @@ fn client_errors_are_4xx_with_openai_bodies() {
     let v = assert_error(
         &http::post(addr, "/v1/chat/completions", &chat("x", json!({"max_tokens": 5000}))),
         400,
-        None,
+        Some("messages"),
     );
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     let long = "word ".repeat(3000);
-    let v = assert_error(&http::post(addr, "/v1/completions", &json!({"prompt": long})), 400, None);
+    let v = assert_error(
+        &http::post(addr, "/v1/completions", &json!({"prompt": long})),
+        400,
+        Some("prompt"),
+    );
     assert_eq!(v["error"]["code"], "context_length_exceeded", "never silently truncated");
     assert_error(&http::get(addr, "/v1/nothing"), 404, None);
     assert_error(&http::get(addr, "/v1/chat/completions"), 405, None);

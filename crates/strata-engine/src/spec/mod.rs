@@ -16,6 +16,12 @@
 //! drafting off gives plain decoding. Verification widths stay within
 //! [`strata_models::EXACT_ROWS_MAX`], where the target's multi-token logits are bit-identical to
 //! one-token decoding, so greedy speculation reproduces plain greedy decoding token for token.
+//!
+//! A sequence whose sampling changes the logits (`logit_bias`, a grammar's token mask) passes a
+//! [`LogitsConstraint`]: drafts are cut to the prefix the grammar accepts (a later draft could
+//! only be rejected), and every verified position's distribution is taken from the changed logits,
+//! with the grammar advanced by the drafts accepted before it — the distributions plain decoding
+//! samples from, so speculation stays lossless under a mask.
 
 pub mod accept;
 pub mod ngram;
@@ -34,6 +40,38 @@ pub use accept::{DraftDist, Verdict};
 pub use ngram::NgramParams;
 pub use policy::{DraftPolicy, FanoutModel};
 pub use stats::SpecStats;
+
+/// A sequence's changes to the target's logits before sampling (`logit_bias`, a grammar's token
+/// mask), applied by verification at every position it checks.
+pub trait LogitsConstraint {
+    /// Changes `logits` `[vocab]` for the next position (after the tokens advanced so far).
+    fn constrain(&mut self, logits: &mut [f32]) -> Result<()>;
+    /// How many of `drafts`, in order, the constraint can take (a draft past it is never accepted).
+    fn valid_prefix(&mut self, drafts: &[u32]) -> Result<usize>;
+    /// Advances by an accepted draft, tentatively, until [`Self::undo`].
+    fn advance(&mut self, token: u32) -> Result<()>;
+    /// Undoes every [`Self::advance`] since the last `undo` (the tokens are emitted afterwards and
+    /// advance the sequence's state as any token does).
+    fn undo(&mut self) -> Result<()>;
+}
+
+/// The target's sampling distribution at one verified position: `sampler`'s transforms over
+/// `logits` `[vocab]`, after `rules` (if any) changed them.
+fn target_distribution<'a>(
+    sampler: &Sampler,
+    logits: &[f32],
+    ctx: &[u32],
+    rules: Option<&mut (dyn LogitsConstraint + 'a)>,
+) -> Result<accept::Dist> {
+    Ok(match rules {
+        None => sampler.distribution(logits, ctx),
+        Some(r) => {
+            let mut l = logits.to_vec();
+            r.constrain(&mut l)?;
+            sampler.distribution(&l, ctx)
+        }
+    })
+}
 
 /// Where draft tokens come from.
 #[derive(Debug, Clone)]
@@ -264,13 +302,15 @@ impl<'a> Speculator<'a> {
     /// One round. `history` is the whole sequence so far and ends with the last emitted token,
     /// which is not yet in `cache` (`cache.len() == history.len() − 1`). `wanted`: tokens still to
     /// generate (≥ 1). Returns ≥ 1 tokens; `cache` then holds the history plus every returned token
-    /// but the last.
+    /// but the last. `rules`: the sequence's logit changes (`logit_bias`, grammar), `None` if it
+    /// has none.
     pub fn round(
         &mut self,
         cache: &mut KvCache,
         history: &[u32],
         sampler: &mut Sampler,
         wanted: usize,
+        mut rules: Option<&mut dyn LogitsConstraint>,
     ) -> Result<Vec<Emitted>> {
         let last = *history.last().ok_or(EngineError::EmptyPrompt)?;
         let len0 = cache.len();
@@ -280,7 +320,7 @@ impl<'a> Speculator<'a> {
             .min(cache.capacity().saturating_sub(len0 + 1))
             .min(self.cfg.max_draft);
         let t0 = Instant::now();
-        let (drafts, dists) = match &self.cfg.source {
+        let (mut drafts, mut dists) = match &self.cfg.source {
             DraftSource::Ngram(p) => {
                 let proposal = ngram::propose(history, limit, *p);
                 let n = self.policy.choose(proposal.len());
@@ -301,6 +341,11 @@ impl<'a> Speculator<'a> {
                 self.draft_dflash(&draft, *block_size, len0, history, n, sampler)?
             }
         };
+        if let Some(r) = rules.as_deref_mut() {
+            let n = r.valid_prefix(&drafts)?;
+            drafts.truncate(n);
+            dists.truncate(n);
+        }
         let draft_ms = t0.elapsed().as_secs_f64() * 1e3;
 
         let t1 = Instant::now();
@@ -327,9 +372,12 @@ impl<'a> Speculator<'a> {
         let mut accepted = 0;
         for (&d, q) in drafts.iter().zip(&dists) {
             let logits = rows.next().expect("one logits row per verified token");
-            let p = sampler.distribution(&logits, &ctx);
+            let p = target_distribution(sampler, &logits, &ctx, rules.as_deref_mut())?;
             match accept::verify_token(&p, d, q, sampler) {
                 Verdict::Accept => {
+                    if let Some(r) = rules.as_deref_mut() {
+                        r.advance(d)?;
+                    }
                     emitted.push((d, logits));
                     ctx.push(d);
                     accepted += 1;
@@ -343,8 +391,11 @@ impl<'a> Speculator<'a> {
         if accepted == drafts.len() {
             // Every draft accepted (or none drafted): the bonus token from the last row.
             let logits = rows.next().expect("bonus logits row");
-            let p = sampler.distribution(&logits, &ctx);
+            let p = target_distribution(sampler, &logits, &ctx, rules.as_deref_mut())?;
             emitted.push((sampler.draw(&p), logits));
+        }
+        if let Some(r) = rules {
+            r.undo()?;
         }
         self.target.rollback(cache, len0 + 1 + accepted)?;
         self.target.release_checkpoint(cache);
