@@ -27,7 +27,9 @@ pub struct ServeArgs {
     /// plan counts them all and refuses what does not fit). Without speculative decoding they
     /// share forward passes (continuous batching: one pass per step over every active request,
     /// a MoE batch's experts read once); with --spec / --draft-model / --dflash, speculation runs
-    /// per sequence and requests do not share passes.
+    /// per sequence and requests do not share passes (measured on SmolLM2, 2 cores, 8 clients:
+    /// 81 tok/s with --spec ngram against 203–229 batched; docs/performance.md): for many users
+    /// leave speculation off.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024).map(|v| v as usize))]
     pub parallel: usize,
     /// Tokens one batched forward pass runs at most besides one prompt chunk (decode tokens of
