@@ -451,22 +451,27 @@ fn openai_client_tools_structured_outputs_and_more() {
     let mut cache = engine.new_cache(64).unwrap();
     let first =
         engine.generate(&mut cache, &req, &mut |_| std::ops::ControlFlow::Continue(())).unwrap();
-    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../scripts/openai_api_check.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .arg(format!("http://127.0.0.1:{port}/v1"))
-        .arg(first.tokens[0].to_string())
-        .arg(engine.model.config().hidden_size.to_string())
-        .output()
-        .unwrap();
+    let args = [
+        format!("http://127.0.0.1:{port}/v1"),
+        first.tokens[0].to_string(),
+        engine.model.config().hidden_size.to_string(),
+    ];
+    run_check_script(&mut child, "openai_api_check.py", &args, "openai api check");
+}
+
+/// Runs `scripts/NAME` with `args` against the server `child`, stops the server, and asserts the
+/// script succeeded and printed `"{what}: ok"` (its output is shown).
+fn run_check_script(child: &mut std::process::Child, name: &str, args: &[String], what: &str) {
+    let script =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts").join(name);
+    let out = Command::new("python3").arg(script).args(args).output().unwrap();
     let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
     let _ = child.wait();
     let text =
         format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     eprintln!("{text}");
-    assert!(out.status.success(), "openai api check failed:\n{text}");
-    assert!(text.contains("openai api check: ok"), "{text}");
+    assert!(out.status.success(), "{what} failed:\n{text}");
+    assert!(text.contains(&format!("{what}: ok")), "{text}");
 }
 
 /// The chat page at `/` in a real headless Chromium (`scripts/web_chat_check.py`, selenium with
@@ -480,21 +485,8 @@ fn web_chat_page_answers_in_chromium() {
     std::fs::create_dir_all(&dir).unwrap();
     let shot = dir.join("web_chat.png");
     let _ = std::fs::remove_file(&shot);
-    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../scripts/web_chat_check.py");
-    let out = Command::new("python3")
-        .arg(script)
-        .arg(format!("http://127.0.0.1:{port}"))
-        .arg(&shot)
-        .output()
-        .unwrap();
-    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
-    let _ = child.wait();
-    let text =
-        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    eprintln!("{text}");
-    assert!(out.status.success(), "web chat check failed:\n{text}");
-    assert!(text.contains("web chat check: ok"), "{text}");
+    let args = [format!("http://127.0.0.1:{port}"), shot.to_string_lossy().into_owned()];
+    run_check_script(&mut child, "web_chat_check.py", &args, "web chat check");
     let png = std::fs::read(&shot).expect("a screenshot");
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "screenshot at {}", shot.display());
     eprintln!("screenshot: {}", shot.display());

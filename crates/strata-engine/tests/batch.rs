@@ -64,6 +64,17 @@ fn alone(engine: &Engine, req: &GenerateRequest) -> Vec<u32> {
 }
 
 /// One step; `step` counts steps (tokens record the step that emitted them).
+/// Submits every request (one choice each); their outputs, in order.
+fn submit_all(b: &mut Batcher, reqs: &[GenerateRequest], step: &Arc<Mutex<usize>>) -> Vec<Shared> {
+    reqs.iter()
+        .map(|r| {
+            let (s, o, _) = submission(r.clone(), step.clone());
+            b.submit(s);
+            o
+        })
+        .collect()
+}
+
 fn step_once(b: &mut Batcher, step: &Arc<Mutex<usize>>) {
     *step.lock().unwrap() += 1;
     b.step(&|| false).unwrap();
@@ -107,14 +118,7 @@ fn batched_greedy_tokens_equal_each_request_alone() {
     cfg.prefill_chunk = 128;
     let mut b = Batcher::new(engine.clone(), cfg).unwrap();
     let step = Arc::new(Mutex::new(0));
-    let outs: Vec<Shared> = reqs
-        .iter()
-        .map(|r| {
-            let (s, o, _) = submission(r.clone(), step.clone());
-            b.submit(s);
-            o
-        })
-        .collect();
+    let outs = submit_all(&mut b, &reqs, &step);
     let mut max_batch = 0;
     while b.has_work() {
         let st = b.step(&|| false).unwrap();
@@ -228,14 +232,7 @@ fn an_expert_read_error_fails_only_the_sequences_routed_to_it() {
     let engine = Arc::new(Engine { model: Arc::new(model), ..common::load(&path, 256) });
     let mut b = Batcher::new(engine, BatchConfig::new(2, 256)).unwrap();
     let step = Arc::new(Mutex::new(0));
-    let outs: Vec<Shared> = reqs
-        .iter()
-        .map(|r| {
-            let (s, o, _) = submission(r.clone(), step.clone());
-            b.submit(s);
-            o
-        })
-        .collect();
+    let outs = submit_all(&mut b, &reqs, &step);
     drain(&mut b, &step);
     let failed = outs[0].lock().unwrap();
     let msg = failed.failed.as_deref().expect("the request routed to the bad expert fails");
