@@ -301,10 +301,12 @@ async fn collect(mut rx: UnboundedReceiver<GenEvent>, n: usize) -> Result<Vec<Ch
                     *d = Some(*g);
                 }
                 if done.iter().all(Option::is_some) {
+                    // Every entry is `Some`: flattening keeps all n, in order.
                     return Ok(done
                         .into_iter()
+                        .flatten()
                         .zip(lps)
-                        .map(|(g, logprobs)| Choice { gen: g.expect("all done"), logprobs })
+                        .map(|(gen, logprobs)| Choice { gen, logprobs })
                         .collect());
                 }
             }
