@@ -1,19 +1,60 @@
 #!/usr/bin/env bash
-# Alternating pp512 / tg128 runs of llama.cpp's llama-bench and `strata bench` on the same GGUF,
-# threads and machine (docs/performance.md, "SmolLM2-135M-Instruct Q4_1"). llama.cpp is not part of
-# Strata: build it yourself and point LLAMA_BENCH at it, e.g. from the llama-cpp-python sdist on
-# PyPI (its vendor/llama.cpp): `cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-# -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-bench`.
+# Alternating rounds of llama.cpp's llama-bench and `strata bench` on the same GGUF, threads and
+# machine; prints each round's tok/s, the paired ratios (Strata / llama.cpp) and their medians
+# (docs/performance.md, "CPU kernels"). llama.cpp is not part of Strata: build it with
+# `../shared/tools/llamacpp.sh cpu DIR` and point LLAMA_BENCH at DIR's llama-bench.
+#
+#   LLAMA_BENCH=…/llama-bench [MODEL=…gguf] [PP="512"] [TG=128] [THREADS=2] [ROUNDS=3] [REPS=3]
+#   [STRATA=./target/release/strata] [STRATA_ARGS="--stream-experts off"] scripts/bench_vs_llamacpp.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${LLAMA_BENCH:?set LLAMA_BENCH to a llama-bench binary}"
 M=${MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 T=${THREADS:-2}
-R=${REPS:-5}
+R=${REPS:-3}
+PP=${PP:-512}
+TG=${TG:-128}
 S=${STRATA:-./target/release/strata}
+OUT=$(mktemp -d)
+echo "model: $M, threads $T, pp [$PP], tg $TG, $R reps per run, ${ROUNDS:-3} rounds"
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
+echo "simd: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx|avx2|fma|f16c|avx512[a-z_0-9]*)$' | sort | tr '\n' ' ')"
 "$LLAMA_BENCH" --version 2>&1 | grep -i -E 'version|commit' | head -2 || true
-for round in $(seq "${ROUNDS:-2}"); do
+echo "strata: $("$S" --version)"
+last_pp=${PP##* }
+for round in $(seq "${ROUNDS:-3}"); do
+  for p in $PP; do
+    # llama-bench: one markdown row per test; the value column is "mean ± sd".
+    "$LLAMA_BENCH" -m "$M" -t "$T" -p "$p" -n 0 -r "$R" 2>/dev/null \
+      | awk -F'|' -v r="$round" '/ pp[0-9]+ /{gsub(/ /,"",$(NF-2)); split($(NF-1),v," "); print "llama", r, $(NF-2), v[1]}' >>"$OUT/rows"
+    n=0
+    if [ "$p" = "$last_pp" ]; then
+      "$LLAMA_BENCH" -m "$M" -t "$T" -p 0 -n "$TG" -r "$R" 2>/dev/null \
+        | awk -F'|' -v r="$round" '/ tg[0-9]+ /{gsub(/ /,"",$(NF-2)); split($(NF-1),v," "); print "llama", r, $(NF-2), v[1]}' >>"$OUT/rows"
+      n=$TG
+    fi
+    # One load per call: the prompt test, and the generation test with the last prompt size.
+    # shellcheck disable=SC2086
+    "$S" bench -m "$M" -t "$T" -p "$p" -n "$n" -r "$R" --json ${STRATA_ARGS:-} 2>/dev/null \
+      | python3 -c 'import json,sys; r=sys.argv[1]; [print("strata", r, x["test"], x["median_tok_s"]) for x in json.load(sys.stdin)["results"] if x["tokens"] > 0]' "$round" >>"$OUT/rows"
+  done
   echo "## round $round"
-  "$LLAMA_BENCH" -m "$M" -t "$T" -p 512 -n 128 -r "$R" 2>/dev/null | grep -E 'pp512|tg128' | awk -F'|' '{printf "llama.cpp  %s %s\n", $(NF-2), $(NF-1)}'
-  "$S" bench -m "$M" -t "$T" -r "$R" 2>&1 | grep -E 'pp512|tg128' | awk -F'|' '{printf "strata     %s  %s  (runs %s)\n", $4, $5, $6}'
+  grep -E "^(llama|strata) $round " "$OUT/rows" | awk '{printf "  %-7s %-6s %8.2f tok/s\n", $1, $3, $4}'
 done
+python3 - "$OUT/rows" <<'EOF'
+import collections, statistics, sys
+v = collections.defaultdict(dict)
+for line in open(sys.argv[1]):
+    who, rnd, test, tps = line.split()
+    v[test].setdefault(rnd, {})[who] = float(tps)
+print("| test | llama.cpp tok/s (median) | Strata tok/s (median) | paired ratios | median ratio |")
+print("|---|---|---|---|---|")
+for test, rounds in v.items():
+    pairs = [(r["llama"], r["strata"]) for r in rounds.values() if "llama" in r and "strata" in r]
+    if not pairs:
+        continue
+    ratios = [s / l for l, s in pairs]
+    print(f"| {test} | {statistics.median(l for l, _ in pairs):.2f} | {statistics.median(s for _, s in pairs):.2f} "
+          f"| {', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}×** |")
+EOF
+rm -r "$OUT"

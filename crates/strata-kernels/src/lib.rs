@@ -1,24 +1,33 @@
-//! CPU matrix-vector kernels for ggml block-quantized weights.
+//! CPU kernels for ggml block-quantized weights: Q4_0, Q4_1, Q8_0 and Q4_K, Q5_K, Q6_K matrices
+//! times f32 activations, each format with tile kernels for 1–8 tokens per weight row (every
+//! token's arithmetic the one-token kernel's, so a speculative verify pass is bit-identical to
+//! decoding token by token), AVX2 and AVX-512 paths chosen at run time ([`isa`]; bit-identical to
+//! each other) and a scalar fallback for other CPUs; one MoE layer's experts in two parallel
+//! regions ([`moe`]); and decode attention.
 //!
-//! candle 0.11 has SIMD kernels for Q4_0, Q8_0 and the K-quants but computes Q4_1 with scalar code
-//! and rounds the Q8_1 block sum through f16 arithmetic; its AVX512 Q8_0 path quantizes activations
-//! per 256 values (Q8_K) where ggml uses per-32 Q8_0 blocks. Both drift measurably from llama.cpp. These
-//! kernels follow ggml exactly (`ggml/src/ggml-quants.c` `quantize_row_q8_1_ref`,
-//! `ggml-cpu/ggml-cpu-quants.c` `ggml_vec_dot_q4_1_q8_1`) with an AVX2 path and a scalar fallback.
+//! Why our own: candle 0.11 computes Q4_1 with scalar code, rounds the Q8_1 block sum through f16
+//! arithmetic, quantizes Q8_0 activations per 256 values on AVX-512 where ggml uses per-32 blocks,
+//! and repacks Q4_K/Q6_K matrices on x86 into a second copy (1.33× their size, ~6 ms per streamed
+//! expert). These kernels follow ggml's arithmetic (`ggml/src/ggml-quants.c` quantizers,
+//! `ggml-cpu/arch/x86/quants.c` `ggml_vec_dot_*` AVX2 kernels) and read weights as stored.
 
 pub mod attention;
 pub mod bytes;
 pub mod matrix;
+pub mod moe;
 pub mod q4k;
+pub mod q5k;
+pub mod q6k;
 pub mod q8_1;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use bytes::WeightBytes;
-pub use matrix::{BlockFormat, QuantMatrix};
+pub use matrix::{isa, BlockFormat, Isa, QuantMatrix, QuantizedActs};
 
-/// A raw pointer that may cross threads; each task writes disjoint elements.
+/// A raw pointer to an f32 output buffer that may cross threads; each task writes disjoint
+/// elements ([`QuantMatrix::rows_into`]).
 #[derive(Clone, Copy)]
-pub(crate) struct SendPtr(pub *mut f32);
+pub struct SendPtr(pub *mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}

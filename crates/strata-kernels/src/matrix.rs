@@ -1,37 +1,51 @@
 //! Block-quantized weight matrices times f32 activations quantized to 8 bits per ggml's pairing:
+//! - Q4_0 (block: f16 d, 16 bytes of nibbles; `w = d·(q − 8)`) × Q8_0,
 //! - Q4_1 (block: f16 d, f16 m, 16 bytes of nibbles; `w = d·q + m`) × Q8_1,
 //! - Q8_0 (block: f16 d, 32 int8; `w = d·q`) × Q8_0,
-//! - Q4_K (256-weight super-blocks, see [`crate::q4k`]) × Q8_K.
+//! - Q4_K, Q5_K, Q6_K (256-weight super-blocks, see [`crate::q4k`], [`crate::q5k`], [`crate::q6k`])
+//!   × Q8_K.
 
 use half::f16;
 
 use crate::bytes::WeightBytes;
 use crate::q8_1::{quantize_row, BlockQ8_1, QK};
-use crate::SendPtr;
+pub use crate::SendPtr;
 
 /// The weight block formats these kernels implement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockFormat {
+    Q4_0,
     Q4_1,
     Q8_0,
     Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl BlockFormat {
     /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
         match self {
+            BlockFormat::Q4_0 => 18,
             BlockFormat::Q4_1 => 20,
             BlockFormat::Q8_0 => 34,
             BlockFormat::Q4K => crate::q4k::BLOCK_BYTES,
+            BlockFormat::Q5K => crate::q5k::BLOCK_BYTES,
+            BlockFormat::Q6K => crate::q6k::BLOCK_BYTES,
         }
+    }
+
+    /// Whether activations pair with this format as Q8_K blocks (else Q8_1).
+    pub const fn uses_q8k(self) -> bool {
+        matches!(self, BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K)
     }
 
     /// Weights per block.
     pub const fn block_elems(self) -> usize {
-        match self {
-            BlockFormat::Q4K => crate::q4k::QK_K,
-            _ => QK,
+        if self.uses_q8k() {
+            crate::q4k::QK_K
+        } else {
+            QK
         }
     }
 }
@@ -108,66 +122,124 @@ impl QuantMatrix {
         self.cols / self.format.block_elems() * self.format.block_bytes()
     }
 
-    /// `out[t, r] = Σ_c x[t, c] · W[r, c]` for `m` activation rows; `x: [m, cols]`, `out: [m, rows]`.
-    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+    /// Quantizes `x: [m, cols]` to the activation blocks this matrix's format pairs with (Q8_K for
+    /// Q4_K, Q8_1 otherwise), row by row: a row's blocks do not depend on the other rows.
+    pub fn quantize(&self, x: &[f32], m: usize) -> QuantizedActs {
         assert_eq!(x.len(), m * self.cols);
-        assert_eq!(out.len(), m * self.rows);
-        if self.format == BlockFormat::Q4K {
+        if self.format.uses_q8k() {
             let mut qx = Vec::with_capacity(m * self.cols / crate::q4k::QK_K);
             let mut tmp = Vec::new();
-            for t in 0..m {
-                crate::q4k::quantize_row_q8k(&x[t * self.cols..(t + 1) * self.cols], &mut tmp);
+            for row in x.chunks_exact(self.cols) {
+                crate::q4k::quantize_row_q8k(row, &mut tmp);
                 qx.extend_from_slice(&tmp);
             }
-            return self.run(&qx, m, out, select_tiles_q4k());
+            return QuantizedActs::Q8K(qx);
         }
-        let nb = self.cols / QK;
-        let mut qx = Vec::with_capacity(m * nb);
-        let mut tmp = Vec::with_capacity(nb);
-        for t in 0..m {
-            quantize_row(&x[t * self.cols..(t + 1) * self.cols], &mut tmp);
+        let mut qx = Vec::with_capacity(m * self.cols / QK);
+        let mut tmp = Vec::new();
+        for row in x.chunks_exact(self.cols) {
+            quantize_row(row, &mut tmp);
             qx.extend_from_slice(&tmp);
         }
-        self.run(&qx, m, out, select_tiles(self.format));
+        QuantizedActs::Q8_1(qx)
     }
 
-    /// Every (row, token) dot product over quantized activations `qx: [m, blocks per row]`.
-    /// `tiles`: kernels by tokens per call, largest first, the last taking one token; tokens go
-    /// through the largest tile that fits (each weight block unpacked once per tile). Every tile
-    /// kernel does a token's arithmetic exactly as the one-token kernel does, so a token's result
-    /// does not depend on how many tokens share the pass (a verify pass of several tokens gives
-    /// bit-identical outputs to decoding them one by one).
-    fn run<A: Sync>(&self, qx: &[A], m: usize, out: &mut [f32], tiles: &[(usize, RowsFn<A>)]) {
-        let nb = qx.len() / m.max(1);
-        let rows = self.rows;
+    /// `out[t, r] = Σ_c x[t, c] · W[r, c]` for `m` activation rows; `x: [m, cols]`, `out: [m, rows]`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), m * self.rows);
+        let qx = self.quantize(x, m);
         let ptr = SendPtr(out.as_mut_ptr());
-        let (data, rb) = (self.data.as_slice(), self.row_bytes());
-        // The tiles covering tokens 0..m, fixed before the parallel region: (first token, size, kernel).
-        let mut plan = Vec::with_capacity(4);
-        let mut t = 0;
-        for &(size, kernel) in tiles {
-            while t + size <= m {
-                plan.push((t, size, kernel));
-                t += size;
-            }
-        }
-        debug_assert_eq!(t, m, "the last tile takes one token");
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
         // ones candle's own ops use, so no second pool competes for the cores.
-        candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
-            let p = ptr;
-            let mut v = [0f32; MAX_TILE];
-            for r in range {
-                let w = &data[r * rb..(r + 1) * rb];
-                for &(t, size, kernel) in &plan {
-                    kernel(w, &qx[t * nb..(t + size) * nb], nb, &mut v[..size]);
-                    for (j, &x) in v[..size].iter().enumerate() {
-                        // SAFETY: each (t, r) is written by exactly one task, and out has m·rows elements.
-                        unsafe { *p.0.add((t + j) * rows + r) = x };
-                    }
+        candle_core::utils::barrier_pool().execute_chunked(self.rows, |range| {
+            // SAFETY: every task writes the rows of its own range, for m tokens, into out (m·rows).
+            unsafe { self.rows_into(&qx, m, range, ptr, self.rows) }
+        });
+    }
+
+    /// Rows `rows` of `W · x` for the `m` tokens of `qx` (from [`Self::quantize`]): writes
+    /// `out[t · stride + r]` for every token `t` and row `r` in `rows`. Tokens go through the
+    /// largest tile kernel that fits (each weight block unpacked once per tile; weights of the
+    /// range reused from cache across tiles). Every tile kernel does a token's arithmetic exactly
+    /// as the one-token kernel does, so a token's result does not depend on how many tokens share
+    /// the pass (a verify pass of several tokens gives bit-identical outputs to decoding them one
+    /// by one).
+    ///
+    /// # Safety
+    /// `out` must be valid for writes at `t · stride + r` for `t < m`, `r` in `rows`, and no other
+    /// thread may write those elements meanwhile.
+    ///
+    /// # Panics
+    /// When `qx` is not the activation kind of this format or `rows` exceeds the matrix.
+    pub unsafe fn rows_into(
+        &self,
+        qx: &QuantizedActs,
+        m: usize,
+        rows: std::ops::Range<usize>,
+        out: SendPtr,
+        stride: usize,
+    ) {
+        assert!(rows.end <= self.rows);
+        match (self.format, qx) {
+            (f, QuantizedActs::Q8K(a)) if f.uses_q8k() => {
+                self.tiles_into(a, m, rows, out, stride, select_tiles_k(f))
+            }
+            (BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q8_0, QuantizedActs::Q8_1(a)) => {
+                self.tiles_into(a, m, rows, out, stride, select_tiles(self.format))
+            }
+            (f, _) => panic!("{f:?} weights given the wrong activation blocks"),
+        }
+    }
+
+    unsafe fn tiles_into<A>(
+        &self,
+        qx: &[A],
+        m: usize,
+        rows: std::ops::Range<usize>,
+        out: SendPtr,
+        stride: usize,
+        tiles: &[(usize, RowsFn<A>)],
+    ) {
+        let nb = self.cols / self.format.block_elems();
+        assert!(qx.len() >= m * nb);
+        let (data, rb) = (self.data.as_slice(), self.row_bytes());
+        let mut v = [0f32; MAX_TILE];
+        let mut t = 0;
+        while t < m {
+            // The largest tile that fits the tokens left (the last entry takes one).
+            let &(size, kernel) = tiles.iter().find(|(s, _)| *s <= m - t).expect("a 1-token tile");
+            let a = &qx[t * nb..(t + size) * nb];
+            for r in rows.clone() {
+                kernel(&data[r * rb..(r + 1) * rb], a, nb, &mut v[..size]);
+                for (j, &x) in v[..size].iter().enumerate() {
+                    // SAFETY: the caller owns these elements (see the function's contract).
+                    unsafe { *out.0.add((t + j) * stride + r) = x };
                 }
             }
-        });
+            t += size;
+        }
+    }
+}
+
+/// Activations quantized for one weight format's dot product, `[m, blocks per row]` row-major.
+#[derive(Debug, Clone)]
+pub enum QuantizedActs {
+    /// For Q4_1 and Q8_0 weights (Q8_0 uses `qs` and `d` only).
+    Q8_1(Vec<BlockQ8_1>),
+    /// For Q4_K weights.
+    Q8K(Vec<crate::q4k::BlockQ8K>),
+}
+
+impl QuantizedActs {
+    /// The blocks of rows `rows` (each `nb` blocks) in order, as their own activations.
+    pub fn gather(&self, rows: impl Iterator<Item = usize> + Clone, nb: usize) -> QuantizedActs {
+        fn pick<A: Copy>(v: &[A], rows: impl Iterator<Item = usize>, nb: usize) -> Vec<A> {
+            rows.flat_map(|r| v[r * nb..(r + 1) * nb].iter().copied()).collect()
+        }
+        match self {
+            QuantizedActs::Q8_1(v) => QuantizedActs::Q8_1(pick(v, rows, nb)),
+            QuantizedActs::Q8K(v) => QuantizedActs::Q8K(pick(v, rows, nb)),
+        }
     }
 }
 
@@ -195,38 +267,86 @@ macro_rules! tiles {
     };
 }
 
+/// The instruction set the kernels use: the best this CPU has, or `$STRATA_CPU_KERNELS`
+/// (`avx512`, `avx2`, `scalar`) capped at what it has (for measuring one path against another).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+/// The [`Isa`] in use (decided once per process).
+pub fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let best = if !crate::x86::avx2::available() {
+            Isa::Scalar
+        } else if std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+        {
+            Isa::Avx512
+        } else {
+            Isa::Avx2
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let best = Isa::Scalar;
+        let wanted = match std::env::var("STRATA_CPU_KERNELS").as_deref() {
+            Ok("scalar") => Isa::Scalar,
+            Ok("avx2") => Isa::Avx2,
+            _ => Isa::Avx512,
+        };
+        best.min(wanted)
+    })
+}
+
 /// Tile kernels for `format` (largest first, ending with one token). Measured on the AVX2 kernels
 /// (docs/performance.md): a pass over 2 tokens costs ~1.3× one token, over 4 ~1.7×, over 8 ~3×;
 /// every width up to 8 has its own kernel, so a verify pass of up to 8 tokens is one tile.
+/// Q4_1 and Q8_0 have no AVX-512 path (measured no faster, see [`crate::x86`]).
 fn select_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1>)] {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::x86::avx2;
-        if avx2::available() {
+        if isa() >= Isa::Avx2 {
             return match format {
+                BlockFormat::Q4_0 => tiles!(avx2::q4_0_tokens),
                 BlockFormat::Q4_1 => tiles!(avx2::q4_1_tokens),
                 BlockFormat::Q8_0 => tiles!(avx2::q8_0_tokens),
-                BlockFormat::Q4K => {
-                    unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)")
-                }
+                _ => unreachable!("K-quants pair with Q8_K activations (select_tiles_k)"),
             };
         }
     }
     match format {
+        BlockFormat::Q4_0 => &[(1, |w, a, _, o| o[0] = dot_q4_0_scalar(w, a))],
         BlockFormat::Q4_1 => &[(1, |w, a, _, o| o[0] = dot_q4_1_scalar(w, a))],
         BlockFormat::Q8_0 => &[(1, |w, a, _, o| o[0] = dot_q8_0_scalar(w, a))],
-        BlockFormat::Q4K => unreachable!("Q4_K pairs with Q8_K activations (select_tiles_q4k)"),
+        _ => unreachable!("K-quants pair with Q8_K activations (select_tiles_k)"),
     }
 }
 
-fn select_tiles_q4k() -> &'static [(usize, RowsFn<crate::q4k::BlockQ8K>)] {
+/// K-quant tile kernels: AVX-512 or AVX2 (bit-identical to each other), else the scalar kernel.
+fn select_tiles_k(format: BlockFormat) -> &'static [(usize, RowsFn<crate::q4k::BlockQ8K>)] {
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::x86::avx2::available() {
-            return &[(1, |w, a, _, o| o[0] = unsafe { crate::q4k::dot_q4k_avx2(w, a) })];
+        use crate::{q4k, q5k, q6k};
+        match (isa(), format) {
+            (Isa::Avx512, BlockFormat::Q4K) => return tiles!(q4k::q4k_tokens_avx512),
+            (Isa::Avx512, BlockFormat::Q5K) => return tiles!(q5k::q5k_tokens_avx512),
+            (Isa::Avx512, BlockFormat::Q6K) => return tiles!(q6k::q6k_tokens_avx512),
+            (Isa::Avx2, BlockFormat::Q4K) => return tiles!(q4k::q4k_tokens_avx2),
+            (Isa::Avx2, BlockFormat::Q5K) => return tiles!(q5k::q5k_tokens_avx2),
+            (Isa::Avx2, BlockFormat::Q6K) => return tiles!(q6k::q6k_tokens_avx2),
+            _ => {}
         }
     }
-    &[(1, |w, a, _, o| o[0] = crate::q4k::dot_q4k_scalar(w, a))]
+    match format {
+        BlockFormat::Q4K => &[(1, |w, a, _, o| o[0] = crate::q4k::dot_q4k_scalar(w, a))],
+        BlockFormat::Q5K => &[(1, |w, a, _, o| o[0] = crate::q5k::dot_q5k_scalar(w, a))],
+        BlockFormat::Q6K => &[(1, |w, a, _, o| o[0] = crate::q6k::dot_q6k_scalar(w, a))],
+        _ => unreachable!("Q4_1 and Q8_0 pair with Q8_1 activations (select_tiles)"),
+    }
 }
 
 /// ggml `ggml_vec_dot_q8_0_q8_0`, generic version.
@@ -236,6 +356,21 @@ pub fn dot_q8_0_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
         let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
         let sumi: i32 =
             blk[2..34].iter().zip(&y.qs).map(|(&q, &v)| q as i8 as i32 * v as i32).sum();
+        sumf += sumi as f32 * (d * y.d);
+    }
+    sumf
+}
+
+/// ggml `ggml_vec_dot_q4_0_q8_0`, generic version.
+pub fn dot_q4_0_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+    let mut sumf = 0f32;
+    for (blk, y) in w.chunks_exact(BlockFormat::Q4_0.block_bytes()).zip(a) {
+        let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+        let mut sumi = 0i32;
+        for (j, &q) in blk[2..18].iter().enumerate() {
+            sumi += ((q & 0x0F) as i32 - 8) * y.qs[j] as i32
+                + ((q >> 4) as i32 - 8) * y.qs[j + QK / 2] as i32;
+        }
         sumf += sumi as f32 * (d * y.d);
     }
     sumf
@@ -287,6 +422,24 @@ mod tests {
         (QuantMatrix::new(BlockFormat::Q4_1, data, rows, cols).unwrap(), dense)
     }
 
+    fn make_q4_0(rows: usize, cols: usize) -> (QuantMatrix, Vec<f32>) {
+        let mut data = Vec::new();
+        let mut dense = Vec::new();
+        for b in 0..rows * cols / QK {
+            let d = f16::from_f32(0.01 + 0.001 * (b % 7) as f32);
+            data.extend_from_slice(&d.to_le_bytes());
+            let qs: Vec<u8> = (0..16).map(|j| ((b * 29 + j * 13) % 256) as u8).collect();
+            data.extend_from_slice(&qs);
+            let mut vals = [0f32; QK];
+            for j in 0..16 {
+                vals[j] = d.to_f32() * ((qs[j] & 0xF) as f32 - 8.0);
+                vals[j + 16] = d.to_f32() * ((qs[j] >> 4) as f32 - 8.0);
+            }
+            dense.extend_from_slice(&vals);
+        }
+        (QuantMatrix::new(BlockFormat::Q4_0, data, rows, cols).unwrap(), dense)
+    }
+
     fn make_q8_0(rows: usize, cols: usize) -> (QuantMatrix, Vec<f32>) {
         let mut data = Vec::new();
         let mut dense = Vec::new();
@@ -308,6 +461,11 @@ mod tests {
     }
 
     #[test]
+    fn q4_0_simd_equals_scalar_and_approximates_f32() {
+        check(make_q4_0(23, 288), dot_q4_0_scalar);
+    }
+
+    #[test]
     fn q4_1_simd_equals_scalar_and_approximates_f32() {
         check(make_q4_1(37, 256), dot_q4_1_scalar);
     }
@@ -316,11 +474,14 @@ mod tests {
     /// bit-identical to the one-token kernel).
     #[test]
     fn every_tile_kernel_equals_scalar() {
-        for (format, scalar) in
-            [(BlockFormat::Q4_1, dot_q4_1_scalar as DotFn), (BlockFormat::Q8_0, dot_q8_0_scalar)]
-        {
+        for (format, scalar) in [
+            (BlockFormat::Q4_0, dot_q4_0_scalar as DotFn),
+            (BlockFormat::Q4_1, dot_q4_1_scalar),
+            (BlockFormat::Q8_0, dot_q8_0_scalar),
+        ] {
             // 288 columns = 9 blocks.
             let w = match format {
+                BlockFormat::Q4_0 => make_q4_0(5, 288).0,
                 BlockFormat::Q4_1 => make_q4_1(5, 288).0,
                 _ => make_q8_0(5, 288).0,
             };

@@ -22,7 +22,7 @@ pub struct BlockQ8K {
 }
 
 /// ggml `quantize_row_q8_K_ref`: scale from the value of largest magnitude (sign kept), round to
-/// nearest, clamp to 127.
+/// nearest with ties to even (ggml's `nearest_int`), clamp to 127.
 pub fn quantize_row_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
     out.clear();
     for xs in x.chunks_exact(QK_K) {
@@ -38,7 +38,7 @@ pub fn quantize_row_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
         if amax != 0.0 {
             let iscale = -127.0 / max;
             for (q, &v) in b.qs.iter_mut().zip(xs) {
-                *q = (iscale * v).round().min(127.0) as i8;
+                *q = crate::q8_1::round_ties_even(iscale * v).min(127.0) as i8;
             }
             for (s, g) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
                 *s = g.iter().map(|&q| q as i16).sum();
@@ -51,7 +51,7 @@ pub fn quantize_row_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
 
 /// ggml `get_scale_min_k4` for all eight sub-blocks.
 #[inline(always)]
-fn scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub(crate) fn scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
     for j in 0..8 {
         if j < 4 {
@@ -92,50 +92,179 @@ pub fn dot_q4k_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
     sumf
 }
 
-/// AVX2 version of [`dot_q4k_scalar`] (same integer sums, so the same result up to f32 rounding
-/// order).
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C (checked by the caller at run time); `w` holds whole
-/// Q4_K blocks, one per block of `a`.
+/// One Q4_K block's header as ggml's AVX2 kernel unpacks it: `d` and `dmin` in f32, and 16 i16
+/// lanes holding the eight 6-bit scales (lanes 0–7) then the eight mins (lanes 8–15).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4k_avx2(w: &[u8], a: &[BlockQ8K]) -> f32 {
+#[inline]
+pub(crate) unsafe fn q4k_header(blk: &[u8]) -> (f32, f32, std::arch::x86_64::__m256i) {
+    use std::arch::x86_64::*;
+    let u = |i: usize| u32::from_le_bytes([blk[4 + i], blk[5 + i], blk[6 + i], blk[7 + i]]);
+    let (u0, u1, u2) = (u(0), u(4), u(8));
+    let sc03 = u0 & 0x3F3F_3F3F;
+    let mn03 = u1 & 0x3F3F_3F3F;
+    let sc47 = (u2 & 0x0F0F_0F0F) | (((u0 >> 6) & 0x0303_0303) << 4);
+    let mn47 = ((u2 >> 4) & 0x0F0F_0F0F) | (((u1 >> 6) & 0x0303_0303) << 4);
+    let packed = _mm_set_epi32(mn47 as i32, mn03 as i32, sc47 as i32, sc03 as i32);
+    (
+        crate::x86::h2f(u16::from_le_bytes([blk[0], blk[1]])),
+        crate::x86::h2f(u16::from_le_bytes([blk[2], blk[3]])),
+        _mm256_cvtepu8_epi16(packed),
+    )
+}
+
+/// `pshufb` pattern broadcasting i16 lane `k` across each 128-bit half.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn scale_pattern(k: usize) -> i16 {
+    ((2 * k) | ((2 * k + 1) << 8)) as i16
+}
+
+/// The mins term of one block for one token: 4 i32 lanes of `min[2i]·s[2i] + min[2i+1]·s[2i+1]`
+/// where `s[j]` sums the Q8_K block's values of sub-block `j` (ggml's `prod`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn mins_prod(
+    mins: std::arch::x86_64::__m128i,
+    y: &BlockQ8K,
+) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    let bs = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+    let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    _mm_madd_epi16(mins, q8s)
+}
+
+/// ggml's final reduction: 8 lanes of `d`-scaled sums plus 4 lanes of mins terms.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4k_finish(acc: std::arch::x86_64::__m256, acc_m: std::arch::x86_64::__m128) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    crate::x86::hsum(acc) + _mm_cvtss_f32(m)
+}
+
+/// Dot products of one Q4_K weight row `w` (`nb` blocks) with `R` Q8_K activation rows
+/// `a: [R, nb]` into `out[..R]` (AVX2 + FMA + F16C), each block's scales and nibbles unpacked once
+/// for all `R` tokens. Every token's arithmetic is ggml's `ggml_vec_dot_q4_K_q8_K` (AVX2 branch):
+/// integer sums per block, one fused multiply-add per block into 8 f32 lanes for the scaled sums
+/// and into 4 lanes for the mins, reduced at the end of the row. So a tile's results are
+/// bit-identical to the one-token kernel's, whatever `R`; equal to [`dot_q4k_scalar`] up to f32
+/// rounding order.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C (checked by the caller at run time); `w` holds `nb`
+/// whole Q4_K blocks and `a` `R · nb` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4k_tokens_avx2<const R: usize>(
+    w: &[u8],
+    a: &[BlockQ8K],
+    nb: usize,
+    out: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let low = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0f32;
-    for (blk, y) in w.chunks_exact(BLOCK_BYTES).zip(a) {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc_m = [_mm_setzero_ps(); R];
+    for (b, blk) in w.chunks_exact(BLOCK_BYTES).enumerate() {
         let p = blk.as_ptr();
-        let d = crate::x86::h2f(u16::from_le_bytes([blk[0], blk[1]])) * y.d;
-        let dmin = crate::x86::h2f(u16::from_le_bytes([blk[2], blk[3]])) * y.d;
-        let (sc, mn) = scales_mins(&blk[4..16]);
-        let mut summ = 0i32;
-        for (j, &m) in mn.iter().enumerate() {
-            summ += m as i32 * (y.bsums[2 * j] as i32 + y.bsums[2 * j + 1] as i32);
-        }
-        summs -= dmin * summ as f32;
-        let mut sumi = _mm256_setzero_si256();
+        let (d0, dmin0, ms) = q4k_header(blk);
+        let mins = _mm256_extracti128_si256(ms, 1);
+        let sc128 = _mm256_castsi256_si128(ms);
+        let scales = _mm256_set_m128i(sc128, sc128);
+        let mut q4 = [_mm256_setzero_si256(); 8];
+        let mut sc = [_mm256_setzero_si256(); 8];
         for c in 0..4 {
             let bits = _mm256_loadu_si256(p.add(16 + c * 32) as *const __m256i);
-            let q4l = _mm256_and_si256(bits, low);
-            let q4h = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
-            let q8l = _mm256_load_si256(y.qs.as_ptr().add(c * 64) as *const __m256i);
-            let q8h = _mm256_load_si256(y.qs.as_ptr().add(c * 64 + 32) as *const __m256i);
-            // u8 × i8 pairs: at most 2·15·128 per i16 lane, no saturation.
-            let pl = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(q4l, q8l),
-                _mm256_set1_epi16(sc[2 * c] as i16),
-            );
-            let ph = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(q4h, q8h),
-                _mm256_set1_epi16(sc[2 * c + 1] as i16),
-            );
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            q4[2 * c] = _mm256_and_si256(bits, low);
+            q4[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for (k, s) in sc.iter_mut().enumerate() {
+            *s = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(scale_pattern(k)));
+        }
+        for j in 0..R {
+            let y = &a[j * nb + b];
+            let (d, dmin) = (y.d * d0, -y.d * dmin0);
+            acc_m[j] =
+                _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_prod(mins, y)), acc_m[j]);
+            let mut sumi = _mm256_setzero_si256();
+            for c in 0..4 {
+                let q8l = _mm256_load_si256(y.qs.as_ptr().add(c * 64) as *const __m256i);
+                let q8h = _mm256_load_si256(y.qs.as_ptr().add(c * 64 + 32) as *const __m256i);
+                // u8 × i8 pairs: at most 2·15·128 per i16 lane, no saturation.
+                let pl = _mm256_madd_epi16(sc[2 * c], _mm256_maddubs_epi16(q4[2 * c], q8l));
+                let ph = _mm256_madd_epi16(sc[2 * c + 1], _mm256_maddubs_epi16(q4[2 * c + 1], q8h));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            }
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[j]);
+        }
     }
-    crate::x86::hsum(acc) + summs
+    for j in 0..R {
+        out[j] = q4k_finish(acc[j], acc_m[j]);
+    }
+}
+
+/// [`q4k_tokens_avx2`] on 512-bit registers (AVX-512 F + BW): each 32-byte chunk's low and high
+/// nibbles in one register against the Q8_K block's 64 matching bytes. The two 256-bit halves'
+/// integer sums are added before the f32 step, which gives every 32-bit lane exactly the integer
+/// the AVX2 kernel has there, so results are bit-identical to [`q4k_tokens_avx2`] (tested).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW, AVX2, FMA and F16C; `w` holds `nb` whole Q4_K blocks
+/// and `a` `R · nb` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub unsafe fn q4k_tokens_avx512<const R: usize>(
+    w: &[u8],
+    a: &[BlockQ8K],
+    nb: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let low = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc_m = [_mm_setzero_ps(); R];
+    for (b, blk) in w.chunks_exact(BLOCK_BYTES).enumerate() {
+        let p = blk.as_ptr();
+        let (d0, dmin0, ms) = q4k_header(blk);
+        let mins = _mm256_extracti128_si256(ms, 1);
+        let scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(ms));
+        let mut q4 = [_mm512_setzero_si512(); 4];
+        let mut sc = [_mm512_setzero_si512(); 4];
+        for c in 0..4 {
+            let bits = _mm256_loadu_si256(p.add(16 + c * 32) as *const __m256i);
+            let both =
+                _mm512_inserti64x4(_mm512_castsi256_si512(bits), _mm256_srli_epi16(bits, 4), 1);
+            q4[c] = _mm512_and_si512(both, low);
+            let pattern = _mm512_inserti64x4(
+                _mm512_set1_epi16(scale_pattern(2 * c)),
+                _mm256_set1_epi16(scale_pattern(2 * c + 1)),
+                1,
+            );
+            sc[c] = _mm512_shuffle_epi8(scales, pattern);
+        }
+        for j in 0..R {
+            let y = &a[j * nb + b];
+            let (d, dmin) = (y.d * d0, -y.d * dmin0);
+            acc_m[j] =
+                _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_prod(mins, y)), acc_m[j]);
+            let mut sumi = _mm512_setzero_si512();
+            for c in 0..4 {
+                let q8 = _mm512_loadu_si512(y.qs.as_ptr().add(c * 64) as *const _);
+                let prod = _mm512_madd_epi16(sc[c], _mm512_maddubs_epi16(q4[c], q8));
+                sumi = _mm512_add_epi32(sumi, prod);
+            }
+            let sumi =
+                _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[j]);
+        }
+    }
+    for j in 0..R {
+        out[j] = q4k_finish(acc[j], acc_m[j]);
+    }
 }
 
 #[cfg(test)]
@@ -200,6 +329,74 @@ mod tests {
                     (0..cols).map(|c| (dense[r * cols + c] * x[t * cols + c]).abs()).sum();
                 assert!((exact - s).abs() < 0.01 * scale, "q8k {s} exact {exact} (Σ|wx| {scale})");
             }
+        }
+    }
+
+    /// Every tile width, AVX2 and AVX-512 (where this CPU has them): each token's result
+    /// bit-identical to the AVX2 one-token kernel's.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q4k_tiles_and_isas_are_bit_identical_to_one_token() {
+        if !crate::x86::avx2::available() {
+            eprintln!("no AVX2 on this CPU: only the scalar kernel runs here");
+            return;
+        }
+        let (rows, cols) = (6, 1024);
+        let nb = cols / QK_K;
+        let (w, _) = matrix(rows, cols);
+        let x: Vec<f32> =
+            (0..8 * cols).map(|i| ((i as f32 * 0.377).cos() * 9631.3).fract() - 0.5).collect();
+        let mut q = Vec::new();
+        quantize_row_q8k(&x, &mut q);
+        let avx512 =
+            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw");
+        macro_rules! check_width {
+            ($r:literal) => {
+                for r in 0..rows {
+                    let mut tile = [0f32; $r];
+                    unsafe { q4k_tokens_avx2::<$r>(w.row(r), &q[..$r * nb], nb, &mut tile) };
+                    let mut wide = [0f32; $r];
+                    if avx512 {
+                        unsafe { q4k_tokens_avx512::<$r>(w.row(r), &q[..$r * nb], nb, &mut wide) };
+                    }
+                    for t in 0..$r {
+                        let mut one = [0f32];
+                        let a = &q[t * nb..(t + 1) * nb];
+                        unsafe { q4k_tokens_avx2::<1>(w.row(r), a, nb, &mut one) };
+                        assert_eq!(
+                            one[0].to_bits(),
+                            tile[t].to_bits(),
+                            "avx2 width {} row {r} token {t}",
+                            $r
+                        );
+                        if avx512 {
+                            assert_eq!(
+                                one[0].to_bits(),
+                                wide[t].to_bits(),
+                                "avx512 width {} row {r} token {t}",
+                                $r
+                            );
+                        }
+                        let s = dot_q4k_scalar(w.row(r), a);
+                        assert!(
+                            (s - one[0]).abs() <= 1e-4 * s.abs().max(1.0),
+                            "simd {} scalar {s}",
+                            one[0]
+                        );
+                    }
+                }
+            };
+        }
+        check_width!(1);
+        check_width!(2);
+        check_width!(3);
+        check_width!(4);
+        check_width!(5);
+        check_width!(6);
+        check_width!(7);
+        check_width!(8);
+        if !avx512 {
+            eprintln!("no AVX-512 BW on this CPU: AVX2 tiles checked only");
         }
     }
 }

@@ -39,7 +39,7 @@ pub fn quantize_row(x: &[f32], out: &mut Vec<BlockQ8_1>) {
 /// Round half to even for |v| < 2^22 (the default FP rounding mode, as `_mm256_round_ps` with
 /// `_MM_FROUND_TO_NEAREST_INT` does) without a libm call.
 #[inline(always)]
-fn round_ties_even(v: f32) -> f32 {
+pub(crate) fn round_ties_even(v: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
     (v + MAGIC) - MAGIC
 }

@@ -1,6 +1,6 @@
-//! x86-64 SIMD dot products of Q4_1 / Q8_0 weight rows with Q8_1 / Q8_0 activation rows, after
-//! ggml's AVX2 kernels (`ggml-cpu/arch/x86/quants.c`: `ggml_vec_dot_q4_1_q8_1`,
-//! `ggml_vec_dot_q8_0_q8_0`): the same integer sums and the same f32 accumulation order (8 lanes,
+//! x86-64 SIMD dot products of Q4_0 / Q4_1 / Q8_0 weight rows with Q8_0 / Q8_1 / Q8_0 activation
+//! rows, after ggml's AVX2 kernels (`ggml-cpu/arch/x86/quants.c`: `ggml_vec_dot_q4_0_q8_0`,
+//! `ggml_vec_dot_q4_1_q8_1`, `ggml_vec_dot_q8_0_q8_0`): the same integer sums and the same f32 accumulation order (8 lanes,
 //! one fused multiply-add per 32-weight block) as llama.cpp.
 //!
 //! AVX-512 VNNI (`vpdpbusd` in place of `maddubs` + `madd`, bit-identical) was measured on this
@@ -35,15 +35,16 @@ pub(crate) unsafe fn h2f(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
+const Q4_0: usize = BlockFormat::Q4_0.block_bytes();
 const Q4_1: usize = BlockFormat::Q4_1.block_bytes();
 const Q8_0: usize = BlockFormat::Q8_0.block_bytes();
 
-/// A Q4_1 block's 16 low nibbles then its 16 high nibbles, as bytes (the order ggml pairs with the
-/// Q8_1 block's 32 values).
+/// The 16 bytes at `qs`: their 16 low nibbles then their 16 high nibbles, as bytes (the order ggml
+/// pairs a Q4_0 / Q4_1 block with the activation block's 32 values).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn nibbles(block: *const u8) -> __m256i {
-    let tmp = _mm_loadu_si128(block.add(4) as *const __m128i);
+unsafe fn nibbles(qs: *const u8) -> __m256i {
+    let tmp = _mm_loadu_si128(qs as *const __m128i);
     _mm256_and_si256(
         _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1),
         _mm256_set1_epi8(0x0F),
@@ -95,6 +96,33 @@ pub mod avx2 {
         }
     }
 
+    /// Dot products of one Q4_0 weight row `w` (`nb` blocks: f16 `d`, 16 bytes of nibbles;
+    /// `w = d·(q − 8)`) with `R` Q8_0 activation rows `a: [R, nb]` into `out[..R]`: ggml's
+    /// `ggml_vec_dot_q4_0_q8_0` for every row, the nibbles unpacked and offset once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q4_0_tokens<const R: usize>(
+        w: &[u8],
+        a: &[BlockQ8_1],
+        nb: usize,
+        out: &mut [f32],
+    ) {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (b, blk) in w.chunks_exact(Q4_0).enumerate() {
+            let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
+            let qx = _mm256_sub_epi8(nibbles(blk.as_ptr().add(2)), _mm256_set1_epi8(8));
+            let ax = _mm256_sign_epi8(qx, qx);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let y = &a[j * nb + b];
+                let qy = _mm256_load_si256(y.qs.as_ptr() as *const __m256i);
+                let dot = pairs(ax, _mm256_sign_epi8(qy, qx));
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(dot), *acc);
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(acc) {
+            *o = hsum(acc);
+        }
+    }
+
     /// Dot products of one Q4_1 weight row `w` (`nb` blocks) with `R` Q8_1 activation rows
     /// `a: [R, nb]` into `out[..R]`: ggml's `ggml_vec_dot_q4_1_q8_1` for every row, the nibbles
     /// unpacked once.
@@ -110,7 +138,7 @@ pub mod avx2 {
         for (b, blk) in w.chunks_exact(Q4_1).enumerate() {
             let d = h2f(u16::from_le_bytes([blk[0], blk[1]]));
             let m = h2f(u16::from_le_bytes([blk[2], blk[3]]));
-            let qx = nibbles(blk.as_ptr());
+            let qx = nibbles(blk.as_ptr().add(4));
             for j in 0..R {
                 let y = &a[j * nb + b];
                 summs[j] += m * y.s;

@@ -104,6 +104,13 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     /// Errors: a streaming provider's read failed (I/O, truncated file).
     fn expert(&self, layer: usize, expert: usize) -> Result<Arc<Expert>>;
 
+    /// Whether [`Self::expert`] would return at once (the expert is in memory, or its read has
+    /// finished), without counting a use. MoE blocks compute the ready experts while the others are
+    /// read. The default (resident experts): always.
+    fn ready(&self, _layer: usize, _expert: usize) -> bool {
+        true
+    }
+
     /// Routing for `layer` is known: `experts` (ids, possibly repeated) will be asked for next. A
     /// streaming provider may start reading them all concurrently. The default does nothing.
     fn fetch_routed(&self, _layer: usize, _experts: &[u32]) {}

@@ -3,25 +3,24 @@
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 
-/// Formats that run on our kernels (`strata-kernels`) rather than candle's.
+/// Formats that run on our kernels (`strata-kernels`) rather than candle's, dense layers and routed
+/// experts alike: Q4_0, Q4_1 and Q8_0 (candle computes Q4_1 with scalar code and quantizes Q8_0
+/// activations unlike ggml; Q4_0 for the tile kernels) and Q4_K/Q5_K/Q6_K (candle's x86 path repacks Q4_K/Q6_K matrices on
+/// first use, a second copy of 1.33× their size and ~6 ms per streamed expert; our tile kernels
+/// decode faster and keep resident memory at the file's size, docs/performance.md "CPU
+/// kernels").
 pub fn kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
     match dtype {
+        GgmlDType::Q4_0 => Some(strata_kernels::BlockFormat::Q4_0),
         GgmlDType::Q4_1 => Some(strata_kernels::BlockFormat::Q4_1),
         GgmlDType::Q8_0 => Some(strata_kernels::BlockFormat::Q8_0),
+        GgmlDType::Q4K => Some(strata_kernels::BlockFormat::Q4K),
+        GgmlDType::Q5K => Some(strata_kernels::BlockFormat::Q5K),
+        GgmlDType::Q6K => Some(strata_kernels::BlockFormat::Q6K),
         _ => None,
     }
 }
 
-/// Formats routed experts run on our kernels: those of [`kernel_format`] and Q4_K, whose candle
-/// x86 path repacks each matrix on first use (a second copy of 1.33× its size and ~6 ms per
-/// expert: too costly for experts that come and go with streaming). Dense Q4_K layers keep
-/// candle's repacked GEMM, faster for prefill.
-pub fn expert_kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
-    match dtype {
-        GgmlDType::Q4K => Some(strata_kernels::BlockFormat::Q4K),
-        other => kernel_format(other),
-    }
-}
 use candle_core::{Device, Module, Tensor};
 use strata_formats::{ModelFiles, Weight};
 
@@ -94,27 +93,14 @@ impl Linear {
         Ok(l)
     }
 
-    /// A routed expert's projection: like [`Self::new`] without bias, with the expert kernel
-    /// formats ([`expert_kernel_format`]).
+    /// A routed expert's projection: like [`Self::new`] without bias.
     pub fn for_expert(w: Weight) -> candle_core::Result<Self> {
-        match w {
-            Weight::Quantized(q) => {
-                Self::from_shared_with(std::sync::Arc::new(q), expert_kernel_format)
-            }
-            dense => Self::new(dense, None),
-        }
+        Self::new(w, None)
     }
 
     /// A linear layer over a quantized tensor, which may be shared (tied embeddings). Formats our
     /// kernels implement are copied into them; others use candle's `QMatMul`.
     pub fn from_shared(q: std::sync::Arc<QTensor>) -> candle_core::Result<Self> {
-        Self::from_shared_with(q, kernel_format)
-    }
-
-    fn from_shared_with(
-        q: std::sync::Arc<QTensor>,
-        formats: fn(GgmlDType) -> Option<strata_kernels::BlockFormat>,
-    ) -> candle_core::Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
         if q.device().is_cpu() && std::env::var("STRATA_CPU_DEQUANTIZE").is_ok_and(|v| v == "1") {
             // Diagnostics (`strata compare-devices`): f32 weights and activations on the CPU, the
@@ -125,7 +111,7 @@ impl Linear {
                 out_dim: rows,
             });
         }
-        let w = match formats(q.dtype()) {
+        let w = match kernel_format(q.dtype()) {
             Some(format) if q.device().is_cpu() => {
                 let m =
                     strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols)
@@ -180,6 +166,14 @@ impl Linear {
 
     pub fn out_dim(&self) -> usize {
         self.out_dim
+    }
+
+    /// The matrix when this layer runs on our kernels without a bias.
+    pub fn kernel(&self) -> Option<&strata_kernels::QuantMatrix> {
+        match &self.w {
+            LinearWeight::Kernel(m) if self.b.is_none() => Some(m),
+            _ => None,
+        }
     }
 
     /// The quantized tensor when this layer runs on candle's quantized matmul.

@@ -64,6 +64,17 @@ impl Mlp {
         gu + self.down.weight_bytes()
     }
 
+    /// `(gate_up [2I, H], down [H, I])` when gate and up are stacked and all run on our kernels (the
+    /// CPU MoE path then runs a layer's experts together, `strata_kernels::moe`).
+    pub fn kernel_parts(
+        &self,
+    ) -> Option<(&strata_kernels::QuantMatrix, &strata_kernels::QuantMatrix)> {
+        match &self.gate_up {
+            GateUp::Fused { gate_up, .. } => Some((gate_up.kernel()?, self.down.kernel()?)),
+            GateUp::Separate { .. } => None,
+        }
+    }
+
     /// gate and up through candle's fused kernel (one activation quantization, one parallel region)
     /// when both are candle-quantized and the kernel supports the format; `None` otherwise.
     fn fused_candle_gate_up(

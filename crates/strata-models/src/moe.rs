@@ -313,7 +313,7 @@ impl SparseMoe {
         x: &Tensor,
         routing: &LayerRouting,
         experts: &dyn ExpertProvider,
-        mut failures: Option<&mut Vec<ExpertFailure>>,
+        failures: Option<&mut Vec<ExpertFailure>>,
     ) -> Result<Tensor> {
         let (seq, h) = x.dims2()?;
         if let Some(call) = experts.fused(self.layer, &routing.expert_ids) {
@@ -329,26 +329,12 @@ impl SparseMoe {
         if !x.device().is_cpu() {
             return self.combine_on_device(x, by_expert, experts);
         }
+        let entries: Vec<(u32, Vec<(u32, f32)>)> = by_expert.into_iter().collect();
+        let outputs = self.expert_outputs_cpu(x, &entries, experts, failures)?;
+        // Weighted sum in ascending expert order, whichever experts were computed together.
         let mut out = vec![0f32; seq * h];
-        for (e, tokens) in by_expert {
-            let expert = match (experts.expert(self.layer, e as usize), failures.as_deref_mut()) {
-                (Ok(x), _) => x,
-                (Err(error), Some(f)) => {
-                    f.push(ExpertFailure {
-                        tokens: tokens.iter().map(|&(t, _)| t).collect(),
-                        error,
-                    });
-                    continue;
-                }
-                (Err(e), None) => return Err(e),
-            };
-            let xs = if tokens.len() == seq {
-                x.clone() // every token (always the case for decode): no gather
-            } else {
-                let idx: Vec<u32> = tokens.iter().map(|&(t, _)| t).collect();
-                x.index_select(&Tensor::new(idx.as_slice(), x.device())?, 0)?
-            };
-            let y = expert.mlp.forward(&xs)?.flatten_all()?.to_vec1::<f32>()?;
+        for ((_, tokens), y) in entries.iter().zip(&outputs) {
+            let Some(y) = y else { continue };
             for (r, &(t, w)) in tokens.iter().enumerate() {
                 let dst = &mut out[t as usize * h..(t as usize + 1) * h];
                 for (d, &v) in dst.iter_mut().zip(&y[r * h..(r + 1) * h]) {
@@ -367,6 +353,75 @@ impl SparseMoe {
             }
         }
         Ok(Tensor::from_vec(out, (seq, h), x.device())?)
+    }
+
+    /// CPU: each routed expert's unweighted output `[n_e, H]` for its tokens (`entries`: expert id
+    /// and `(token, weight)` pairs, ascending ids); `None` where the expert could not be had and
+    /// `failures` took the error. Experts whose reads have finished go first, all of them in one
+    /// pair of parallel regions when they run on our kernels ([`strata_kernels::moe`]); then the
+    /// provider is waited on for the next one, and so on, so compute overlaps streamed reads.
+    fn expert_outputs_cpu(
+        &self,
+        x: &Tensor,
+        entries: &[(u32, Vec<(u32, f32)>)],
+        experts: &dyn ExpertProvider,
+        mut failures: Option<&mut Vec<ExpertFailure>>,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let seq = x.dim(0)?;
+        let xv = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut outputs: Vec<Option<Vec<f32>>> = vec![None; entries.len()];
+        let mut left: Vec<usize> = (0..entries.len()).collect();
+        while !left.is_empty() {
+            let mut take: Vec<usize> = left
+                .iter()
+                .copied()
+                .filter(|&i| experts.ready(self.layer, entries[i].0 as usize))
+                .collect();
+            if take.is_empty() {
+                take.push(left[0]); // wait for the lowest id's read
+            }
+            left.retain(|i| !take.contains(i));
+            let mut group = Vec::with_capacity(take.len());
+            for i in take {
+                let (e, tokens) = &entries[i];
+                match (experts.expert(self.layer, *e as usize), failures.as_deref_mut()) {
+                    (Ok(x), _) => group.push((i, x)),
+                    (Err(error), Some(f)) => f.push(ExpertFailure {
+                        tokens: tokens.iter().map(|&(t, _)| t).collect(),
+                        error,
+                    }),
+                    (Err(e), None) => return Err(e),
+                }
+            }
+            let ids: Vec<Vec<u32>> = group
+                .iter()
+                .map(|(i, _)| entries[*i].1.iter().map(|&(t, _)| t).collect())
+                .collect();
+            let fused: Option<Vec<strata_kernels::moe::RoutedExpert>> = group
+                .iter()
+                .zip(&ids)
+                .map(|((_, ex), tokens)| {
+                    let (gate_up, down) = ex.mlp.kernel_parts()?;
+                    Some(strata_kernels::moe::RoutedExpert { gate_up, down, tokens })
+                })
+                .collect();
+            if let Some(routed) = fused {
+                let ys = strata_kernels::moe::expert_outputs(&xv, seq, &routed);
+                for ((i, _), y) in group.iter().zip(ys) {
+                    outputs[*i] = Some(y);
+                }
+                continue;
+            }
+            for ((i, ex), tokens) in group.iter().zip(&ids) {
+                let xs = if tokens.len() == seq {
+                    x.clone() // every token (always the case for decode): no gather
+                } else {
+                    x.index_select(&Tensor::new(tokens.as_slice(), x.device())?, 0)?
+                };
+                outputs[*i] = Some(ex.mlp.forward(&xs)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        Ok(outputs)
     }
 
     /// [`Self::forward`] over [`FusedExperts`]: one launch per projection for every selected

@@ -29,15 +29,9 @@ pub struct ModelFacts {
     pub bytes_per_expert: u64,
     /// Routed-expert bytes one token touches: MoE layers × top-k × bytes per expert.
     pub expert_bytes_per_token: u64,
-    /// Bytes of the copies candle makes of dense Q4_K / Q6_K matmul weights on x86 and keeps:
-    /// a one-token (GEMV) pack at 4/3 of their size, and, on CPUs with AVX-512 VNNI, a second
-    /// pack for multi-token passes (prefill, verification) at 2× of the matrices those passes
-    /// use (all but the token embedding and lm_head). Measured on the synthetic Qwen3-30B-A3B
-    /// (48 layers: 0.99 GB more after a 43-token prefill than after one token, for 0.51 GB of
-    /// attention weights; docs/performance.md, "Realistic routing").
-    pub dense_repack_bytes: u64,
-    /// Memory the dense weights take once loaded: stored bytes, safetensors floats widened to f32,
-    /// plus the repacked copies.
+    /// Memory the dense weights take once loaded: stored bytes (our CPU kernels for Q4_0, Q4_1,
+    /// Q8_0 and Q4_K/Q5_K/Q6_K read them as stored, no repacked copies), safetensors floats
+    /// widened to f32.
     pub dense_memory_bytes: u64,
     /// Memory all routed experts take when resident (safetensors floats widened to f32).
     pub expert_memory_bytes: u64,
@@ -58,14 +52,8 @@ impl ModelFacts {
         let cfg: ModelConfig = files.config()?;
         let table = files.tensor_table();
         let mut by_type: std::collections::HashMap<String, u64> = Default::default();
-        let (
-            mut total_params,
-            mut expert_params,
-            mut dense_bytes,
-            mut expert_bytes,
-            mut repack,
-            mut per_token,
-        ) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+        let (mut total_params, mut expert_params, mut dense_bytes, mut expert_bytes, mut per_token) =
+            (0u64, 0u64, 0u64, 0u64, 0u64);
         let (mut dense_mem, mut expert_mem) = (0u64, 0u64);
         // Safetensors weights are held as f32.
         let memory = |t: &strata_formats::TensorEntry| {
@@ -90,18 +78,6 @@ impl ModelFacts {
             let is_embedding = t.name.contains("token_embd") || t.name.contains("embed_tokens");
             if !is_embedding || tied {
                 per_token += t.bytes;
-            }
-            if t.shape.len() == 2
-                && matches!(t.dtype.as_str(), "Q4K" | "Q6K")
-                && (!is_embedding || tied)
-                && cfg!(target_arch = "x86_64")
-            {
-                repack += t.bytes * 4 / 3;
-                let lm_head =
-                    is_embedding || t.name == "output.weight" || t.name == "lm_head.weight";
-                if !lm_head && avx512_vnni() {
-                    repack += t.bytes * 2;
-                }
             }
         }
         let quantization =
@@ -130,8 +106,7 @@ impl ModelFacts {
             expert_bytes,
             bytes_per_expert,
             expert_bytes_per_token: bytes_per_expert * (k * moe_layers) as u64,
-            dense_repack_bytes: repack,
-            dense_memory_bytes: dense_mem + repack,
+            dense_memory_bytes: dense_mem,
             expert_memory_bytes: expert_mem,
             dense_bytes_per_token: per_token,
             kv_bytes_per_token: cfg.kv_bytes_per_token() as u64,
@@ -141,18 +116,5 @@ impl ModelFacts {
 
     pub fn is_moe(&self) -> bool {
         self.experts > 0 && self.expert_bytes > 0
-    }
-}
-
-/// Whether candle's x86 multi-token repack runs on this CPU (its `X86Level::Avx512Vnni`).
-fn avx512_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
     }
 }

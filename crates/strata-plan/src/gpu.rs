@@ -117,8 +117,8 @@ fn gb(b: u64) -> String {
 /// prefill estimate (tok/s).
 pub fn plan_gpu(model: &ModelFacts, x: &GpuInputs) -> (GpuDecision, String, GpuPlan, f64) {
     let rates = GpuRates::H100;
-    // No CPU repack on a GPU: stored bytes (HF floats widened to f32 as on the host).
-    let dense = model.dense_memory_bytes.saturating_sub(model.dense_repack_bytes);
+    // Stored bytes (HF floats widened to f32 as on the host).
+    let dense = model.dense_memory_bytes;
     let fixed = dense + x.kv_and_compute + VRAM_RESERVE;
     let resident_total = fixed + model.expert_memory_bytes;
     let free = x.gpu.vram_free;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::Device;
 use strata_formats::{ExpertDims, ExpertEncoding, ExpertExtent};
 use strata_kernels::{QuantMatrix, WeightBytes};
-use strata_models::layers::{expert_kernel_format, Linear};
+use strata_models::layers::{kernel_format, Linear};
 use strata_models::mlp::Mlp;
 use strata_models::{Expert, ModelError};
 
@@ -86,7 +86,7 @@ impl StreamingExperts {
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = slot.clone();
         let name = format!("blk.{layer}.ffn_exps[{expert}]");
         let kernel = |enc: ExpertEncoding| match enc {
-            ExpertEncoding::Ggml(dt) if self.device.is_cpu() => expert_kernel_format(dt),
+            ExpertEncoding::Ggml(dt) if self.device.is_cpu() => kernel_format(dt),
             _ => None,
         };
         let bad = |e: String| ModelError::ExpertRead { layer, expert, message: e };
@@ -125,7 +125,7 @@ pub(super) fn decoded_bytes(x: &ExpertExtent, dims: ExpertDims) -> u64 {
         .iter()
         .zip(&x.parts)
         .map(|(enc, p)| match enc {
-            ExpertEncoding::Ggml(dt) if expert_kernel_format(*dt).is_some() => 0,
+            ExpertEncoding::Ggml(dt) if kernel_format(*dt).is_some() => 0,
             ExpertEncoding::Ggml(_) => p.len,
             ExpertEncoding::Float(_) => elems * 4,
         })

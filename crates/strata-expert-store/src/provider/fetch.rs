@@ -35,7 +35,7 @@ pub(super) struct Entry {
 
 impl Entry {
     /// Ready, or pending with every read finished (its slot can be dropped).
-    fn evictable(&self) -> bool {
+    pub(super) fn evictable(&self) -> bool {
         match &self.state {
             State::Ready { .. } => true,
             State::Pending { ticket, .. } => ticket.is_done(),

@@ -279,6 +279,11 @@ impl ExpertProvider for StreamingExperts {
         Ok(x.expect("fetch(build = true) builds the expert"))
     }
 
+    fn ready(&self, layer: usize, expert: usize) -> bool {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.map.get(&(layer, expert)).is_some_and(|e| e.evictable())
+    }
+
     fn fetch_routed(&self, layer: usize, experts: &[u32]) {
         let mut keys: Vec<(usize, usize)> = experts.iter().map(|&e| (layer, e as usize)).collect();
         keys.sort_unstable();

@@ -1,0 +1,156 @@
+//! One MoE layer's routed SwiGLU experts on the CPU in two parallel regions: every selected
+//! expert's gate+up rows in one, every expert's down rows in the other (work items: expert × row
+//! block, taken from a shared cursor so that the cores stay busy whatever the experts' token
+//! counts). Each token's activations are quantized once per layer, not once per expert.
+//!
+//! The arithmetic is the per-expert path's (`down(silu(gate·x) ⊙ up·x)` through
+//! [`QuantMatrix`]'s kernels, SiLU as candle computes it, `x / (1 + e^(−x))`, weighted sum in the
+//! experts' order), so results are bit-identical to running the experts one by one. Reference:
+//! transformers `Qwen2MoeSparseMoeBlock`; the grouping of tokens by expert is llama.cpp's
+//! `ggml_compute_forward_mul_mat_id` (its work split is not).
+
+use crate::matrix::{QuantMatrix, QuantizedActs};
+use crate::SendPtr;
+
+/// One selected expert of a layer and the tokens routed to it.
+pub struct RoutedExpert<'a> {
+    /// `[2I, H]`: gate rows `0..I`, then up rows `I..2I`.
+    pub gate_up: &'a QuantMatrix,
+    /// `[H, I]`.
+    pub down: &'a QuantMatrix,
+    /// Rows of `x` routed to this expert, ascending.
+    pub tokens: &'a [u32],
+}
+
+/// Weight rows per work item: small enough to balance two cores over one token's 8 experts,
+/// large enough that taking an item costs little.
+const ROWS_PER_ITEM: usize = 32;
+
+/// Every expert's unweighted output `down_e(silu(gate_e x_t) ⊙ up_e x_t)` for its tokens `t`, from
+/// `x: [seq, H]`: one `[n_e, H]` buffer per expert, rows in the order of its `tokens`. The caller
+/// weighs and sums them (in a fixed expert order, so that results do not depend on which experts
+/// were computed together).
+///
+/// # Panics
+/// When shapes disagree (`gate_up` not `[2I, H]`, `down` not `[H, I]`, a token row ≥ `seq`).
+pub fn expert_outputs(x: &[f32], seq: usize, experts: &[RoutedExpert<'_>]) -> Vec<Vec<f32>> {
+    let h = x.len() / seq.max(1);
+    // Each token's activations quantized once per activation kind (all experts of a layer share
+    // one format in practice), then gathered per expert.
+    let mut full: Vec<(crate::BlockFormat, QuantizedActs)> = Vec::new();
+    let mut acts = Vec::with_capacity(experts.len());
+    for e in experts {
+        assert_eq!((e.gate_up.cols(), e.down.rows()), (h, h), "expert shape");
+        assert_eq!(e.gate_up.rows(), 2 * e.down.cols(), "gate_up is not [2I, H]");
+        let f = e.gate_up.format();
+        let q = match full.iter().position(|(g, _)| g.uses_q8k() == f.uses_q8k()) {
+            Some(i) => &full[i].1,
+            None => {
+                full.push((f, e.gate_up.quantize(x, seq)));
+                &full.last().expect("just pushed").1
+            }
+        };
+        let nb = h / f.block_elems();
+        acts.push(if e.tokens.len() == seq {
+            q.clone()
+        } else {
+            q.gather(e.tokens.iter().map(|&t| t as usize), nb)
+        });
+    }
+    // gate+up of every expert: [n_e, 2I] each.
+    let gu = run_region(experts, |e| e.gate_up, &acts);
+    // silu(gate) ⊙ up, quantized for down.
+    let mut down_acts = Vec::with_capacity(experts.len());
+    for (e, y) in experts.iter().zip(&gu) {
+        let inter = e.down.cols();
+        let mut a = vec![0f32; e.tokens.len() * inter];
+        for (row, dst) in y.chunks_exact(2 * inter).zip(a.chunks_exact_mut(inter)) {
+            let (g, u) = row.split_at(inter);
+            for ((d, &g), &u) in dst.iter_mut().zip(g).zip(u) {
+                *d = g / (1.0 + (-g).exp()) * u;
+            }
+        }
+        down_acts.push(e.down.quantize(&a, e.tokens.len()));
+    }
+    run_region(experts, |e| e.down, &down_acts)
+}
+
+/// One parallel region computing `mat(e) · acts[e]` for every expert: returns `[n_e, rows]` per
+/// expert.
+fn run_region<'a>(
+    experts: &[RoutedExpert<'a>],
+    mat: impl Fn(&RoutedExpert<'a>) -> &'a QuantMatrix + Sync,
+    acts: &[QuantizedActs],
+) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> =
+        experts.iter().map(|e| vec![0f32; e.tokens.len() * mat(e).rows()]).collect();
+    // Work items: (expert, first row), row blocks of ROWS_PER_ITEM.
+    let mut items = Vec::new();
+    for (i, e) in experts.iter().enumerate() {
+        items.extend((0..mat(e).rows()).step_by(ROWS_PER_ITEM).map(|r| (i, r)));
+    }
+    let ptrs: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+        for &(i, r) in &items[range] {
+            let (e, m) = (&experts[i], mat(&experts[i]));
+            let rows = r..(r + ROWS_PER_ITEM).min(m.rows());
+            // SAFETY: item (i, r) alone writes rows `rows` of expert i's [n_e, rows] buffer.
+            unsafe { m.rows_into(&acts[i], e.tokens.len(), rows, ptrs[i], m.rows()) };
+        }
+    });
+    outs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::BlockFormat;
+
+    fn pseudo(i: usize, salt: f32) -> f32 {
+        ((i as f32 * 0.7131 + salt).sin() * 43758.547).fract() - 0.5
+    }
+
+    /// A random Q4_1 matrix (every byte pattern is a valid Q4_1 block once d and m are finite).
+    fn q4_1(rows: usize, cols: usize, salt: usize) -> QuantMatrix {
+        let mut data = Vec::new();
+        for b in 0..rows * cols / 32 {
+            data.extend_from_slice(
+                &half::f16::from_f32(0.02 + 0.001 * (b % 5) as f32).to_le_bytes(),
+            );
+            data.extend_from_slice(&half::f16::from_f32(-0.1).to_le_bytes());
+            data.extend((0..16).map(|j| ((b * 31 + j * 7 + salt * 13) % 256) as u8));
+        }
+        QuantMatrix::new(BlockFormat::Q4_1, data, rows, cols).unwrap()
+    }
+
+    /// The fused layer equals running each expert on each token alone through `matmul` (bit for
+    /// bit).
+    #[test]
+    fn equals_experts_one_by_one() {
+        let (h, inter, seq) = (64, 96, 5);
+        let mats: Vec<(QuantMatrix, QuantMatrix)> =
+            (0..3).map(|e| (q4_1(2 * inter, h, e), q4_1(h, inter, e + 7))).collect();
+        let x: Vec<f32> = (0..seq * h).map(|i| pseudo(i, 0.3)).collect();
+        let routes: [Vec<u32>; 3] = [vec![0, 1, 2, 3, 4], vec![1, 3], vec![0, 2, 4]];
+        let experts: Vec<RoutedExpert> = mats
+            .iter()
+            .zip(&routes)
+            .map(|((gu, d), t)| RoutedExpert { gate_up: gu, down: d, tokens: t })
+            .collect();
+        let fused = expert_outputs(&x, seq, &experts);
+        for (e, got) in experts.iter().zip(&fused) {
+            assert_eq!(got.len(), e.tokens.len() * h);
+            for (&t, got) in e.tokens.iter().zip(got.chunks_exact(h)) {
+                let xs = &x[t as usize * h..(t as usize + 1) * h];
+                let mut gu = vec![0f32; 2 * inter];
+                e.gate_up.matmul(xs, 1, &mut gu);
+                let a: Vec<f32> =
+                    (0..inter).map(|i| gu[i] / (1.0 + (-gu[i]).exp()) * gu[inter + i]).collect();
+                let mut want = vec![0f32; h];
+                e.down.matmul(&a, 1, &mut want);
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+                assert!(got.iter().any(|&v| v != 0.0));
+            }
+        }
+    }
+}
