@@ -1,8 +1,8 @@
 //! CPU kernels for ggml block-quantized weights: Q4_0, Q4_1, Q8_0 and Q4_K, Q5_K, Q6_K matrices
 //! times f32 activations, each format with tile kernels for 1–8 tokens per weight row (every
 //! token's arithmetic the one-token kernel's, so a speculative verify pass is bit-identical to
-//! decoding token by token), AVX2 and AVX-512 paths chosen at run time ([`isa`]; bit-identical to
-//! each other) and a scalar fallback for other CPUs; one MoE layer's experts in two parallel
+//! decoding token by token), AVX2 paths, AVX-512 paths for the K-quants (chosen at run time by
+//! [`isa`]; bit-identical to the AVX2 ones) and a scalar fallback for other CPUs; one MoE layer's experts in two parallel
 //! regions ([`moe`]); and decode attention.
 //!
 //! Why our own: candle 0.11 computes Q4_1 with scalar code, rounds the Q8_1 block sum through f16
@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod bytes;
+pub mod f32;
 pub mod matrix;
 pub mod moe;
 pub mod q4k;

@@ -209,24 +209,13 @@ impl Linear {
 
     fn forward_with(&self, x: &Tensor, exact_rows: bool) -> candle_core::Result<Tensor> {
         let y = match &self.w {
-            LinearWeight::Candle(w) => {
-                let rows = if x.rank() == 2 { x.dim(0)? } else { 0 };
-                if exact_rows
-                    && rows > 1
-                    && rows <= crate::attention::EXACT_ROWS_MAX
-                    && x.device().is_cpu()
-                {
-                    // candle's multi-row CPU kernels (x86 repacked Q4_K tiles) sum in another order
-                    // than its one-row kernel: short passes (speculative verification) go row by row
-                    // so that their outputs are bit-identical to decoding.
-                    let parts = (0..rows)
-                        .map(|r| w.forward(&x.narrow(0, r, 1)?))
-                        .collect::<candle_core::Result<Vec<_>>>()?;
-                    Tensor::cat(&parts, 0)?
-                } else {
-                    w.forward(x)?
+            LinearWeight::Candle(QMatMul::Tensor(t)) if exact_rows && x.device().is_cpu() => {
+                match f32_matmul_short(t, x)? {
+                    Some(y) => y,
+                    None => self.forward_candle(x, exact_rows)?,
                 }
             }
+            LinearWeight::Candle(_) => self.forward_candle(x, exact_rows)?,
             LinearWeight::Kernel(w) => {
                 let dims = x.dims().to_vec();
                 let k = *dims.last().unwrap_or(&0);
@@ -246,6 +235,55 @@ impl Linear {
             None => Ok(y),
         }
     }
+}
+
+impl Linear {
+    /// candle's matmul (one row at a time for short CPU passes when `exact_rows`: its multi-row
+    /// kernels sum in another order than its one-row kernel).
+    fn forward_candle(&self, x: &Tensor, exact_rows: bool) -> candle_core::Result<Tensor> {
+        let LinearWeight::Candle(w) = &self.w else { unreachable!("a candle weight") };
+        let rows = if x.rank() == 2 { x.dim(0)? } else { 0 };
+        if exact_rows && rows > 1 && rows <= crate::attention::EXACT_ROWS_MAX && x.device().is_cpu()
+        {
+            // candle's multi-row CPU kernels (x86 repacked Q4_K tiles) sum in another order
+            // than its one-row kernel: short passes (speculative verification) go row by row
+            // so that their outputs are bit-identical to decoding.
+            let parts = (0..rows)
+                .map(|r| w.forward(&x.narrow(0, r, 1)?))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::cat(&parts, 0)
+        } else {
+            w.forward(x)
+        }
+    }
+}
+
+/// `x: [.., in] · tᵀ` for an f32 `t: [out, in]` on our parallel f32 kernel
+/// (`strata_kernels::f32`) when the pass is short (≤ [`crate::EXACT_ROWS_MAX`] rows: decode,
+/// verify); `None` for longer passes or other dtypes (candle's GEMM then).
+fn f32_matmul_short(t: &Tensor, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    use candle_core::{DType, Storage};
+    let (rows, cols) = t.dims2()?;
+    let m = x.elem_count() / cols.max(1);
+    if t.dtype() != DType::F32 || x.dtype() != DType::F32 || m > crate::attention::EXACT_ROWS_MAX {
+        return Ok(None);
+    }
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; m * rows];
+    {
+        let (storage, layout) = t.storage_and_layout();
+        let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets())
+        else {
+            return Ok(None);
+        };
+        let w = &cpu.as_slice::<f32>()?[start..end];
+        strata_kernels::f32::matmul_f32(w, rows, cols, &xs, m, &mut out);
+    }
+    let mut dims = x.dims().to_vec();
+    if let Some(l) = dims.last_mut() {
+        *l = rows;
+    }
+    Ok(Some(Tensor::from_vec(out, dims, x.device())?))
 }
 
 /// RMSNorm (Zhang & Sennrich 2019): `x / sqrt(mean(x²) + eps) * w` over the last dim.

@@ -1,0 +1,112 @@
+//! f32 weights times f32 activations for short passes (decode, verify): rows split over the
+//! barrier pool, every (token, row) dot product computed the same way whatever the number of
+//! tokens (16 lanes of fused multiply-adds, then a fixed pairwise reduction), so a verify pass is
+//! bit-identical to one-token decoding. candle's GEMM runs a one-token pass on one thread (its
+//! `gemm` crate picks no parallelism for it); MoE routers (`[E, H]` f32) sit on that path every
+//! layer.
+
+use crate::SendPtr;
+
+const LANES: usize = 16;
+
+/// `out[t, r] = Σ_c x[t, c] · w[r, c]` for `w: [rows, cols]`, `x: [m, cols]`, `out: [m, rows]`.
+///
+/// # Panics
+/// When the slices' lengths disagree with the shapes.
+pub fn matmul_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], m: usize, out: &mut [f32]) {
+    assert_eq!(w.len(), rows * cols);
+    assert_eq!(x.len(), m * cols);
+    assert_eq!(out.len(), m * rows);
+    let dot = select();
+    let ptr = SendPtr(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
+        let p = ptr;
+        for t in 0..m {
+            let xs = &x[t * cols..(t + 1) * cols];
+            for r in range.clone() {
+                // SAFETY: each (t, r) is written by exactly one task; out has m·rows elements.
+                unsafe { *p.0.add(t * rows + r) = dot(&w[r * cols..(r + 1) * cols], xs) };
+            }
+        }
+    });
+}
+
+fn select() -> fn(&[f32], &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::isa() >= crate::Isa::Avx2 {
+            return |a, b| unsafe { dot_fma(a, b) };
+        }
+    }
+    dot_scalar
+}
+
+/// The 16-lane partial sums reduced pairwise (lane i + lane i+8, then +4, +2, +1), and the tail.
+#[inline(always)]
+fn reduce(mut acc: [f32; LANES], tail: f32) -> f32 {
+    let mut n = LANES / 2;
+    while n > 0 {
+        for i in 0..n {
+            acc[i] += acc[i + n];
+        }
+        n /= 2;
+    }
+    acc[0] + tail
+}
+
+/// Generic version (multiply then add: other CPUs have no guaranteed FMA).
+pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    reduce(acc, tail)
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] = x[i].mul_add(y[i], acc[i]);
+        }
+    }
+    reduce(acc, tail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_f64_reference_and_is_row_count_independent() {
+        let (rows, cols, m) = (37, 2050, 5);
+        let w: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin() * 0.1).collect();
+        let x: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.91).cos()).collect();
+        let mut out = vec![0f32; m * rows];
+        matmul_f32(&w, rows, cols, &x, m, &mut out);
+        for t in 0..m {
+            let mut one = vec![0f32; rows];
+            matmul_f32(&w, rows, cols, &x[t * cols..(t + 1) * cols], 1, &mut one);
+            for r in 0..rows {
+                let got = out[t * rows + r];
+                assert_eq!(got.to_bits(), one[r].to_bits());
+                let exact: f64 =
+                    (0..cols).map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64).sum();
+                let scale: f64 = (0..cols)
+                    .map(|c| (w[r * cols + c] as f64 * x[t * cols + c] as f64).abs())
+                    .sum();
+                assert!((got as f64 - exact).abs() <= 1e-5 * scale, "{got} vs {exact}");
+            }
+        }
+    }
+}
