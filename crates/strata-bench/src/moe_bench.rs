@@ -176,9 +176,8 @@ fn median(v: &mut [f64]) -> f64 {
 /// Everything the MoE-layer benchmark measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct MoeLayerBench {
-    /// First use of each expert, ms per expert (1 token). On x86 candle repacks K-quant/Q8_0 weights
-    /// into interleaved tiles the first time a tensor is used and keeps the tiles beside the original
-    /// blocks; this is that one-time cost (paid again by every expert read from disk).
+    /// First use of each expert, ms per expert (1 token): what a newly built expert costs beyond a
+    /// warm one (formats on candle's kernels: its one-time x86 repack; ours read the stored bytes).
     pub first_use_ms_per_expert: f64,
     pub results: Vec<MoeLayerResult>,
 }

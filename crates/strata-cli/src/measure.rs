@@ -252,7 +252,7 @@ fn bench_moe_layer(a: &BenchArgs) -> Result<()> {
         );
     }
     println!(
-        "first use of an expert (candle's one-time weight repack on x86): {:.2} ms per expert",
+        "first use of an expert (beyond a warm one; candle-run formats repack on x86): {:.2} ms per expert",
         bench.first_use_ms_per_expert
     );
     Ok(())

@@ -91,7 +91,7 @@ impl Strategy {
 /// Memory the plan accounts for, bytes.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct MemoryBudget {
-    /// Dense weights once loaded (f32-widened safetensors, candle's repacked copies included).
+    /// Dense weights once loaded (stored bytes; safetensors widened to f32).
     pub dense_weights: u64,
     /// All routed experts if resident.
     pub expert_weights: u64,
