@@ -13,9 +13,10 @@ pub struct KvLayout {
 
 /// Attention of `seq` consecutive query rows `q: [seq, n_heads, head_dim]` (decode: `seq = 1`)
 /// over the cache storage `k`/`v`: row `i` attends positions `0..first_len + i` (causal). Output
-/// `out: [seq, n_heads, head_dim]`. The (row, head) pairs run in parallel on candle's barrier pool;
-/// each pair's arithmetic is the same whatever `seq` and the thread count, so a row's result equals
-/// attending that token alone.
+/// `out: [seq, n_heads, head_dim]`. (row, kv head, query heads) units run in parallel on candle's
+/// barrier pool, each reading its K/V rows once for its query heads; each head's arithmetic is the
+/// same whatever `seq`, the grouping and the thread count, so a row's result equals attending that
+/// token alone.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_tokens(
     q: &[f32],
@@ -31,26 +32,39 @@ pub fn attend_tokens(
     let hd = kv.head_dim;
     assert_eq!(q.len(), seq * n_heads * hd);
     assert_eq!(out.len(), seq * n_heads * hd);
+    let n_rep = n_heads / kv.n_kv_heads;
+    // Units: (row, kv head, chunk of its query heads). Each unit reads its K/V rows once for all
+    // the chunk's heads; whole groups unless that leaves fewer units than twice the threads.
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let mut split = 1;
+    while seq * kv.n_kv_heads * split < 2 * threads && split < n_rep {
+        split += 1;
+        while !n_rep.is_multiple_of(split) {
+            split += 1;
+        }
+    }
+    let chunk = n_rep / split;
     let ptr = crate::SendPtr(out.as_mut_ptr());
     let unit = |i: usize, scores: &mut Vec<f32>| {
         let p = ptr; // the whole SendPtr, not its field
-        let (row, h) = (i / n_heads, i % n_heads);
-        let o = row * n_heads * hd + h * hd;
-        // SAFETY: unit i writes out[o..o + hd] only, and out has seq · n_heads · hd elements.
-        let oh = unsafe { std::slice::from_raw_parts_mut(p.0.add(o), hd) };
-        attend_head(
-            &q[o..o + hd],
+        let row = i / (n_heads / chunk);
+        let h0 = (i % (n_heads / chunk)) * chunk;
+        let o = row * n_heads * hd + h0 * hd;
+        // SAFETY: unit i writes out[o..o + chunk · hd] only (heads h0..h0 + chunk of its row), and
+        // out has seq · n_heads · hd elements.
+        let oh = unsafe { std::slice::from_raw_parts_mut(p.0.add(o), chunk * hd) };
+        let args = Group {
+            q: &q[o..o + chunk * hd],
             k,
             v,
             kv,
-            kv_head(kv, n_heads, h),
-            first_len + row,
+            g: kv_head(kv, n_heads, h0),
+            len: first_len + row,
             scale,
-            oh,
-            scores,
-        );
+        };
+        attend_group(&args, oh, scores);
     };
-    let units = seq * n_heads;
+    let units = seq * n_heads / chunk;
     // Short contexts: less work than a barrier's wake-up costs.
     if units == 1 || first_len < PARALLEL_MIN_LEN {
         SCORES.with(|s| (0..units).for_each(|i| unit(i, &mut s.borrow_mut())));
@@ -73,46 +87,75 @@ fn kv_head(kv: KvLayout, n_heads: usize, h: usize) -> usize {
     h / (n_heads / kv.n_kv_heads)
 }
 
-/// One head: `softmax(q·Kᵀ·scale)·V` over positions `0..len` of kv head `g`.
-#[allow(clippy::too_many_arguments)]
-fn attend_head(
-    qh: &[f32],
-    k: &[f32],
-    v: &[f32],
+/// Query heads sharing kv head `g`, attending positions `0..len`.
+struct Group<'a> {
+    /// `[heads, head_dim]`.
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
     kv: KvLayout,
     g: usize,
     len: usize,
     scale: f32,
-    oh: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    let hd = kv.head_dim;
-    scores.resize(len, 0.0);
-    let base = g * kv.capacity * hd;
-    let mut max = f32::NEG_INFINITY;
-    for (j, s) in scores.iter_mut().enumerate() {
-        let kr = &k[base + j * hd..base + (j + 1) * hd];
-        *s = dot(qh, kr) * scale;
-        max = max.max(*s);
+}
+
+/// [`attend_group_generic`] compiled for AVX2 where the CPU has it (the same operations in the
+/// same order, on wider registers: results are bit-identical).
+fn attend_group(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::isa() >= crate::Isa::Avx2 {
+            // SAFETY: the CPU has AVX2 (checked by isa()).
+            return unsafe { attend_group_avx2(a, oh, scores) };
+        }
     }
-    let mut sum = 0f64;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s as f64;
+    attend_group_generic(a, oh, scores)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_group_avx2(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
+    attend_group_generic(a, oh, scores)
+}
+
+/// Each head: `softmax(q·Kᵀ·scale)·V` over positions `0..len` of kv head `g`, every K and V row
+/// read once for all heads of the group. A head's arithmetic is the same as attending it alone.
+#[inline(always)]
+fn attend_group_generic(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
+    let hd = a.kv.head_dim;
+    let (heads, len) = (a.q.len() / hd, a.len);
+    scores.resize(heads * len, 0.0);
+    let base = a.g * a.kv.capacity * hd;
+    for j in 0..len {
+        let kr = &a.k[base + j * hd..base + (j + 1) * hd];
+        for h in 0..heads {
+            scores[h * len + j] = dot(&a.q[h * hd..(h + 1) * hd], kr) * a.scale;
+        }
     }
-    let inv = (1.0 / sum) as f32;
+    let mut inv = vec![0f32; heads];
+    for (h, s) in scores.chunks_exact_mut(len).enumerate() {
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0f64;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x as f64;
+        }
+        inv[h] = (1.0 / sum) as f32;
+    }
     oh.fill(0.0);
-    for (j, &p) in scores.iter().enumerate() {
-        let vr = &v[base + j * hd..base + (j + 1) * hd];
-        let w = p * inv;
-        for (o, &x) in oh.iter_mut().zip(vr) {
-            *o += w * x;
+    for j in 0..len {
+        let vr = &a.v[base + j * hd..base + (j + 1) * hd];
+        for h in 0..heads {
+            let w = scores[h * len + j] * inv[h];
+            for (o, &x) in oh[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
+                *o += w * x;
+            }
         }
     }
 }
 
 /// Dot product with 8 independent accumulators (lets the compiler use SIMD lanes).
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
