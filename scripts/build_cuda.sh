@@ -3,7 +3,9 @@
 # H100/H200 (sm_90). The CUDA 13.0 toolkit comes from PyPI wheels through
 # ../shared/tools/cuda-toolkit.sh (override with CUDA_TOOLKIT_SH); cold build ~15 min on 2 cores.
 # Output: dist/strata-cuda.xz (stripped, xz-compressed; git-ignored; carry it to the device with
-# `carry: ["dist"]`; scripts/cuda_device_check.sh unpacks it there).
+# `carry: ["dist"]`; scripts/cuda_device_check.sh unpacks it there), and dist/cuda-kernels-test.xz:
+# the test binary of crates/strata-models/tests/cuda_kernels.rs (our CUDA kernels against their
+# CPU references; `PART=decode` runs it there).
 # This is also how the code behind the `cuda` feature is type-checked: CI builds without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +19,16 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 # build never ships the previous binary)
 cargo build --release --features cuda -p strata-cli || { echo "build_cuda.sh: cargo build failed" >&2; exit 1; }
 mkdir -p dist
+T=$(cargo test --release --features cuda -p strata-models --test cuda_kernels --no-run --message-format=json 2>/dev/null \
+  | python3 -c "import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get('reason')=='compiler-artifact' and m.get('executable') and m['target']['name']=='cuda_kernels': print(m['executable'])") \
+  || true
+[ -n "$T" ] || { echo "build_cuda.sh: the cuda_kernels test did not build" >&2; cargo test --release --features cuda -p strata-models --test cuda_kernels --no-run; exit 1; }
+strip -o dist/cuda-kernels-test "$T"
+xz -T0 -6 -c dist/cuda-kernels-test > dist/cuda-kernels-test.xz
+rm dist/cuda-kernels-test
 strip -o dist/strata-cuda "$CARGO_TARGET_DIR/release/strata"
 # 63 MB stripped (candle's PTX): too large for a device call with the working tree; 8 MB as xz.
 xz -T0 -6 -c dist/strata-cuda > dist/strata-cuda.xz

@@ -14,6 +14,15 @@
 #     / 50% over a host tier holding every expert (page-locked), and over a 50% host tier that
 #     reads the drive with O_DIRECT; tier/runs.tgz holds the `generate --json` outputs.
 #     BENCH_ONLY=1: alternating speed rounds only; CHECK_ONLY=1: correctness only.
+#  5. PART=decode (instead of 2-4): the GPU decode step's own kernels (issue 24). The kernel tests
+#     (dist/cuda-kernels-test.xz from build_cuda.sh) against their CPU references; compare-devices
+#     on tiny-moe synthetics (head dim 64: our attention; Q4_K: device routing into the fused
+#     experts; Q8_0: host routing) with the GPU paths on and off; then the synthetic
+#     qwen3-30b-a3b Q4_K (`--routing local`: the random routers decide, as in llama.cpp) resident
+#     in VRAM, `strata bench` in alternating rounds: this build, each GPU path turned off, and
+#     dist/strata-cuda-base.xz (the build before them) when carried. LLAMA=1 also builds
+#     llama.cpp CUDA from dist/llamacpp-src.tar.xz (dist/llamacpp.sh, ~6 min) and runs
+#     llama-bench on the same file in the same rounds.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -37,6 +46,91 @@ print(f"pageable host-to-device: {a.numel()/t(lambda: a.copy_(hg), 5):.3e} B/s")
 PY
 ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['input_ids'])))" "$1"; }
 F=tests/fixtures
+unxz_to() { python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$1" "$2" && chmod +x "$2"; }
+if [ "${PART:-}" = decode ]; then
+  D="$OUT/decode"; mkdir -p "$D"
+  if [ -n "${LLAMA:-}" ]; then
+    # Built first, on a quiet machine, so that no timing below shares the CPU with the compiler.
+    t0=$(date +%s)
+    bash dist/llamacpp.sh cuda dist/llamacpp-src.tar.xz /tmp/llama > "$D/llama-build.txt" 2>&1 || echo "llama.cpp build failed" | tee -a "$D/llama-build.txt"
+    echo "llama.cpp build: $(( $(date +%s) - t0 )) s" | tee -a "$D/llama-build.txt"
+  fi
+  if [ -z "${BENCH_ONLY:-}" ]; then
+    echo "## kernels vs CPU references" | tee "$D/check.md"
+    unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
+    /tmp/cuda-kernels-test --test-threads=1 > "$D/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$D/check.md"
+    grep -E "^test |test result" "$D/kernels.txt" | tee -a "$D/check.md"
+    echo "## compare-devices (cuda vs cpu): GPU paths on, then off" | tee -a "$D/check.md"
+    for q in Q4_K Q8_0; do
+      "$S" synth --preset tiny-moe --quant $q --routing local --out /tmp/tiny-$q.gguf >/dev/null 2>&1
+      for v in on off; do
+        envs=(); [ $v = off ] && envs=(STRATA_GPU_ROUTING=0 STRATA_GPU_ATTENTION=0)
+        # STRATA_CPU_DEQUANTIZE=1: the CPU side in f32 (the reference of the DMMV kernels); the fused
+        # Q4_K experts quantize activations to Q8_1 (documented 6.9e-3): tolerance 5e-2 there.
+        tol=1e-4; [ $q = Q4_K ] && tol=5e-2
+        echo "tiny-moe $q, GPU paths $v:" | tee -a "$D/check.md"
+        env "${envs[@]}" STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-$q.gguf -p "The quick brown fox" -n 32 --tolerance $tol 2>>"$D/compare.err" | tail -2 | tee -a "$D/check.md"
+      done
+    done
+    echo "## decode steps replayed from CUDA graphs vs launched op by op (generated token ids)" | tee -a "$D/check.md"
+    for samp in "--temp 0" "--temp 1 --seed 7"; do
+      for n in 64 700; do # 700: past two bucket boundaries (255, 511), so three captures
+        for v in graphs opbyop; do
+          envs=(); [ $v = opbyop ] && envs=(STRATA_GPU_GRAPHS=0)
+          env "${envs[@]}" "$S" generate -m /tmp/tiny-Q4_K.gguf --device cuda -p "The quick brown fox" -n $n --ignore-eos $samp --json 2>>"$D/compare.err" > /tmp/gen-$v.json
+        done
+        python3 -c "
+import json,sys; a=json.load(open('/tmp/gen-graphs.json'))['generated_token_ids']; b=json.load(open('/tmp/gen-opbyop.json'))['generated_token_ids']
+same=sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==p[1], zip(a,b)))
+print('$samp, $n tokens: equal prefix', same, 'of', len(b), '| identical:', a==b)" | tee -a "$D/check.md"
+      done
+    done
+    grep -i "graph" "$D/compare.err" | sort | uniq -c | head -5 | tee -a "$D/check.md"
+    for m in qwen3_moe qwen3_5_moe; do
+      I=$(ids $F/moe-tiny/$m.reference.json)
+      timeout 120 "$S" compare-devices -m $F/moe-tiny/$m.gguf --ids "$I" -n 16 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+    done
+  fi
+  [ -z "${CHECK_ONLY:-}" ] || exit 0
+  M=/tmp/q3-30b-local.gguf
+  [ -f $M ] || { "$S" synth --preset qwen3-30b-a3b --routing local --out $M 2>&1 | tail -1 > "$D/synth.txt"; sync; sleep 3; }
+  [ -f dist/strata-cuda-base.xz ] && unxz_to dist/strata-cuda-base.xz /tmp/strata-base
+  bench() { # name, binary, env... : one `strata bench` line pair (pp512, tg128)
+    local n=$1 b=$2; shift 2
+    env "$@" timeout 300 "$b" bench -m $M --device cuda -p 512 -n 128 -r ${REPS:-2} --stream-experts off > /tmp/bench-$n.txt 2>&1
+    python3 - /tmp/bench-$n.txt "$n" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+pp = re.findall(r"pp512\D+([0-9.]+)", t); tg = re.findall(r"tg128\D+([0-9.]+)", t)
+print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
+PY
+  }
+  {
+    echo "| run | pp512 tok/s | tg128 tok/s |"
+    echo "|---|---|---|"
+    for round in 1 2; do
+      bench "new-$round" "$S"
+      [ -x /tmp/strata-base ] && bench "base-$round" /tmp/strata-base
+      if [ -z "${FEW:-}" ]; then
+        bench "no-graphs-$round" "$S" STRATA_GPU_GRAPHS=0
+        bench "no-graphs-no-gpu-routing-$round" "$S" STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0
+        bench "no-graphs-no-gpu-attention-$round" "$S" STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0
+        bench "no-graphs-event-tracking-$round" "$S" STRATA_GPU_GRAPHS=0 STRATA_CUDA_EVENT_TRACKING=1
+      fi
+      if [ -x /tmp/llama/bin/llama-bench ]; then
+        /tmp/llama/bin/llama-bench -m $M -ngl 99 -p 512 -n 128 -r ${REPS:-2} -o md > /tmp/llama-$round.txt 2>&1
+        python3 - /tmp/llama-$round.txt "llama.cpp-$round" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+pp = re.findall(r"pp512 \|\s+([0-9.]+)", t); tg = re.findall(r"tg128 \|\s+([0-9.]+)", t)
+print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
+PY
+      fi
+    done
+  } 2>&1 | tee "$D/bench.md"
+  cp /tmp/bench-new-1.txt "$D/bench-new-1.txt" 2>/dev/null
+  exit 0
+fi
 if [ "${PART:-}" = tier ]; then
   mkdir -p "$OUT/tier" /tmp/tier
   [ -n "${BENCH_ONLY:-}" ] || {

@@ -71,6 +71,15 @@ fn open_cuda(n: usize) -> Result<Device, String> {
         !std::env::var("STRATA_CUDA_MMVQ").is_ok_and(|v| v == "1"),
     );
     if let Device::Cuda(d) = &device {
+        // cudarc records and waits on CUDA events around every kernel argument so that tensors
+        // shared between streams stay ordered: several driver calls per launch. Strata computes on
+        // one stream, and the GPU expert tier orders its copy stream with explicit events
+        // (gpu_tier/copy.rs), so the tracking is turned off (STRATA_CUDA_EVENT_TRACKING=1 keeps
+        // it; docs/performance.md, "GPU decode step", measures both).
+        if !std::env::var("STRATA_CUDA_EVENT_TRACKING").is_ok_and(|v| v == "1") {
+            // SAFETY: see above — one compute stream; cross-stream copies are ordered explicitly.
+            unsafe { d.disable_event_tracking() };
+        }
         let stream = d.cuda_stream();
         let cu_device = stream.context().cu_device();
         // SAFETY: plain driver calls on the device candle just opened; `threshold` outlives them.

@@ -3,7 +3,8 @@
 //! token's arithmetic the one-token kernel's, so a speculative verify pass is bit-identical to
 //! decoding token by token), AVX2 paths, AVX-512 paths for the K-quants (chosen at run time by
 //! [`isa`]; bit-identical to the AVX2 ones) and a scalar fallback for other CPUs; one MoE layer's experts in two parallel
-//! regions ([`moe`]); and decode attention.
+//! regions ([`moe`]); and decode attention. With the `cuda` feature, `cuda` holds our own GPU
+//! decode kernels (`cuda/decode.cu`).
 //!
 //! Why our own: candle 0.11 computes Q4_1 with scalar code, rounds the Q8_1 block sum through f16
 //! arithmetic, quantizes Q8_0 activations per 256 values on AVX-512 where ggml uses per-32 blocks,
@@ -13,6 +14,8 @@
 
 pub mod attention;
 pub mod bytes;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod f32;
 pub mod matrix;
 pub mod moe;

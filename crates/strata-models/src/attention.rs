@@ -156,6 +156,10 @@ impl Attention {
         rope: &RotaryEmbedding,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = self.attend_gpu(q, k, v, layer, cache, rope)? {
+            return Ok(out);
+        }
         let seq = q.dim(0)?;
         let pos = cache.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -218,6 +222,76 @@ impl Attention {
         Ok(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?)
     }
 }
+
+impl Attention {
+    /// Whether one-token passes of this layer run on our kernels ([`Self::attend_gpu`]) on a GPU.
+    #[cfg(feature = "cuda")]
+    pub fn gpu_decodable(&self) -> bool {
+        self.clip_qkv.is_none() && strata_kernels::cuda::attend_supports(self.head_dim)
+    }
+
+    /// GPU path of [`Self::attend`] for passes of at most [`GPU_ATTEND_ROWS_MAX`] tokens (decode,
+    /// speculative verification): q/k norms through candle on `[seq, heads, head_dim]`, then two
+    /// launches of our kernels — RoPE with the KV-cache write (`rope_kv_append`) and split-K
+    /// attention over the cache (`attend_decode`) — in place of candle's transposes, RoPE, cache
+    /// copies, matmuls and softmax. `None`: not on a CUDA device, a longer pass, q/k/v clipping,
+    /// a head dimension the kernel lacks, or `STRATA_GPU_ATTENTION=0`.
+    #[cfg(feature = "cuda")]
+    fn attend_gpu(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        layer: usize,
+        cache: &mut KvCache,
+        rope: &RotaryEmbedding,
+    ) -> Result<Option<Tensor>> {
+        use strata_kernels::cuda as gpu;
+        let seq = q.dim(0)?;
+        let hd = self.head_dim;
+        if !q.device().is_cuda()
+            || seq > GPU_ATTEND_ROWS_MAX
+            || self.clip_qkv.is_some()
+            || !gpu::attend_supports(hd)
+            || !crate::gpu::enabled(crate::gpu::GpuPath::Attention)
+        {
+            return Ok(None);
+        }
+        let per_head = self.qk_norm == QkNorm::PerHead;
+        let heads = |t: &Tensor, n: usize, norm: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
+            let t = match norm {
+                Some(nm) if !per_head => nm.forward(&t.contiguous()?)?,
+                _ => t.contiguous()?,
+            };
+            let t = t.reshape((seq, n, hd))?;
+            match norm {
+                Some(nm) if per_head => nm.forward(&t),
+                _ => Ok(t),
+            }
+        };
+        let q = heads(q, self.num_heads, &self.q_norm)?;
+        let k = heads(k, self.num_kv_heads, &self.k_norm)?;
+        let v = heads(v, self.num_kv_heads, &None)?;
+        let (cos, sin, style) = rope.tables();
+        let style = match style {
+            strata_formats::RopeStyle::Neox => gpu::RopeStyle::Neox,
+            strata_formats::RopeStyle::Interleaved => gpu::RopeStyle::Interleaved,
+        };
+        let pos = match cache.device_position() {
+            Some((pos, max)) => gpu::Position::Device { pos, max },
+            None => gpu::Position::Host(cache.len()),
+        };
+        let (ck, cv) = cache.layer_kv(layer)?;
+        let q =
+            gpu::rope_kv_append(&q, &k, &v, cos, sin, style, pos, gpu::LayerKv { k: ck, v: cv })?;
+        let out = gpu::attend_decode(&q, pos, self.scale as f32, gpu::LayerKv { k: ck, v: cv })?;
+        Ok(Some(out))
+    }
+}
+
+/// Passes of at most this many tokens attend with our CUDA kernels on a GPU (decode and
+/// speculative verification); longer ones (prefill) through candle's matmuls.
+pub const GPU_ATTEND_ROWS_MAX: usize = 16;
 
 /// One sequence's rows in a batched pass.
 pub struct SeqPart<'a> {

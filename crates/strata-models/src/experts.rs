@@ -77,6 +77,13 @@ impl FusedExperts {
         let x3 = packed(x.reshape((seq, 1, h))?)?;
         let g = self.gate.indexed_moe_forward(&x3, ids)?;
         let u = self.up.indexed_moe_forward(&x3, ids)?;
+        #[cfg(feature = "cuda")]
+        let a = if g.device().is_cuda() && g.dtype() == candle_core::DType::F32 {
+            strata_kernels::cuda::silu_mul(&g, &u)?
+        } else {
+            packed((candle_nn::ops::silu(&g)? * u)?)?
+        };
+        #[cfg(not(feature = "cuda"))]
         let a = packed((candle_nn::ops::silu(&g)? * u)?)?;
         self.down.indexed_moe_forward(&a, ids)
     }
@@ -134,6 +141,13 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     /// Errors: a streaming provider's read or copy failed.
     fn fused(&self, _layer: usize, _ids: &[u32]) -> Option<Result<FusedCall<'_>>> {
         None
+    }
+
+    /// Whether [`Self::fused`] ignores its ids (every expert of a fused layer resident, addressed
+    /// by expert id): a MoE block may then route on the device and hand the ids to the fused
+    /// kernels without the host seeing them. The default: no.
+    fn routes_on_device(&self) -> bool {
+        false
     }
 
     /// Cumulative streaming counters (`None` for resident experts).
@@ -313,6 +327,10 @@ impl ExpertProvider for ResidentExperts {
 
     fn fused(&self, layer: usize, _ids: &[u32]) -> Option<Result<FusedCall<'_>>> {
         self.fused.get(layer)?.as_ref().map(|experts| Ok(FusedCall { experts, rows: None }))
+    }
+
+    fn routes_on_device(&self) -> bool {
+        true
     }
 
     fn expert(&self, layer: usize, expert: usize) -> Result<Arc<Expert>> {

@@ -49,6 +49,17 @@ pub struct KvCache {
     routing: Option<RoutingHistory>,
     len: usize,
     capacity: usize,
+    /// The GPU graph path's state (`cuda` build): captured decode steps for this cache's
+    /// tensors, and the device position its kernels read while one runs.
+    #[cfg(feature = "cuda")]
+    gpu: GpuState,
+}
+
+#[cfg(feature = "cuda")]
+#[derive(Debug, Default)]
+struct GpuState {
+    graphs: Option<Box<crate::transformer::DecodeGraphs>>,
+    position: Option<(Tensor, usize)>,
 }
 
 impl KvCache {
@@ -80,10 +91,40 @@ impl KvCache {
             routing,
             len: 0,
             capacity,
+            #[cfg(feature = "cuda")]
+            gpu: GpuState::default(),
         })
     }
 
     /// The routing history of a synthetic model's routers (`None` for every other model).
+    /// The position the GPU kernels read from the device, and the largest it may hold, while a
+    /// graph-captured decode step runs (`None` otherwise: the position is `len()`).
+    #[cfg(feature = "cuda")]
+    pub fn device_position(&self) -> Option<(&Tensor, usize)> {
+        self.gpu.position.as_ref().map(|(t, m)| (t, *m))
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn set_device_position(&mut self, p: Option<(Tensor, usize)>) {
+        self.gpu.position = p;
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn take_graphs(&mut self) -> Option<Box<crate::transformer::DecodeGraphs>> {
+        self.gpu.graphs.take()
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn put_graphs(&mut self, g: Box<crate::transformer::DecodeGraphs>) {
+        self.gpu.graphs = Some(g);
+    }
+
+    /// Whether the sequence carries a synthetic model's routing history (its routers then choose
+    /// on the host, from that history).
+    pub fn has_routing_history(&self) -> bool {
+        self.routing.is_some()
+    }
+
     pub fn routing_history_mut(&mut self) -> Option<&mut RoutingHistory> {
         self.routing.as_mut()
     }
@@ -159,6 +200,14 @@ impl KvCache {
         self.v[layer].slice_set(&v.contiguous()?, 2, self.len)?;
         let total = self.len + n;
         Ok((self.k[layer].narrow(2, 0, total)?, self.v[layer].narrow(2, 0, total)?))
+    }
+
+    /// Layer `layer`'s key and value storage `[1, n_kv_heads, capacity, head_dim]` (f32), for
+    /// kernels that write positions `len()..` in place and read them (the GPU decode path).
+    /// Errors: the layer has no KV cache (a recurrent layer).
+    pub fn layer_kv(&self, layer: usize) -> candle_core::Result<(&Tensor, &Tensor)> {
+        let s = self.kv_slot(layer)?;
+        Ok((&self.k[s], &self.v[s]))
     }
 
     fn kv_slot(&self, layer: usize) -> candle_core::Result<usize> {

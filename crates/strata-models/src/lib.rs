@@ -7,6 +7,7 @@ pub mod dflash;
 pub mod error;
 pub mod experts;
 pub mod gated_delta_net;
+pub mod gpu;
 pub mod kv_cache;
 pub mod layers;
 pub mod mlp;

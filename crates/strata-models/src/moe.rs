@@ -177,6 +177,25 @@ impl Router {
         Ok(routing)
     }
 
+    /// [`Self::route`] on the device: `x: [seq, hidden]` → expert ids `[seq, k]` (u32) and weights
+    /// `[seq, k]` (f32), computed by our top-k kernel from the router's logits (the same function
+    /// as [`Self::select`], up to float summation order; tested against it on the device). The
+    /// synthetic routing process is not applied. `record` also receives both.
+    #[cfg(feature = "cuda")]
+    pub fn route_on_device(
+        &self,
+        x: &Tensor,
+        record: Option<strata_kernels::cuda::RoutingRecord<'_>>,
+    ) -> Result<(Tensor, Tensor)> {
+        use strata_kernels::cuda::{route_topk, Scoring};
+        let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        let scoring = match self.scoring {
+            RouterScoring::Softmax => Scoring::Softmax,
+            RouterScoring::Sigmoid => Scoring::Sigmoid,
+        };
+        Ok(route_topk(&logits, self.top_k, self.top_k(), scoring, self.norm_topk_prob, record)?)
+    }
+
     /// Scores, top-k (ties to the lower expert id), renormalisation for one token's logits `[E]`.
     pub fn select(&self, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
         let scores = self.scores(logits);
@@ -436,13 +455,61 @@ impl SparseMoe {
         let (dev, k) = (x.device(), routing.top_k);
         let rows = call.rows.unwrap_or_else(|| routing.expert_ids.clone());
         let ids = Tensor::from_vec(rows, (seq, k), dev)?;
-        let w = Tensor::from_vec(routing.weights.clone(), (seq, k, 1), dev)?.to_dtype(x.dtype())?;
-        let mut out = call.experts.forward(x, &ids)?.broadcast_mul(&w)?.sum(1)?;
+        let w = Tensor::from_vec(routing.weights.clone(), (seq, k), dev)?.to_dtype(x.dtype())?;
+        self.fused_output(x, call.experts, &ids, &w)
+    }
+
+    /// The block's output over [`FusedExperts`] for `x: [seq, H]` routed to rows `ids: [seq, k]`
+    /// (u32) with weights `w: [seq, k]`, all on the device: the experts, their weighted sum
+    /// (one kernel of ours in a `cuda` build), the shared expert.
+    fn fused_output(
+        &self,
+        x: &Tensor,
+        experts: &crate::experts::FusedExperts,
+        ids: &Tensor,
+        w: &Tensor,
+    ) -> Result<Tensor> {
+        let y = experts.forward(x, ids)?; // [seq, k, H]
+        #[cfg(feature = "cuda")]
+        let mut out = if y.device().is_cuda() && y.dtype() == candle_core::DType::F32 {
+            strata_kernels::cuda::moe_combine(&y, w)?
+        } else {
+            y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?
+        };
+        #[cfg(not(feature = "cuda"))]
+        let mut out = y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
         if let Some(s) = &self.shared {
             let g = candle_nn::ops::sigmoid(&s.gate.forward(x)?)?;
             out = (out + s.mlp.forward(x)?.broadcast_mul(&g)?)?;
         }
         Ok(out)
+    }
+
+    /// [`Self::forward`] with the routing made on the device (`cuda` build): the router's top-k
+    /// kernel (`strata_kernels::cuda::route_topk`) feeds the fused experts directly, so the pass
+    /// never waits for the host here. `record` also receives the ids and weights (the pass's
+    /// routing, read back once at its end). `None`: this layer's experts are not resident
+    /// [`FusedExperts`] addressed by expert id (the caller routes on the host instead).
+    ///
+    /// Only for providers whose [`ExpertProvider::routes_on_device`] is true, and routers
+    /// without a synthetic routing process in use.
+    #[cfg(feature = "cuda")]
+    pub fn forward_device_routed(
+        &self,
+        x: &Tensor,
+        experts: &dyn ExpertProvider,
+        record: Option<strata_kernels::cuda::RoutingRecord<'_>>,
+    ) -> Option<Result<Tensor>> {
+        let call = match experts.fused(self.layer, &[])? {
+            Ok(c) if c.rows.is_none() => c,
+            Ok(_) => return None,
+            Err(e) => return Some(Err(e)),
+        };
+        let run = || {
+            let (ids, w) = self.router.route_on_device(x, record)?;
+            self.fused_output(x, call.experts, &ids, &w.to_dtype(x.dtype())?)
+        };
+        Some(run())
     }
 
     /// GPU path of [`Self::forward`]: expert outputs weighted and summed on the device (no copy

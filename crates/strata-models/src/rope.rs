@@ -111,6 +111,12 @@ impl RotaryEmbedding {
         })
     }
 
+    /// The cos and sin tables `[max_positions, rope_dim / 2]` and the pair layout (the GPU
+    /// kernels apply them themselves).
+    pub fn tables(&self) -> (&Tensor, &Tensor, RopeStyle) {
+        (&self.cos, &self.sin, self.style)
+    }
+
     pub fn max_positions(&self) -> usize {
         self.cos.dims()[0]
     }

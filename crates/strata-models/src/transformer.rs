@@ -26,7 +26,13 @@ use crate::prefetch::{PrefetchMode, PrefetchStats, Prefetcher};
 use crate::rope::RotaryEmbedding;
 
 mod batch;
+#[cfg(feature = "cuda")]
+mod device_routing;
+#[cfg(feature = "cuda")]
+mod graph;
 pub use batch::{BatchOptions, BatchSeq};
+#[cfg(feature = "cuda")]
+pub(crate) use graph::DecodeGraphs;
 
 /// Which positions get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

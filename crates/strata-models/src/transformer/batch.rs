@@ -60,6 +60,10 @@ impl Transformer {
         seqs: &mut [BatchSeq<'_>],
         opts: BatchOptions<'_>,
     ) -> Result<Vec<Result<ForwardOutput>>> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = self.try_decode_graphed(seqs, &opts)? {
+            return Ok(vec![Ok(out)]);
+        }
         let mut results: Vec<Option<Result<ForwardOutput>>> = Vec::with_capacity(seqs.len());
         let mut live = Vec::new(); // indices of sequences that run
         for (i, s) in seqs.iter().enumerate() {
@@ -83,6 +87,29 @@ impl Transformer {
             }
         }
         Ok(results.into_iter().map(|r| r.expect("every sequence has a result")).collect())
+    }
+
+    /// A one-token step of one sequence through its captured CUDA graph ([`super::graph`]),
+    /// when the pass asks for nothing the graph lacks; `None`: run the pass op by op.
+    #[cfg(feature = "cuda")]
+    fn try_decode_graphed(
+        &self,
+        seqs: &mut [BatchSeq<'_>],
+        opts: &BatchOptions<'_>,
+    ) -> Result<Option<ForwardOutput>> {
+        let [s] = seqs else { return Ok(None) };
+        let &[token] = s.tokens else { return Ok(None) };
+        let plain = opts.hidden_layers.is_empty()
+            && opts.n_layers.is_none_or(|n| n >= self.layers.len())
+            && (token as usize) < self.cfg.vocab_size
+            && s.cache.check_room(1).is_ok();
+        if !plain || !self.graph_decodable() {
+            return Ok(None);
+        }
+        if opts.stop.is_some_and(|stop| stop()) {
+            return Err(ModelError::Interrupted);
+        }
+        self.decode_graphed(token, s.cache)
     }
 
     fn run_batch(
@@ -123,6 +150,9 @@ impl Transformer {
             .map(|(_, s)| &mut *s.cache)
             .collect();
         let ctx = RouteCtx { ranges: &ranges, starts: &starts, tokens: &tokens };
+        #[cfg(feature = "cuda")]
+        let mut on_device =
+            super::device_routing::DeviceRouting::for_pass(self, &caches, tokens.len(), end)?;
         if let (Some(p), Some(j)) = (&self.prefetcher, self.next_moe_layer(0, end)) {
             self.prefetch_batch(p, j, &x, &ctx, &mut caches)?;
         }
@@ -151,9 +181,18 @@ impl Transformer {
             };
             x = (x + residual_scaled(h, scales.residual)?)?;
             let xn = layer.ffn_norm.forward(&x)?;
-            let h = match &layer.ffn {
-                FeedForward::Dense(m) => m.forward(&xn)?,
-                FeedForward::Moe(moe) => {
+            // With device routing (`cuda` build) a fused MoE layer runs without the host.
+            #[cfg(feature = "cuda")]
+            let on_gpu = match (&layer.ffn, on_device.as_mut()) {
+                (FeedForward::Moe(moe), Some(d)) => d.forward(moe, i, &xn, self).transpose()?,
+                _ => None,
+            };
+            #[cfg(not(feature = "cuda"))]
+            let on_gpu: Option<Tensor> = None;
+            let h = match (&layer.ffn, on_gpu) {
+                (_, Some(h)) => h,
+                (FeedForward::Dense(m), None) => m.forward(&xn)?,
+                (FeedForward::Moe(moe), None) => {
                     let r = route_batch(moe, &xn, &ctx, &mut caches, false)?;
                     self.experts.fetch_routed(i, &r.expert_ids);
                     if let Some(p) = &self.prefetcher {
@@ -199,6 +238,12 @@ impl Transformer {
         let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
         if scales.logits != 1.0 {
             logits = (logits * scales.logits)?;
+        }
+        // Device routing is read back after the lm_head's launch: the one wait of the pass.
+        #[cfg(feature = "cuda")]
+        if let Some(d) = on_device {
+            routing.extend(d.read()?);
+            routing.sort_by_key(|r: &LayerRouting| r.layer);
         }
         let mut out = Vec::with_capacity(live.len());
         for (k, (failure, states)) in failed.into_iter().zip(hidden_states).enumerate() {

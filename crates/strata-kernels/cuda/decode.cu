@@ -1,0 +1,317 @@
+// Strata's own CUDA kernels for the GPU decode step (issue 24), compiled to PTX by build.rs with
+// nvcc when the `cuda` feature is on, loaded through candle's CUDA device (src/cuda.rs).
+// Each kernel has a CPU reference it is tested against on the device (crates/strata-models/tests/
+// cuda_kernels.rs): Router::select, candle's rope / rope_i, the KV cache's attention.
+//
+//  moe_route_topk   router logits -> softmax|sigmoid -> top-k (ties to the lower id) -> weights
+//                   renormalised -> optional --moe-top-k cut; ids and weights stay on the device.
+//  silu_mul         SwiGLU's silu(gate) * up in one pass.
+//  moe_combine      sum_j w[t,j] * y[t,j,:] over the top-k expert outputs.
+//  rope_kv_append   RoPE (NeoX or interleaved pairs, rotary dims <= head dim) on q and k, k and v
+//                   written into the KV cache at their positions, q returned rotated.
+//  attn_decode      attention of a few query rows over the KV cache (split-K online softmax,
+//                   FlashDecoding: Dao et al. 2023), row i over positions [0, pos + i].
+//  attn_combine     merges the split-K partial results.
+
+#include <stdint.h>
+#include <math_constants.h>
+
+#define WARP 32
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routing. One block (ROUTE_THREADS threads) per token; scores in dynamic shared memory [E].
+// logits [n, E] f32; ids [n, keep] u32; weights [n, keep] f32; ids_all / w_all (nullable): the
+// same values also written at [n, keep] offset `all_off` (the pass's routing record).
+// scoring: 0 softmax, 1 sigmoid. norm: renormalise the top-k weights to sum 1. keep <= k: keep the
+// keep best, rescaled to the top-k's total weight (Router::weigh).
+#define ROUTE_THREADS 128
+#define ROUTE_MAX_K 32
+
+extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint32_t* __restrict__ ids,
+                                          float* __restrict__ weights, uint32_t* __restrict__ ids_all,
+                                          float* __restrict__ w_all, int all_off, int E, int k,
+                                          int keep, int scoring, int norm) {
+    extern __shared__ float sc[];  // [E] scores, then removed ones as -1
+    __shared__ float red_v[ROUTE_THREADS / WARP];
+    __shared__ int red_i[ROUTE_THREADS / WARP];
+    __shared__ float top_w[ROUTE_MAX_K];
+    __shared__ int top_i[ROUTE_MAX_K];
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % WARP, wid = tid / WARP;
+    const float* l = logits + (size_t)t * E;
+    if (scoring == 0) {
+        float m = -CUDART_INF_F;
+        for (int e = tid; e < E; e += ROUTE_THREADS) m = fmaxf(m, l[e]);
+        m = warp_max(m);
+        if (lane == 0) red_v[wid] = m;
+        __syncthreads();
+        m = red_v[0];
+        for (int w = 1; w < ROUTE_THREADS / WARP; w++) m = fmaxf(m, red_v[w]);
+        __syncthreads();
+        float s = 0.f;
+        for (int e = tid; e < E; e += ROUTE_THREADS) {
+            float x = expf(l[e] - m);
+            sc[e] = x;
+            s += x;
+        }
+        s = warp_sum(s);
+        if (lane == 0) red_v[wid] = s;
+        __syncthreads();
+        s = 0.f;
+        for (int w = 0; w < ROUTE_THREADS / WARP; w++) s += red_v[w];
+        __syncthreads();
+        for (int e = tid; e < E; e += ROUTE_THREADS) sc[e] = sc[e] / s;
+    } else {
+        for (int e = tid; e < E; e += ROUTE_THREADS) sc[e] = 1.f / (1.f + expf(-l[e]));
+    }
+    __syncthreads();
+    for (int j = 0; j < k; j++) {
+        // arg max over the scores left: highest score, then the lower id.
+        float bv = -2.f;
+        int bi = 0x7fffffff;
+        for (int e = tid; e < E; e += ROUTE_THREADS) {
+            float v = sc[e];
+            if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) { red_v[wid] = bv; red_i[wid] = bi; }
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < ROUTE_THREADS / WARP; w++) {
+                if (red_v[w] > bv || (red_v[w] == bv && red_i[w] < bi)) { bv = red_v[w]; bi = red_i[w]; }
+            }
+            top_w[j] = bv;
+            top_i[j] = bi;
+            sc[bi] = -1.f;
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        // Router::weigh, in its order of operations.
+        if (norm) {
+            float s = 0.f;
+            for (int j = 0; j < k; j++) s += top_w[j];
+            for (int j = 0; j < k; j++) top_w[j] /= s;
+        }
+        if (keep < k) {
+            float mass = 0.f, kept = 0.f;
+            for (int j = 0; j < k; j++) mass += top_w[j];
+            for (int j = 0; j < keep; j++) kept += top_w[j];
+            for (int j = 0; j < keep; j++) top_w[j] *= mass / kept;
+        }
+        for (int j = 0; j < keep; j++) {
+            ids[(size_t)t * keep + j] = (uint32_t)top_i[j];
+            weights[(size_t)t * keep + j] = top_w[j];
+            if (ids_all) {
+                ids_all[(size_t)all_off + (size_t)t * keep + j] = (uint32_t)top_i[j];
+                w_all[(size_t)all_off + (size_t)t * keep + j] = top_w[j];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// silu(g) * u, elementwise over n values (transformers' SiLU: x * sigmoid(x)).
+extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u,
+                                    float* __restrict__ out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float x = g[i];
+        out[i] = x / (1.f + expf(-x)) * u[i];
+    }
+}
+
+// out[t, h] = sum_j w[t, j] * y[t, j, h]; y [n, k, H], w [n, k], out [n, H]. grid (ceil(H/256), n).
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
+                                       float* __restrict__ out, int k, int H) {
+    int h = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (h >= H) return;
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) acc += w[t * k + j] * y[((size_t)t * k + j) * H + h];
+    out[(size_t)t * H + h] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE + KV append. q [seq, nh, hd], k, v [seq, nkv, hd] (contiguous); cos, sin [max_pos, rd/2];
+// cache_k, cache_v [nkv, cap, hd] (one layer's cache, batch 1); q_out [seq, nh, hd]. pos_dev
+// (nullable): the position read from the device instead of `pos` (a captured CUDA graph).
+// style 0: NeoX (pairs i, i + rd/2), 1: interleaved (pairs 2i, 2i + 1). Dimensions >= rd pass
+// unrotated. grid (seq, nh + nkv), block hd/2 threads (one per rotated pair / two tail dims).
+__device__ __forceinline__ void rope_row(const float* x, float* o, const float* c, const float* s,
+                                         int hd, int rd, int style) {
+    int half = rd / 2;
+    for (int p = threadIdx.x; p < hd / 2; p += blockDim.x) {
+        if (p < half) {
+            int a = style == 0 ? p : 2 * p, b = style == 0 ? p + half : 2 * p + 1;
+            float x0 = x[a], x1 = x[b], cs = c[p], sn = s[p];
+            o[a] = x0 * cs - x1 * sn;
+            o[b] = x0 * sn + x1 * cs;
+        } else {
+            // tail: dims rd + 2(p - half) and the next one
+            int d = rd + 2 * (p - half);
+            o[d] = x[d];
+            o[d + 1] = x[d + 1];
+        }
+    }
+}
+
+extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, float* __restrict__ q_out,
+                                          float* __restrict__ cache_k, float* __restrict__ cache_v,
+                                          int nh, int nkv, int hd, int rd, int style, int pos, int cap,
+                                          const uint32_t* __restrict__ pos_dev) {
+    if (pos_dev) pos = (int)*pos_dev;
+    const int i = blockIdx.x, h = blockIdx.y, p = pos + i;
+    const float* c = cos_t + (size_t)p * (rd / 2);
+    const float* s = sin_t + (size_t)p * (rd / 2);
+    if (h < nh) {
+        size_t off = ((size_t)i * nh + h) * hd;
+        rope_row(q + off, q_out + off, c, s, hd, rd, style);
+    } else {
+        int g = h - nh;
+        size_t src = ((size_t)i * nkv + g) * hd, dst = ((size_t)g * cap + p) * hd;
+        rope_row(k + src, cache_k + dst, c, s, hd, rd, style);
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) cache_v[dst + d] = v[src + d];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention. q [seq, nh, hd]; cache [nkv, cap, hd]; row i attends positions [0, pos + i].
+// grid (nkv * groups, splits, seq), ATT_THREADS threads. A block takes REP query heads of one kv
+// head (groups = ceil(n_rep / REP)) over positions [split * chunk, (split + 1) * chunk); each warp
+// takes every ATT_WARPS-th position with an online softmax, lanes hold HPL = hd / 32 dimensions.
+// splits == 1: out [seq, nh * hd] is written; else partials part [seq, nh, splits, hd + 2]
+// (unnormalised acc, then max and sum), merged by attn_combine. pos_dev (nullable): the position
+// read from the device (a captured CUDA graph: `splits` then covers the longest context the graph
+// serves, and chunks past a row's length give empty partials).
+#define ATT_WARPS 4
+#define ATT_THREADS (ATT_WARPS * WARP)
+#define REP 4
+
+template <int HPL>
+__device__ void attn_decode_impl(const float* __restrict__ q, const float* __restrict__ ck,
+                                 const float* __restrict__ cv, float* __restrict__ out,
+                                 float* __restrict__ part, int nh, int nkv, int cap, int pos,
+                                 int chunk, float scale, const uint32_t* __restrict__ pos_dev) {
+    if (pos_dev) pos = (int)*pos_dev;
+    constexpr int HD = HPL * WARP;
+    __shared__ float sm_acc[ATT_WARPS][REP][HD];
+    __shared__ float sm_m[ATT_WARPS][REP], sm_l[ATT_WARPS][REP];
+    const int n_rep = nh / nkv, groups = (n_rep + REP - 1) / REP;
+    const int kvh = blockIdx.x / groups, grp = blockIdx.x % groups;
+    const int split = blockIdx.y, splits = gridDim.y, row = blockIdx.z;
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    const int total = pos + row + 1;
+    const int j0 = split * chunk, j1 = min(total, j0 + chunk);
+    const int h0 = kvh * n_rep + grp * REP;
+    const int nr = min(REP, n_rep - grp * REP);
+    float qr[REP][HPL], acc[REP][HPL], m[REP], l[REP];
+#pragma unroll
+    for (int r = 0; r < REP; r++) {
+        m[r] = -CUDART_INF_F;
+        l[r] = 0.f;
+#pragma unroll
+        for (int d = 0; d < HPL; d++) {
+            acc[r][d] = 0.f;
+            qr[r][d] = r < nr ? q[((size_t)row * nh + h0 + r) * HD + d * WARP + lane] * scale : 0.f;
+        }
+    }
+    const float* kb = ck + (size_t)kvh * cap * HD;
+    const float* vb = cv + (size_t)kvh * cap * HD;
+    for (int j = j0 + wid; j < j1; j += ATT_WARPS) {
+        float kr[HPL], vr[HPL];
+#pragma unroll
+        for (int d = 0; d < HPL; d++) {
+            kr[d] = kb[(size_t)j * HD + d * WARP + lane];
+            vr[d] = vb[(size_t)j * HD + d * WARP + lane];
+        }
+#pragma unroll
+        for (int r = 0; r < REP; r++) {
+            if (r >= nr) break;
+            float s = 0.f;
+#pragma unroll
+            for (int d = 0; d < HPL; d++) s += qr[r][d] * kr[d];
+            s = warp_sum(s);
+            float mn = fmaxf(m[r], s), corr = expf(m[r] - mn), pj = expf(s - mn);
+            l[r] = l[r] * corr + pj;
+#pragma unroll
+            for (int d = 0; d < HPL; d++) acc[r][d] = acc[r][d] * corr + pj * vr[d];
+            m[r] = mn;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < REP; r++) {
+        if (lane == 0) { sm_m[wid][r] = m[r]; sm_l[wid][r] = l[r]; }
+#pragma unroll
+        for (int d = 0; d < HPL; d++) sm_acc[wid][r][d * WARP + lane] = acc[r][d];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < nr * HD; idx += ATT_THREADS) {
+        int r = idx / HD, d = idx % HD;
+        float M = -CUDART_INF_F;
+        for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm_m[w][r]);
+        float L = 0.f, A = 0.f;
+        if (M != -CUDART_INF_F) {
+            for (int w = 0; w < ATT_WARPS; w++) {
+                float f = expf(sm_m[w][r] - M);
+                L += sm_l[w][r] * f;
+                A += sm_acc[w][r][d] * f;
+            }
+        }
+        int h = h0 + r;
+        if (splits == 1) {
+            out[((size_t)row * nh + h) * HD + d] = A / L;
+        } else {
+            float* pp = part + (((size_t)row * nh + h) * splits + split) * (HD + 2);
+            pp[d] = A;
+            if (d == 0) { pp[HD] = M; pp[HD + 1] = L; }
+        }
+    }
+}
+
+#define ATT_KERNEL(HPL)                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_hd##HPL(                    \
+        const float* q, const float* ck, const float* cv, float* out, float* part, int nh, int nkv,   \
+        int cap, int pos, int chunk, float scale, const uint32_t* pos_dev) {                          \
+        attn_decode_impl<HPL>(q, ck, cv, out, part, nh, nkv, cap, pos, chunk, scale, pos_dev);        \
+    }
+ATT_KERNEL(1)
+ATT_KERNEL(2)
+ATT_KERNEL(3)
+ATT_KERNEL(4)
+ATT_KERNEL(8)
+
+// part [seq, nh, splits, hd + 2] -> out [seq, nh, hd]. grid (nh, seq), block hd threads.
+extern "C" __global__ void attn_combine(const float* __restrict__ part, float* __restrict__ out,
+                                        int nh, int hd, int splits) {
+    const int h = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
+    const float* pp = part + ((size_t)row * nh + h) * splits * (hd + 2);
+    float M = -CUDART_INF_F;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, pp[s * (hd + 2) + hd]);
+    float L = 0.f, A = 0.f;
+    for (int s = 0; s < splits; s++) {
+        float ms = pp[s * (hd + 2) + hd];
+        if (ms == -CUDART_INF_F) continue;
+        float f = expf(ms - M);
+        L += pp[s * (hd + 2) + hd + 1] * f;
+        A += pp[s * (hd + 2) + d] * f;
+    }
+    out[((size_t)row * nh + h) * hd + d] = A / L;
+}

@@ -1,0 +1,443 @@
+//! Strata's own CUDA kernels for the GPU decode step (`cuda` feature): the PTX that build.rs makes
+//! with nvcc from `cuda/decode.cu`, launched on candle's CUDA stream over candle tensors.
+//!
+//! Every function takes and returns f32 tensors on one CUDA device, in the shapes its docs give,
+//! and errors (never panics) on a tensor off the device, of another dtype or shape. Each kernel
+//! is tested on the device against its CPU reference (`crates/strata-models/tests/cuda_kernels.rs`,
+//! run by `scripts/cuda_device_check.sh`).
+
+use candle_core::cuda_backend::cudarc::driver::{
+    result, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/strata_decode.ptx"));
+const MODULE: &str = "strata_decode";
+
+/// Positions one attention block takes (split-K chunk, FlashDecoding).
+pub const ATTN_CHUNK: usize = 256;
+/// Threads of an attention block (`ATT_THREADS` in decode.cu).
+const ATTN_THREADS: u32 = 128;
+/// Query heads one attention block takes (`REP` in decode.cu).
+const ATTN_REP: usize = 4;
+/// Most experts per token the routing kernel keeps (`ROUTE_MAX_K`).
+pub const ROUTE_MAX_K: usize = 32;
+
+fn cuda_device(t: &Tensor) -> Result<&CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d),
+        _ => bail!("strata cuda kernel: tensor is not on a CUDA device"),
+    }
+}
+
+/// A device allocation of `n` elements wrapped as a tensor of `shape` (contents undefined until a
+/// kernel writes them).
+fn alloc<T: CudaDType + DeviceRepr>(dev: &CudaDevice, shape: impl Into<Shape>) -> Result<Tensor> {
+    let shape = shape.into();
+    // SAFETY: every element is written by the kernel the caller launches next, on the same stream.
+    let slice = unsafe { dev.alloc::<T>(shape.elem_count().max(1)) }?;
+    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
+}
+
+/// The device address of a contiguous f32 or u32 tensor's first element. Kernel arguments are
+/// passed as these addresses (a u64 each; 0 for an absent optional buffer); the tensors stay
+/// borrowed by the caller until the launch is queued, and everything runs on the one stream.
+fn addr(t: &Tensor) -> Result<u64> {
+    if !t.is_contiguous() {
+        bail!("strata cuda kernel: tensor of shape {:?} is not contiguous", t.dims());
+    }
+    let dev = cuda_device(t)?;
+    let stream = dev.cuda_stream();
+    let (st, l) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*st else { bail!("strata cuda kernel: tensor not on CUDA") };
+    let (base, size) = match t.dtype() {
+        DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0, 4),
+        DType::U32 => (cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0, 4),
+        d => bail!("strata cuda kernel: {d:?} tensor (f32 or u32 expected)"),
+    };
+    Ok(base + (l.start_offset() * size) as u64)
+}
+
+/// Queues `name` with `cfg` over `args` (device addresses and scalars, in the kernel's order).
+///
+/// # Safety
+/// `args` must match the kernel's parameter list, and every address must be valid for what the
+/// kernel reads and writes at `cfg`.
+unsafe fn launch(dev: &CudaDevice, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let mut b = f.builder();
+    for a in args {
+        match a {
+            Arg::Ptr(p) => b.arg(p),
+            Arg::I32(v) => b.arg(v),
+            Arg::F32(v) => b.arg(v),
+        };
+    }
+    // SAFETY: the caller's contract.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// A kernel argument.
+enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+}
+
+fn i32s(v: &[usize]) -> impl Iterator<Item = Arg> + '_ {
+    v.iter().map(|&x| Arg::I32(x as i32))
+}
+
+/// Writes `value` into a u32 `[1]` tensor on the device, queued on candle's stream (a captured
+/// CUDA graph's inputs are updated this way before each replay).
+pub fn write_u32(t: &Tensor, value: u32) -> Result<()> {
+    if t.dtype() != DType::U32 || t.elem_count() != 1 {
+        bail!("write_u32: expected one u32, got {:?} {:?}", t.dtype(), t.dims());
+    }
+    let dev = cuda_device(t)?;
+    let dst = addr(t)?;
+    let stream = dev.cuda_stream();
+    // SAFETY: `dst` is the tensor's one u32; the source is copied to a staging buffer before the
+    // call returns (pageable memory), and the copy is ordered on the stream with every kernel.
+    unsafe { result::memcpy_htod_async(dst, &[value], stream.cu_stream()) }.w()?;
+    Ok(())
+}
+
+fn check_f32(t: &Tensor, what: &str) -> Result<()> {
+    if t.dtype() != DType::F32 {
+        bail!("strata cuda kernel: {what} is {:?}, expected f32", t.dtype());
+    }
+    Ok(())
+}
+
+/// How a router turns logits into scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    Softmax,
+    Sigmoid,
+}
+
+/// Where a routing kernel also writes its result: a pass's record of every MoE layer's routing
+/// (`ids` u32 and `weights` f32, each `[layers · n · keep]`), at element `offset`.
+pub struct RoutingRecord<'a> {
+    pub ids: &'a Tensor,
+    pub weights: &'a Tensor,
+    pub offset: usize,
+}
+
+/// Top-k routing on the device: router `logits: [n, E]` f32 → `(ids [n, keep] u32, weights
+/// [n, keep] f32)`. Scores are the softmax over experts (in f32) or the sigmoid of each logit; the
+/// `k` best are chosen, highest first, ties to the lower id; with `norm_topk` their weights are
+/// divided by their sum; `keep < k` keeps the `keep` best rescaled to the top-k's total weight
+/// (`--moe-top-k`). The same function as `strata_models::Router::select` (reference:
+/// transformers `Qwen2MoeTopKRouter`), up to float summation order.
+///
+/// Errors: `k` or `keep` is 0 or above `min(E, 32)`, `keep > k`, or a tensor is off the device.
+pub fn route_topk(
+    logits: &Tensor,
+    k: usize,
+    keep: usize,
+    scoring: Scoring,
+    norm_topk: bool,
+    record: Option<RoutingRecord<'_>>,
+) -> Result<(Tensor, Tensor)> {
+    check_f32(logits, "router logits")?;
+    let (n, e) = logits.dims2()?;
+    if k == 0 || k > e.min(ROUTE_MAX_K) || keep == 0 || keep > k {
+        bail!("route_topk: top-k {k} (keep {keep}) over {e} experts");
+    }
+    let dev = cuda_device(logits)?;
+    let ids = alloc::<u32>(dev, (n, keep))?;
+    let weights = alloc::<f32>(dev, (n, keep))?;
+    if n == 0 {
+        return Ok((ids, weights));
+    }
+    if let Some(r) = &record {
+        let need = r.offset + n * keep;
+        if r.ids.elem_count() < need || r.weights.elem_count() < need {
+            bail!("route_topk: routing record holds {} of {need} entries", r.ids.elem_count());
+        }
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: (e * 4) as u32,
+    };
+    let (rec_ids, rec_w, off) = match &record {
+        Some(r) => (addr(r.ids)?, addr(r.weights)?, r.offset),
+        None => (0, 0, 0),
+    };
+    let mut args = vec![
+        Arg::Ptr(addr(logits)?),
+        Arg::Ptr(addr(&ids)?),
+        Arg::Ptr(addr(&weights)?),
+        Arg::Ptr(rec_ids),
+        Arg::Ptr(rec_w),
+    ];
+    let flags = [off, e, k, keep, matches!(scoring, Scoring::Sigmoid) as usize, norm_topk as usize];
+    args.extend(i32s(&flags));
+    // SAFETY: arguments in `moe_route_topk`'s order; sizes checked above (the record holds
+    // `offset + n · keep` entries).
+    unsafe { launch(dev, "moe_route_topk", cfg, &args) }?;
+    Ok((ids, weights))
+}
+
+/// SwiGLU's `silu(gate) · up` in one pass: two f32 tensors of one shape → that shape.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check_f32(gate, "gate")?;
+    check_f32(up, "up")?;
+    if gate.dims() != up.dims() {
+        bail!("silu_mul: gate {:?} and up {:?} differ", gate.dims(), up.dims());
+    }
+    let dev = cuda_device(gate)?;
+    let n = gate.elem_count();
+    let out = alloc::<f32>(dev, gate.shape().clone())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args =
+        [Arg::Ptr(addr(gate)?), Arg::Ptr(addr(up)?), Arg::Ptr(addr(&out)?), Arg::I32(n as i32)];
+    // SAFETY: arguments in `silu_mul`'s order; all three hold n elements.
+    unsafe { launch(dev, "silu_mul", cfg, &args) }?;
+    Ok(out)
+}
+
+/// The MoE block's weighted sum over the top-k: `y: [n, k, H]`, `weights: [n, k]` → `[n, H]`,
+/// `out[t] = Σⱼ weights[t, j] · y[t, j]`.
+pub fn moe_combine(y: &Tensor, weights: &Tensor) -> Result<Tensor> {
+    check_f32(y, "expert outputs")?;
+    check_f32(weights, "routing weights")?;
+    let (n, k, h) = y.dims3()?;
+    if weights.dims() != [n, k] {
+        bail!("moe_combine: weights {:?} for outputs {:?}", weights.dims(), y.dims());
+    }
+    let dev = cuda_device(y)?;
+    let out = alloc::<f32>(dev, (n, h))?;
+    if n == 0 || h == 0 {
+        return Ok(out);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (h.div_ceil(256) as u32, n as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = vec![Arg::Ptr(addr(y)?), Arg::Ptr(addr(weights)?), Arg::Ptr(addr(&out)?)];
+    args.extend(i32s(&[k, h]));
+    // SAFETY: arguments in `moe_combine`'s order; shapes checked above.
+    unsafe { launch(dev, "moe_combine", cfg, &args) }?;
+    Ok(out)
+}
+
+/// Rotary embedding style: pairs `(i, i + d/2)` (NeoX, candle's `rope`) or `(2i, 2i + 1)`
+/// (GPT-J, candle's `rope_i`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    Neox,
+    Interleaved,
+}
+
+/// Where a pass's first position comes from.
+#[derive(Debug, Clone, Copy)]
+pub enum Position<'a> {
+    /// Known on the host when the kernels are launched.
+    Host(usize),
+    /// Read by the kernels from `pos` (u32 `[1]` on the device), which holds at most `max`: the
+    /// launches can be captured once in a CUDA graph and replayed at every position up to `max`.
+    Device { pos: &'a Tensor, max: usize },
+}
+
+impl Position<'_> {
+    /// The largest first position the launch may see.
+    fn max(&self) -> usize {
+        match *self {
+            Position::Host(p) => p,
+            Position::Device { max, .. } => max,
+        }
+    }
+
+    fn host(&self) -> i32 {
+        match *self {
+            Position::Host(p) => p as i32,
+            Position::Device { .. } => 0,
+        }
+    }
+
+    /// The device address of the position (0: a host position).
+    fn device_addr(&self) -> Result<u64> {
+        match self {
+            Position::Host(_) => Ok(0),
+            Position::Device { pos, .. } => addr(pos),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if let Position::Device { pos, .. } = self {
+            if pos.dtype() != DType::U32 || pos.elem_count() != 1 {
+                bail!("device position: expected one u32, got {:?} {:?}", pos.dtype(), pos.dims());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One layer's KV cache on the device: `k`, `v: [1, n_kv_heads, capacity, head_dim]` f32,
+/// contiguous, written in place.
+pub struct LayerKv<'a> {
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+}
+
+/// RoPE and the KV-cache write of `seq` tokens at positions `pos..pos + seq` (`pos` on the host
+/// or on the device, [`Position`]): `q: [seq, nh, hd]`,
+/// `k`, `v: [seq, nkv, hd]`; `cos`, `sin: [max_positions, rope_dim / 2]` (the model's tables,
+/// attention factor included). Rotates the first `rope_dim` dimensions of every head of q and k
+/// (RoFormer, Su et al. 2021), writes the rotated k and v into `cache` at those positions and
+/// returns the rotated q `[seq, nh, hd]`.
+///
+/// Errors: shapes disagree, `rope_dim` is odd or above `hd`, positions past the cache or the
+/// tables.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_kv_append(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    style: RopeStyle,
+    pos: Position<'_>,
+    cache: LayerKv<'_>,
+) -> Result<Tensor> {
+    pos.check()?;
+    for (t, w) in [(q, "q"), (k, "k"), (v, "v"), (cos, "cos"), (sin, "sin")] {
+        check_f32(t, w)?;
+    }
+    check_f32(cache.k, "cache k")?;
+    check_f32(cache.v, "cache v")?;
+    let (seq, nh, hd) = q.dims3()?;
+    let (_, nkv, cap, chd) = cache.k.dims4()?;
+    let (max_pos, half) = cos.dims2()?;
+    let rd = 2 * half;
+    if k.dims() != [seq, nkv, hd] || v.dims() != [seq, nkv, hd] || chd != hd {
+        bail!(
+            "rope_kv_append: q {:?}, k {:?}, v {:?}, cache {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            cache.k.dims()
+        );
+    }
+    if cache.v.dims() != cache.k.dims() || sin.dims() != cos.dims() {
+        bail!("rope_kv_append: cache or table shapes differ");
+    }
+    let last = pos.max() + seq;
+    if rd > hd || !hd.is_multiple_of(2) || last > cap || last > max_pos {
+        bail!("rope_kv_append: rope dims {rd}, head dim {hd}, positions up to {last} (cache {cap}, table {max_pos})");
+    }
+    let dev = cuda_device(q)?;
+    let q_out = alloc::<f32>(dev, (seq, nh, hd))?;
+    if seq == 0 {
+        return Ok(q_out);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (seq as u32, (nh + nkv) as u32, 1),
+        block_dim: ((hd / 2).max(32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args: Vec<Arg> = [q, k, v, cos, sin, &q_out, cache.k, cache.v]
+        .iter()
+        .map(|t| addr(t).map(Arg::Ptr))
+        .collect::<Result<_>>()?;
+    let interleaved = matches!(style, RopeStyle::Interleaved) as usize;
+    args.extend(i32s(&[nh, nkv, hd, rd, interleaved]));
+    args.push(Arg::I32(pos.host()));
+    args.push(Arg::I32(cap as i32));
+    args.push(Arg::Ptr(pos.device_addr()?));
+    // SAFETY: arguments in `rope_kv_append`'s order; shapes and positions checked above. The
+    // cache is written in place: its tensors belong to one KvCache, used by one pass at a time
+    // on this stream.
+    unsafe { launch(dev, "rope_kv_append", cfg, &args) }?;
+    Ok(q_out)
+}
+
+/// Whether [`attend_decode`] takes a head dimension (a multiple of 32, at most 256).
+pub fn attend_supports(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(32) && matches!(head_dim / 32, 1..=4 | 8)
+}
+
+/// Attention of `seq` query rows over one layer's KV cache: `q: [seq, nh, hd]` (rotated), row `i`
+/// attends positions `0..=pos + i` of `cache` (the rows' own keys already written) → `[seq, nh ·
+/// hd]`. Query head `h` reads kv head `h / (nh / nkv)` (GQA). Softmax in f32 with an online
+/// maximum, split over chunks of [`ATTN_CHUNK`] positions merged in a second launch
+/// (FlashDecoding, Dao et al. 2023) when the context (the longest `pos` may be, [`Position`])
+/// spans more than one chunk.
+///
+/// Errors: `hd` not [`attend_supports`]ed, `nh` not a multiple of `nkv`, positions past the cache.
+pub fn attend_decode(
+    q: &Tensor,
+    pos: Position<'_>,
+    scale: f32,
+    cache: LayerKv<'_>,
+) -> Result<Tensor> {
+    check_f32(q, "q")?;
+    pos.check()?;
+    let (seq, nh, hd) = q.dims3()?;
+    let (_, nkv, cap, chd) = cache.k.dims4()?;
+    let last = pos.max() + seq;
+    if chd != hd || !attend_supports(hd) || nkv == 0 || !nh.is_multiple_of(nkv) || last > cap {
+        bail!(
+            "attend_decode: q {:?}, cache {:?}, positions up to {last}",
+            q.dims(),
+            cache.k.dims()
+        );
+    }
+    let dev = cuda_device(q)?;
+    let out = alloc::<f32>(dev, (seq, nh * hd))?;
+    if seq == 0 {
+        return Ok(out);
+    }
+    let splits = last.div_ceil(ATTN_CHUNK);
+    let groups = (nh / nkv).div_ceil(ATTN_REP);
+    let cfg = LaunchConfig {
+        grid_dim: ((nkv * groups) as u32, splits as u32, seq as u32),
+        block_dim: (ATTN_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let part =
+        if splits > 1 { Some(alloc::<f32>(dev, seq * nh * splits * (hd + 2))?) } else { None };
+    let mut args = vec![
+        Arg::Ptr(addr(q)?),
+        Arg::Ptr(addr(cache.k)?),
+        Arg::Ptr(addr(cache.v)?),
+        Arg::Ptr(addr(&out)?),
+        Arg::Ptr(part.as_ref().map(addr).transpose()?.unwrap_or(0)),
+    ];
+    args.extend(i32s(&[nh, nkv, cap]));
+    args.push(Arg::I32(pos.host()));
+    args.push(Arg::I32(ATTN_CHUNK as i32));
+    args.push(Arg::F32(scale));
+    args.push(Arg::Ptr(pos.device_addr()?));
+    // SAFETY: arguments in `attn_decode_hd*`'s order; shapes checked above; `part` holds
+    // `seq · nh · splits · (hd + 2)` values when there are several splits.
+    unsafe { launch(dev, &format!("attn_decode_hd{}", hd / 32), cfg, &args) }?;
+    if let Some(p) = &part {
+        let cfg = LaunchConfig {
+            grid_dim: (nh as u32, seq as u32, 1),
+            block_dim: (hd as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = vec![Arg::Ptr(addr(p)?), Arg::Ptr(addr(&out)?)];
+        args.extend(i32s(&[nh, hd, splits]));
+        // SAFETY: arguments in `attn_combine`'s order.
+        unsafe { launch(dev, "attn_combine", cfg, &args) }?;
+    }
+    Ok(out)
+}

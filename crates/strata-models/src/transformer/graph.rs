@@ -1,0 +1,244 @@
+//! The decode step as a CUDA graph (`cuda` build): a one-token pass of a model whose every layer
+//! runs on the device without the host — attention on our kernels reading the position from
+//! device memory, MoE layers routed on the device into resident fused experts, dense MLPs — is
+//! captured once per context bucket and replayed, so a step costs one graph launch instead of
+//! ~25 candle launches per layer (the CPU-side cost that bounds candle's decode on a fast GPU).
+//!
+//! Per sequence ([`KvCache`]), buckets serve positions up to 256·2ʲ − 1 (the attention kernel's
+//! split count is fixed at capture; chunks past a row's length add nothing). A bucket's first
+//! step runs eagerly (its result is that step's output) and is then captured; later steps write
+//! the token and position into two device scalars and replay. Graph memory is instantiated with
+//! auto-free-on-launch, so the outputs (logits, routing record) live until the next replay: the
+//! logits are copied out, the routing read back, after each launch.
+//!
+//! Not taken (the op-by-op path runs instead): several sequences or tokens, hidden-state taps, a
+//! partial layer count, a prefetcher, synthetic routing processes, Gated DeltaNet layers, a
+//! layer our kernels lack, cudarc event tracking on, or `STRATA_GPU_GRAPHS=0`. A capture that
+//! fails turns the path off for that sequence (logged once).
+
+use std::collections::HashMap;
+
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{DType, Device, Tensor};
+
+use super::device_routing::DeviceRouting;
+use super::{residual_scaled, FeedForward, ForwardOutput, Mixer, Transformer};
+use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
+
+/// A sequence's captured decode steps.
+#[derive(Debug)]
+pub struct DecodeGraphs {
+    /// u32 `[1]`: the step's token, read by the embedding lookup.
+    token: Tensor,
+    /// u32 `[1]`: the step's position, read by the attention kernels.
+    pos: Tensor,
+    /// Largest position served → the captured step.
+    graphs: HashMap<usize, Captured>,
+    /// A capture failed: this sequence decodes op by op.
+    failed: bool,
+}
+
+/// One captured step and the graph-owned outputs it rewrites at every replay.
+struct Captured {
+    graph: SendGraph,
+    logits: Tensor,
+    routing: Option<DeviceRouting>,
+}
+
+impl std::fmt::Debug for Captured {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Captured")
+    }
+}
+
+/// A CUDA graph that may move between threads with its sequence.
+struct SendGraph(CudaGraph);
+// SAFETY: the graph is launched only through `&mut KvCache` (one thread at a time), and cudarc
+// binds the context to the launching thread.
+unsafe impl Send for SendGraph {}
+unsafe impl Sync for SendGraph {}
+
+/// Positions `0..=max` one graph serves, for a step at `pos` in a cache of `capacity` tokens.
+fn bucket(pos: usize, capacity: usize) -> usize {
+    let mut max = strata_kernels::cuda::ATTN_CHUNK;
+    while max <= pos {
+        max *= 2;
+    }
+    (max - 1).min(capacity.saturating_sub(1))
+}
+
+impl Transformer {
+    /// Whether this model's one-token passes can be captured: every layer an attention layer our
+    /// kernels take, every MoE layer resident fused experts routed on the device.
+    pub(super) fn graph_decodable(&self) -> bool {
+        let Device::Cuda(dev) = &self.device else { return false };
+        if !crate::gpu::enabled(crate::gpu::GpuPath::Graphs)
+            || !crate::gpu::enabled(crate::gpu::GpuPath::Routing)
+            || !crate::gpu::enabled(crate::gpu::GpuPath::Attention)
+            || dev.is_event_tracking()
+            || self.prefetcher.is_some()
+        {
+            return false;
+        }
+        self.layers.iter().enumerate().all(|(i, l)| {
+            let mixer = matches!(&l.mixer, Mixer::Attention(a) if a.gpu_decodable());
+            let ffn = match &l.ffn {
+                FeedForward::Dense(_) => true,
+                FeedForward::Moe(_) => {
+                    self.experts.routes_on_device()
+                        && matches!(self.experts.fused(i, &[]), Some(Ok(c)) if c.rows.is_none())
+                }
+            };
+            mixer && ffn
+        })
+    }
+
+    /// One decode step of `token` at `cache.len()` through a captured graph; `None` when the
+    /// sequence cannot take the graph path (the caller runs the op-by-op pass). The cache
+    /// advances by one on success.
+    pub(super) fn decode_graphed(
+        &self,
+        token: u32,
+        cache: &mut KvCache,
+    ) -> Result<Option<ForwardOutput>> {
+        if cache.has_routing_history() {
+            return Ok(None);
+        }
+        let mut g = match cache.take_graphs() {
+            Some(g) => g,
+            None => Box::new(DecodeGraphs {
+                token: Tensor::zeros(1, DType::U32, &self.device)?,
+                pos: Tensor::zeros(1, DType::U32, &self.device)?,
+                graphs: HashMap::new(),
+                failed: false,
+            }),
+        };
+        let out = if g.failed { Ok(None) } else { self.graph_step(token, cache, &mut g) };
+        cache.set_device_position(None);
+        cache.put_graphs(g);
+        let out = out?;
+        if out.is_some() {
+            cache.advance(1);
+        }
+        Ok(out)
+    }
+
+    fn graph_step(
+        &self,
+        token: u32,
+        cache: &mut KvCache,
+        g: &mut DecodeGraphs,
+    ) -> Result<Option<ForwardOutput>> {
+        let Device::Cuda(dev) = &self.device else { return Ok(None) };
+        let pos = cache.len();
+        let max = bucket(pos, cache.capacity());
+        strata_kernels::cuda::write_u32(&g.token, token)?;
+        strata_kernels::cuda::write_u32(&g.pos, pos as u32)?;
+        cache.set_device_position(Some((g.pos.clone(), max)));
+        if let Some(c) = g.graphs.get(&max) {
+            c.graph.0.launch().w()?;
+            let logits = c.logits.copy()?;
+            let routing = match &c.routing {
+                Some(d) => d.read()?,
+                None => Vec::new(),
+            };
+            return Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
+        }
+        // First step in this bucket: run it (candle's parameter uploads cached for the capture,
+        // kernels' modules loaded), then capture the same launches for the next steps.
+        let _htod = dev.enable_cuda_graph_htod_cache();
+        let (logits, routing) = self.decode_body(cache, &g.token)?;
+        let routing = match routing {
+            Some(d) => d.read()?,
+            None => Vec::new(),
+        };
+        match self.capture(dev, cache, &g.token) {
+            Ok(c) => {
+                g.graphs.insert(max, c);
+            }
+            Err(e) => {
+                g.failed = true;
+                eprintln!("strata: CUDA graph capture failed, decoding op by op: {e}");
+            }
+        }
+        Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
+    }
+
+    fn capture(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        cache: &mut KvCache,
+        token: &Tensor,
+    ) -> Result<Captured> {
+        let stream = dev.cuda_stream();
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
+        let body = self.decode_body(cache, token);
+        let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+        let graph = stream.end_capture(flags).w();
+        let (logits, routing) = body?;
+        let graph = graph?.ok_or_else(|| {
+            ModelError::Candle(candle_core::Error::msg("the captured decode step is empty"))
+        })?;
+        graph.upload().w()?;
+        Ok(Captured { graph: SendGraph(graph), logits, routing })
+    }
+
+    /// The launches of one decode step (everything on the device; the op-by-op pass of
+    /// `forward_batch` restricted to one token of one sequence): logits `[1, vocab]` and the
+    /// step's device routing record.
+    fn decode_body(
+        &self,
+        cache: &mut KvCache,
+        token: &Tensor,
+    ) -> Result<(Tensor, Option<DeviceRouting>)> {
+        let scales = self.cfg.scales;
+        let mut x = self.embed.0.embedding(token)?; // [1, hidden]
+        if scales.embedding != 1.0 {
+            x = (x * scales.embedding)?;
+        }
+        let mut routing = DeviceRouting::for_pass(self, &[], 1, self.layers.len())?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let xn = layer.attn_norm.forward(&x)?;
+            let Mixer::Attention(a) = &layer.mixer else {
+                return Err(not_graphable("a recurrent layer"));
+            };
+            let h = a.forward(&xn, i, cache, &self.rope)?;
+            x = (x + residual_scaled(h, scales.residual)?)?;
+            let xn = layer.ffn_norm.forward(&x)?;
+            let h = match (&layer.ffn, routing.as_mut()) {
+                (FeedForward::Dense(m), _) => m.forward(&xn)?,
+                (FeedForward::Moe(moe), Some(r)) => r
+                    .forward(moe, i, &xn, self)
+                    .ok_or_else(|| not_graphable("a MoE layer without fused experts"))??,
+                (FeedForward::Moe(_), None) => return Err(not_graphable("host routing")),
+            };
+            x = (x + residual_scaled(h, scales.residual)?)?;
+        }
+        let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
+        if scales.logits != 1.0 {
+            logits = (logits * scales.logits)?;
+        }
+        Ok((logits, routing))
+    }
+}
+
+fn not_graphable(what: &str) -> ModelError {
+    ModelError::Candle(candle_core::Error::msg(format!("decode graph: {what}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket;
+
+    #[test]
+    fn buckets_double_from_one_attention_chunk() {
+        assert_eq!(bucket(0, 4096), 255);
+        assert_eq!(bucket(255, 4096), 255);
+        assert_eq!(bucket(256, 4096), 511);
+        assert_eq!(bucket(1000, 4096), 1023);
+        assert_eq!(bucket(3000, 4096), 4095);
+        assert_eq!(bucket(100, 128), 127);
+    }
+}

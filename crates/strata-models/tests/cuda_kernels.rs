@@ -1,0 +1,287 @@
+//! Our CUDA decode kernels (`strata_kernels::cuda`) against their CPU references, on the device.
+//! Built only with the `cuda` feature; run on the lent GPU by `scripts/cuda_device_check.sh`
+//! (`PART=decode`), which carries the test binary there. Every input is drawn at random, every
+//! output checked element by element (finite, within the bound stated per test).
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor};
+use strata_formats::{RopeScaling, RopeStyle, RouterScoring, Weight};
+use strata_kernels::cuda as gpu;
+use strata_models::layers::Linear;
+use strata_models::rope::RotaryEmbedding;
+use strata_models::Router;
+
+fn cuda() -> Device {
+    Device::new_cuda(0).expect("a CUDA device (this test runs on the GPU machine)")
+}
+
+/// xorshift64*: reproducible uniform values in [-1, 1).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let v = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+        v as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            assert!(x.is_finite(), "non-finite output {x}");
+            (x - y).abs() / scale
+        })
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn route_topk_matches_the_host_router() {
+    let dev = cuda();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut cases = 0;
+    for &(experts, hidden) in &[(8usize, 64usize), (64, 128), (128, 256), (512, 96)] {
+        for &k in &[1usize, 2, 8] {
+            for scoring in [RouterScoring::Softmax, RouterScoring::Sigmoid] {
+                for norm in [false, true] {
+                    for keep in [None, Some(1)] {
+                        let w = Tensor::from_vec(
+                            rng.vec(experts * hidden, 0.5),
+                            (experts, hidden),
+                            &dev,
+                        )
+                        .unwrap();
+                        let gate = Linear::new(Weight::Dense(w), None).unwrap();
+                        let mut router = Router::new(gate, k, norm, scoring);
+                        router.set_top_k_override(keep);
+                        let n = 37;
+                        let x =
+                            Tensor::from_vec(rng.vec(n * hidden, 1.0), (n, hidden), &dev).unwrap();
+                        let host = router.route(&x, 0).unwrap();
+                        let (ids, weights) = router.route_on_device(&x, None).unwrap();
+                        let ids = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+                        let weights = weights.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                        let ctx =
+                            format!("E {experts} k {k} {scoring:?} norm {norm} keep {keep:?}");
+                        assert_eq!(ids, host.expert_ids, "{ctx}");
+                        let err = max_rel(&weights, &host.weights);
+                        assert!(err < 1e-5, "{ctx}: weights off by {err}");
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 4 * 3 * 2 * 2 * 2);
+}
+
+#[test]
+fn route_topk_writes_the_record_and_refuses_bad_k() {
+    let dev = cuda();
+    let mut rng = Rng(7);
+    let (n, e, k) = (5, 16, 4);
+    let logits = Tensor::from_vec(rng.vec(n * e, 3.0), (n, e), &dev).unwrap();
+    let rec_ids = Tensor::zeros(3 * n * k, DType::U32, &dev).unwrap();
+    let rec_w = Tensor::zeros(3 * n * k, DType::F32, &dev).unwrap();
+    let record = gpu::RoutingRecord { ids: &rec_ids, weights: &rec_w, offset: n * k };
+    let (ids, w) =
+        gpu::route_topk(&logits, k, k, gpu::Scoring::Softmax, true, Some(record)).unwrap();
+    let all = rec_ids.to_vec1::<u32>().unwrap();
+    assert_eq!(&all[n * k..2 * n * k], ids.flatten_all().unwrap().to_vec1::<u32>().unwrap());
+    assert!(all[..n * k].iter().chain(&all[2 * n * k..]).all(|&v| v == 0), "outside the slot");
+    let all_w = rec_w.to_vec1::<f32>().unwrap();
+    assert_eq!(&all_w[n * k..2 * n * k], w.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    for bad in [0, e + 1, 33] {
+        assert!(
+            gpu::route_topk(&logits, bad, bad.max(1), gpu::Scoring::Softmax, true, None).is_err()
+        );
+    }
+    assert!(gpu::route_topk(&logits, 2, 3, gpu::Scoring::Softmax, true, None).is_err());
+    let small = gpu::RoutingRecord { ids: &rec_ids, weights: &rec_w, offset: 3 * n * k - 1 };
+    assert!(gpu::route_topk(&logits, k, k, gpu::Scoring::Softmax, true, Some(small)).is_err());
+}
+
+#[test]
+fn silu_mul_and_combine_match_candle() {
+    let dev = cuda();
+    let mut rng = Rng(11);
+    let (n, k, h) = (3, 8, 1000);
+    let g = Tensor::from_vec(rng.vec(n * k * h, 6.0), (n, k, h), &dev).unwrap();
+    let u = Tensor::from_vec(rng.vec(n * k * h, 2.0), (n, k, h), &dev).unwrap();
+    let ours = gpu::silu_mul(&g, &u).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want = (candle_nn::ops::silu(&g).unwrap() * &u).unwrap();
+    let err = max_rel(&ours, &want.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    assert!(err < 1e-6, "silu_mul off by {err}");
+    let w = Tensor::from_vec(rng.vec(n * k, 1.0), (n, k), &dev).unwrap();
+    let ours = gpu::moe_combine(&g, &w).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // f64 on the host.
+    let (gv, wv) =
+        (g.flatten_all().unwrap().to_vec1::<f32>().unwrap(), w.to_vec2::<f32>().unwrap());
+    let mut want = vec![0f32; n * h];
+    for t in 0..n {
+        for d in 0..h {
+            let s: f64 = (0..k).map(|j| wv[t][j] as f64 * gv[(t * k + j) * h + d] as f64).sum();
+            want[t * h + d] = s as f32;
+        }
+    }
+    let err = max_rel(&ours, &want);
+    assert!(err < 1e-6, "moe_combine off by {err}");
+    assert!(gpu::silu_mul(&g, &w).is_err());
+    assert!(gpu::moe_combine(&g, &u).is_err());
+}
+
+/// One attention case: `seq` query rows after `pos` cached positions.
+struct Case {
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    rope_dim: usize,
+    style: RopeStyle,
+    pos: usize,
+    seq: usize,
+}
+
+fn check_attention(c: &Case, rng: &mut Rng) {
+    let (dev, cpu) = (cuda(), Device::Cpu);
+    let cap = c.pos + c.seq + 3;
+    let (nh, nkv, hd, seq) = (c.nh, c.nkv, c.hd, c.seq);
+    let rope_cpu =
+        RotaryEmbedding::new(10000.0, c.rope_dim, &RopeScaling::None, c.style, cap, &cpu).unwrap();
+    let rope_gpu =
+        RotaryEmbedding::new(10000.0, c.rope_dim, &RopeScaling::None, c.style, cap, &dev).unwrap();
+    // Earlier positions already in the cache (rotated keys, as the model writes them).
+    let cache_k0 = rng.vec(nkv * cap * hd, 1.0);
+    let cache_v0 = rng.vec(nkv * cap * hd, 1.0);
+    let ck = Tensor::from_vec(cache_k0.clone(), (1, nkv, cap, hd), &dev).unwrap();
+    let cv = Tensor::from_vec(cache_v0.clone(), (1, nkv, cap, hd), &dev).unwrap();
+    let (q, k, v) =
+        (rng.vec(seq * nh * hd, 1.0), rng.vec(seq * nkv * hd, 1.0), rng.vec(seq * nkv * hd, 1.0));
+    let up = |x: &Vec<f32>, n: usize| Tensor::from_vec(x.clone(), (seq, n, hd), &dev).unwrap();
+    let (cos, sin, _) = rope_gpu.tables();
+    let style = match c.style {
+        RopeStyle::Neox => gpu::RopeStyle::Neox,
+        RopeStyle::Interleaved => gpu::RopeStyle::Interleaved,
+    };
+    let scale = 1.0 / (hd as f32).sqrt();
+    let q_rot = gpu::rope_kv_append(
+        &up(&q, nh),
+        &up(&k, nkv),
+        &up(&v, nkv),
+        cos,
+        sin,
+        style,
+        gpu::Position::Host(c.pos),
+        gpu::LayerKv { k: &ck, v: &cv },
+    )
+    .unwrap();
+    let out = gpu::attend_decode(
+        &q_rot,
+        gpu::Position::Host(c.pos),
+        scale,
+        gpu::LayerKv { k: &ck, v: &cv },
+    )
+    .unwrap()
+    .flatten_all()
+    .unwrap()
+    .to_vec1::<f32>()
+    .unwrap();
+    // Reference: candle's CPU RoPE on [1, heads, seq, hd], attention in f64.
+    let rot = |x: &Vec<f32>, n: usize| -> Vec<f32> {
+        let t = Tensor::from_vec(x.clone(), (seq, n, hd), &cpu).unwrap();
+        let t = t.transpose(0, 1).unwrap().unsqueeze(0).unwrap().contiguous().unwrap();
+        let r = rope_cpu.apply(&t, c.pos).unwrap(); // [1, n, seq, hd]
+        r.squeeze(0).unwrap().transpose(0, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let (q_ref, k_ref) = (rot(&q, nh), rot(&k, nkv)); // [seq, n, hd]
+    let q_got = q_rot.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let err = max_rel(&q_got, &q_ref);
+    assert!(err < 1e-5, "rotated q off by {err}");
+    // The cache: the new rows at pos.., everything else untouched.
+    let mut k_want = cache_k0;
+    let mut v_want = cache_v0;
+    for i in 0..seq {
+        for g in 0..nkv {
+            let dst = (g * cap + c.pos + i) * hd;
+            let src = (i * nkv + g) * hd;
+            k_want[dst..dst + hd].copy_from_slice(&k_ref[src..src + hd]);
+            v_want[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
+        }
+    }
+    let k_got = ck.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let v_got = cv.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(max_rel(&k_got, &k_want) < 1e-5, "cache keys");
+    assert_eq!(v_got, v_want, "cache values");
+    let mut want = vec![0f32; seq * nh * hd];
+    for i in 0..seq {
+        let total = c.pos + i + 1;
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            let qh = &q_ref[(i * nh + h) * hd..(i * nh + h + 1) * hd];
+            let s: Vec<f64> = (0..total)
+                .map(|j| {
+                    let kj = &k_want[(g * cap + j) * hd..(g * cap + j + 1) * hd];
+                    qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hd {
+                let a: f64 = (0..total).map(|j| e[j] * v_want[(g * cap + j) * hd + d] as f64).sum();
+                want[(i * nh + h) * hd + d] = (a / z) as f32;
+            }
+        }
+    }
+    let err = max_rel(&out, &want);
+    assert!(
+        err < 2e-5,
+        "attention off by {err} (nh {nh} nkv {nkv} hd {hd} pos {} seq {seq})",
+        c.pos
+    );
+}
+
+#[test]
+fn rope_append_and_decode_attention_match_the_reference() {
+    let mut rng = Rng(0xdead_beef);
+    let mut n = 0;
+    for &(nh, nkv, hd) in
+        &[(9usize, 3usize, 64usize), (32, 4, 128), (16, 16, 32), (8, 1, 256), (6, 2, 96)]
+    {
+        for &(pos, seq) in
+            &[(0usize, 1usize), (5, 1), (300, 1), (1000, 4), (17, 16), (255, 1), (256, 3)]
+        {
+            for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+                for rope_dim in [hd, hd / 2] {
+                    check_attention(&Case { nh, nkv, hd, rope_dim, style, pos, seq }, &mut rng);
+                    n += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(n, 5 * 7 * 2 * 2);
+}
+
+#[test]
+fn attention_refuses_what_it_cannot_run() {
+    let dev = cuda();
+    let ck = Tensor::zeros((1, 2, 8, 64), DType::F32, &dev).unwrap();
+    let cv = ck.clone();
+    let q = Tensor::zeros((2, 4, 64), DType::F32, &dev).unwrap();
+    // past the cache
+    assert!(gpu::attend_decode(&q, gpu::Position::Host(7), 1.0, gpu::LayerKv { k: &ck, v: &cv })
+        .is_err());
+    // heads not a multiple of kv heads
+    let q3 = Tensor::zeros((1, 3, 64), DType::F32, &dev).unwrap();
+    assert!(gpu::attend_decode(&q3, gpu::Position::Host(0), 1.0, gpu::LayerKv { k: &ck, v: &cv })
+        .is_err());
+    assert!(!gpu::attend_supports(80));
+    assert!(gpu::attend_supports(128));
+}
