@@ -12,6 +12,7 @@
 //  attn_decode      attention of a few query rows over the KV cache (split-K online softmax,
 //                   FlashDecoding: Dao et al. 2023), row i over positions [0, pos + i].
 //  attn_combine     merges the split-K partial results.
+//  moe_gate_up_q4k, moe_down_q4k (moe_q4k.cuh): the MoE block over Q4_K experts for a few tokens.
 
 #include <stdint.h>
 #include <math_constants.h>
@@ -315,3 +316,5 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
     }
     out[((size_t)row * nh + h) * hd + d] = A / L;
 }
+
+#include "moe_q4k.cuh"

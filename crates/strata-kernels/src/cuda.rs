@@ -11,6 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/strata_decode.ptx"));
@@ -439,5 +440,100 @@ pub fn attend_decode(
         // SAFETY: arguments in `attn_combine`'s order.
         unsafe { launch(dev, "attn_combine", cfg, &args) }?;
     }
+    Ok(out)
+}
+
+/// Tokens a pass may have for [`moe_q4k`] (decode and speculative verification; longer passes
+/// read every expert once per token, so prefill keeps candle's kernels).
+pub const MOE_ROWS_MAX: usize = 16;
+
+/// The routed-expert part of a MoE block for `n` tokens over Q4_K experts, in two launches:
+/// `x: [n, H]` f32, `gate`, `up: [E, I, H]` and `down: [E, H, I]` Q4_K (GGUF's `ffn_*_exps`),
+/// `ids: [n, k]` u32 rows of those tensors, `weights: [n, k]` f32, optional `residual: [n, H]` →
+/// `[n, H]` = `residual + Σⱼ weights[t, j] · down(silu(gate · x) ⊙ (up · x))` of expert `ids[t, j]`.
+/// Activations stay f32 (weights dequantized in registers, ggml's `dequantize_row_q4_K`), so the
+/// result is the f32 reference's up to summation order — unlike candle's `indexed_moe_forward`,
+/// which quantizes activations to Q8_1.
+///
+/// Errors: a format other than Q4_K, `H` or `I` not a multiple of 256, shapes that disagree,
+/// `n` above [`MOE_ROWS_MAX`].
+#[allow(clippy::too_many_arguments)]
+pub fn moe_q4k(
+    x: &Tensor,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+    ids: &Tensor,
+    weights: &Tensor,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    check_f32(x, "x")?;
+    check_f32(weights, "routing weights")?;
+    let (n, h) = x.dims2()?;
+    let (e, i, gh) = gate.shape().dims3()?;
+    let (_, k) = ids.dims2()?;
+    let q4k = [gate, up, down].iter().all(|t| t.dtype() == GgmlDType::Q4K);
+    if !q4k
+        || up.shape().dims() != [e, i, gh]
+        || down.shape().dims() != [e, h, i]
+        || gh != h
+        || !h.is_multiple_of(256)
+        || !i.is_multiple_of(256)
+        || ids.dims() != [n, k]
+        || ids.dtype() != DType::U32
+        || weights.dims() != [n, k]
+        || residual.is_some_and(|r| r.dims() != [n, h])
+        || n > MOE_ROWS_MAX
+    {
+        bail!(
+            "moe_q4k: x {:?}, gate {:?} {:?}, down {:?}, ids {:?}",
+            x.dims(),
+            gate.dtype(),
+            gate.shape().dims(),
+            down.shape().dims(),
+            ids.dims()
+        );
+    }
+    let dev = cuda_device(x)?;
+    let a = alloc::<f32>(dev, (n, k, i))?;
+    let out = alloc::<f32>(dev, (n, h))?;
+    if n == 0 || k == 0 {
+        return out.zeros_like();
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (i.div_ceil(4) as u32, (n * k) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (gp, upp, dp) =
+        (gate.device_ptr()? as u64, up.device_ptr()? as u64, down.device_ptr()? as u64);
+    let mut args = vec![
+        Arg::Ptr(addr(x)?),
+        Arg::Ptr(gp),
+        Arg::Ptr(upp),
+        Arg::Ptr(addr(ids)?),
+        Arg::Ptr(addr(&a)?),
+    ];
+    args.extend(i32s(&[h, i, k]));
+    // SAFETY: arguments in `moe_gate_up_q4k`'s order; the ids index rows of [E, I, H] tensors
+    // (the caller's routing: ids < E), shapes checked above.
+    unsafe { launch(dev, "moe_gate_up_q4k", cfg, &args) }?;
+    let cfg = LaunchConfig {
+        grid_dim: (h.div_ceil(4) as u32, n as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let res = residual.map(addr).transpose()?.unwrap_or(0);
+    let mut args = vec![
+        Arg::Ptr(addr(&a)?),
+        Arg::Ptr(dp),
+        Arg::Ptr(addr(ids)?),
+        Arg::Ptr(addr(weights)?),
+        Arg::Ptr(res),
+        Arg::Ptr(addr(&out)?),
+    ];
+    args.extend(i32s(&[h, i, k]));
+    // SAFETY: arguments in `moe_down_q4k`'s order; shapes checked above.
+    unsafe { launch(dev, "moe_down_q4k", cfg, &args) }?;
     Ok(out)
 }

@@ -88,6 +88,33 @@ impl FusedExperts {
         self.down.indexed_moe_forward(&a, ids)
     }
 
+    /// `x: [seq, H]`, `ids: [seq, k]`, `weights: [seq, k]` (on the device) → the weighted sum of
+    /// the selected experts' outputs `[seq, H]` in two launches of our Q4_K kernels
+    /// (`strata_kernels::cuda::moe_q4k`, f32 activations), for passes of at most
+    /// `MOE_ROWS_MAX` tokens on a GPU, with `STRATA_GPU_MOE=1`. `None`: another device, format or
+    /// length, or the kernels not asked for (then [`Self::forward`] and a weighted sum).
+    #[cfg(feature = "cuda")]
+    pub fn forward_combined(
+        &self,
+        x: &Tensor,
+        ids: &Tensor,
+        weights: &Tensor,
+    ) -> Option<candle_core::Result<Tensor>> {
+        use strata_kernels::cuda::{moe_q4k, MOE_ROWS_MAX};
+        let seq = x.dim(0).ok()?;
+        if !x.device().is_cuda()
+            || seq > MOE_ROWS_MAX
+            || self.gate.dtype() != GgmlDType::Q4K
+            || !crate::gpu::enabled(crate::gpu::GpuPath::Moe)
+        {
+            return None;
+        }
+        Some(
+            x.contiguous()
+                .and_then(|x| moe_q4k(&x, &self.gate, &self.up, &self.down, ids, weights, None)),
+        )
+    }
+
     /// Bytes of the three tensors as stored.
     pub fn bytes(&self) -> usize {
         [&self.gate, &self.up, &self.down].iter().map(|t| t.storage_size_in_bytes()).sum()

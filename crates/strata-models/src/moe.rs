@@ -469,15 +469,20 @@ impl SparseMoe {
         ids: &Tensor,
         w: &Tensor,
     ) -> Result<Tensor> {
-        let y = experts.forward(x, ids)?; // [seq, k, H]
         #[cfg(feature = "cuda")]
-        let mut out = if y.device().is_cuda() && y.dtype() == candle_core::DType::F32 {
-            strata_kernels::cuda::moe_combine(&y, w)?
-        } else {
-            y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?
+        let mut out = match experts.forward_combined(x, ids, w) {
+            Some(out) => out?,
+            None => {
+                let y = experts.forward(x, ids)?; // [seq, k, H]
+                if y.device().is_cuda() && y.dtype() == candle_core::DType::F32 {
+                    strata_kernels::cuda::moe_combine(&y, w)?
+                } else {
+                    y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?
+                }
+            }
         };
         #[cfg(not(feature = "cuda"))]
-        let mut out = y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
+        let mut out = experts.forward(x, ids)?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
         if let Some(s) = &self.shared {
             let g = candle_nn::ops::sigmoid(&s.gate.forward(x)?)?;
             out = (out + s.mlp.forward(x)?.broadcast_mul(&g)?)?;

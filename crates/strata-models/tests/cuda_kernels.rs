@@ -285,3 +285,79 @@ fn attention_refuses_what_it_cannot_run() {
     assert!(!gpu::attend_supports(80));
     assert!(gpu::attend_supports(128));
 }
+
+#[test]
+fn moe_q4k_matches_the_f32_reference() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let (dev, cpu) = (cuda(), Device::Cpu);
+    let mut rng = Rng(0x5eed);
+    for &(e, h, i, n, k) in
+        &[(8usize, 256usize, 512usize, 1usize, 2usize), (16, 512, 256, 4, 4), (64, 2048, 768, 1, 8)]
+    {
+        let q = |rows: usize, cols: usize, rng: &mut Rng| {
+            let w = Tensor::from_vec(rng.vec(e * rows * cols, 1.0), (e, rows, cols), &cpu).unwrap();
+            let qt = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
+            let deq = qt.dequantize(&cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap(), deq)
+        };
+        let ((gq, g), (uq, u), (dq, d)) = (q(i, h, &mut rng), q(i, h, &mut rng), q(h, i, &mut rng));
+        let x = rng.vec(n * h, 1.0);
+        let ids: Vec<u32> = (0..n * k).map(|j| ((j * 7 + 3) % e) as u32).collect();
+        let w = rng.vec(n * k, 1.0);
+        let res = rng.vec(n * h, 1.0);
+        let xt = Tensor::from_vec(x.clone(), (n, h), &dev).unwrap();
+        let it = Tensor::from_vec(ids.clone(), (n, k), &dev).unwrap();
+        let wt = Tensor::from_vec(w.clone(), (n, k), &dev).unwrap();
+        let rt = Tensor::from_vec(res.clone(), (n, h), &dev).unwrap();
+        for residual in [false, true] {
+            let out = gpu::moe_q4k(&xt, &gq, &uq, &dq, &it, &wt, residual.then_some(&rt))
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            // f64 over the dequantized weights.
+            let mut want = vec![0f32; n * h];
+            for t in 0..n {
+                let xr = &x[t * h..(t + 1) * h];
+                let mut o = vec![0f64; h];
+                for j in 0..k {
+                    let ex = ids[t * k + j] as usize;
+                    let a: Vec<f64> = (0..i)
+                        .map(|r| {
+                            let row = |m: &[f32]| -> f64 {
+                                let base = (ex * i + r) * h;
+                                m[base..base + h]
+                                    .iter()
+                                    .zip(xr)
+                                    .map(|(p, q)| *p as f64 * *q as f64)
+                                    .sum()
+                            };
+                            let (gv, uv) = (row(&g), row(&u));
+                            gv / (1.0 + (-gv).exp()) * uv
+                        })
+                        .collect();
+                    for (hh, o) in o.iter_mut().enumerate() {
+                        let base = (ex * h + hh) * i;
+                        let y: f64 =
+                            d[base..base + i].iter().zip(&a).map(|(p, q)| *p as f64 * q).sum();
+                        *o += w[t * k + j] as f64 * y;
+                    }
+                }
+                for hh in 0..h {
+                    want[t * h + hh] =
+                        (o[hh] + if residual { res[t * h + hh] as f64 } else { 0.0 }) as f32;
+                }
+            }
+            let err = max_rel(&out, &want);
+            assert!(err < 1e-5, "moe_q4k off by {err} (E {e} H {h} I {i} n {n} k {k})");
+        }
+    }
+    // Refusals: another format, too many tokens.
+    let w8 = Tensor::zeros((4, 256, 256), DType::F32, &cpu).unwrap();
+    let q8 = QTensor::quantize_onto(&w8, GgmlDType::Q8_0, &dev).unwrap();
+    let x = Tensor::zeros((1, 256), DType::F32, &dev).unwrap();
+    let ids = Tensor::zeros((1, 2), DType::U32, &dev).unwrap();
+    let w = Tensor::zeros((1, 2), DType::F32, &dev).unwrap();
+    assert!(gpu::moe_q4k(&x, &q8, &q8, &q8, &ids, &w, None).is_err());
+}

@@ -1,0 +1,86 @@
+// Fused MoE kernels over Q4_K experts for decode and verify passes (a few tokens), f32 activations
+// (no activation quantization: the same function as dequantizing to f32, up to summation order).
+// Included by decode.cu.
+//
+// Q4_K (ggml `block_q4_K`, 144 bytes per 256 weights): f16 d, f16 dmin, 12 bytes of 6-bit
+// sub-block scales and mins, 128 bytes of 4-bit quants. Sub-block s (32 weights) of a super-block
+// holds weights 64(s/2) + 32(s%2) + l, l < 32: the low (s even) or high (s odd) nibble of
+// qs[32(s/2) + l], weighted d·scale_s, offset by dmin·min_s (ggml-quants.c
+// `dequantize_row_q4_K`, `get_scale_min_k4`).
+//
+//  moe_gate_up_q4k  a[t, j, :] = silu(gate_e · x_t) * (up_e · x_t), e = ids[t, j]
+//  moe_down_q4k     out[t, :] = residual[t, :] + sum_j w[t, j] * (down_{ids[t, j]} · a[t, j, :])
+
+#include <cuda_fp16.h>
+
+#define Q4K_BYTES 144
+
+__device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float& s, float& m) {
+    if (j < 4) {
+        s = (float)(sc[j] & 63);
+        m = (float)(sc[j + 4] & 63);
+    } else {
+        s = (float)((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4));
+        m = (float)((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
+    }
+}
+
+// One lane's share of a Q4_K row times x (lane l takes weight l of every 32-weight sub-block);
+// the caller sums over the warp. row: the row's first super-block; x: the row's `cols` inputs.
+__device__ __forceinline__ float q4k_row_dot(const uint8_t* __restrict__ row,
+                                             const float* __restrict__ x, int cols, int lane) {
+    float acc = 0.f;
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t* blk = row + (size_t)b * Q4K_BYTES;
+        const float d = __half2float(*(const __half*)blk);
+        const float dmin = __half2float(*(const __half*)(blk + 2));
+        const uint8_t* sc = blk + 4;
+        const uint8_t* qs = blk + 16;
+        const float* xb = x + b * 256;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const uint8_t q = qs[32 * c + lane];
+            const float x0 = xb[64 * c + lane], x1 = xb[64 * c + 32 + lane];
+            float s0, m0, s1, m1;
+            q4k_scale_min(sc, 2 * c, s0, m0);
+            q4k_scale_min(sc, 2 * c + 1, s1, m1);
+            acc += d * s0 * (float)(q & 0xF) * x0 - dmin * m0 * x0;
+            acc += d * s1 * (float)(q >> 4) * x1 - dmin * m1 * x1;
+        }
+    }
+    return acc;
+}
+
+// x [n, H]; gate, up [E, I, H] Q4_K; ids [n, k]; a [n, k, I]. grid (ceil(I / 4), n * k), 128
+// threads: warp w computes row 4·blockIdx.x + w of the expert's gate and up.
+extern "C" __global__ void moe_gate_up_q4k(const float* __restrict__ x, const uint8_t* __restrict__ gate,
+                                           const uint8_t* __restrict__ up, const uint32_t* __restrict__ ids,
+                                           float* __restrict__ a, int H, int I, int k) {
+    const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
+    const int tj = blockIdx.y, t = tj / k;
+    if (r >= I) return;
+    const size_t row_bytes = (size_t)(H / 256) * Q4K_BYTES;
+    const size_t off = ((size_t)ids[tj] * I + r) * row_bytes;
+    const float* xt = x + (size_t)t * H;
+    float g = warp_sum(q4k_row_dot(gate + off, xt, H, lane));
+    float u = warp_sum(q4k_row_dot(up + off, xt, H, lane));
+    if (lane == 0) a[(size_t)tj * I + r] = g / (1.f + expf(-g)) * u;
+}
+
+// a [n, k, I]; down [E, H, I] Q4_K; ids, w [n, k]; residual (nullable) and out [n, H].
+// grid (ceil(H / 4), n), 128 threads: warp w computes output h = 4·blockIdx.x + w.
+extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8_t* __restrict__ down,
+                                        const uint32_t* __restrict__ ids, const float* __restrict__ w,
+                                        const float* __restrict__ residual, float* __restrict__ out,
+                                        int H, int I, int k) {
+    const int lane = threadIdx.x % WARP, h = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
+    if (h >= H) return;
+    const size_t row_bytes = (size_t)(I / 256) * Q4K_BYTES;
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) {
+        const size_t off = ((size_t)ids[t * k + j] * H + h) * row_bytes;
+        float y = warp_sum(q4k_row_dot(down + off, a + ((size_t)t * k + j) * I, I, lane));
+        acc += w[t * k + j] * y;
+    }
+    if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
+}
