@@ -20,6 +20,11 @@ fn main() {
         .arg(&ptx)
         .arg("cuda/decode.cu")
         .status()
-        .unwrap_or_else(|e| panic!("strata-kernels: cannot run {nvcc} (the `cuda` feature needs the CUDA toolkit: scripts/build_cuda.sh): {e}"));
+        .unwrap_or_else(|e| {
+            panic!(
+                "strata-kernels: cannot run {nvcc} (the `cuda` feature needs the CUDA toolkit: \
+                 scripts/build_cuda.sh): {e}"
+            )
+        });
     assert!(status.success(), "strata-kernels: nvcc failed on cuda/decode.cu");
 }

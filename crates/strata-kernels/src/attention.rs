@@ -124,7 +124,9 @@ unsafe fn attend_group_avx2(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>
 fn attend_group_generic(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
     let hd = a.kv.head_dim;
     let (heads, len) = (a.q.len() / hd, a.len);
-    scores.resize(heads * len, 0.0);
+    // Scores, then each head's 1 / Σ exp in the same reused buffer (no allocation per unit).
+    scores.resize(heads * len + heads, 0.0);
+    let (scores, inv) = scores.split_at_mut(heads * len);
     let base = a.g * a.kv.capacity * hd;
     for j in 0..len {
         let kr = &a.k[base + j * hd..base + (j + 1) * hd];
@@ -132,7 +134,6 @@ fn attend_group_generic(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
             scores[h * len + j] = dot(&a.q[h * hd..(h + 1) * hd], kr) * a.scale;
         }
     }
-    let mut inv = vec![0f32; heads];
     for (h, s) in scores.chunks_exact_mut(len).enumerate() {
         let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let mut sum = 0f64;

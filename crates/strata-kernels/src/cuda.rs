@@ -341,7 +341,10 @@ pub fn rope_kv_append(
     }
     let last = pos.max() + seq;
     if rd > hd || !hd.is_multiple_of(2) || last > cap || last > max_pos {
-        bail!("rope_kv_append: rope dims {rd}, head dim {hd}, positions up to {last} (cache {cap}, table {max_pos})");
+        bail!(
+            "rope_kv_append: rope dims {rd}, head dim {hd}, positions up to {last} \
+             (cache {cap}, table {max_pos})"
+        );
     }
     let dev = cuda_device(q)?;
     let q_out = alloc::<f32>(dev, (seq, nh, hd))?;
@@ -450,7 +453,8 @@ pub const MOE_ROWS_MAX: usize = 16;
 /// The routed-expert part of a MoE block for `n` tokens over Q4_K experts, in two launches:
 /// `x: [n, H]` f32, `gate`, `up: [E, I, H]` and `down: [E, H, I]` Q4_K (GGUF's `ffn_*_exps`),
 /// `ids: [n, k]` u32 rows of those tensors, `weights: [n, k]` f32, optional `residual: [n, H]` →
-/// `[n, H]` = `residual + Σⱼ weights[t, j] · down(silu(gate · x) ⊙ (up · x))` of expert `ids[t, j]`.
+/// `[n, H]` = `residual + Σⱼ weights[t, j] · down(silu(gate · x) ⊙ (up · x))` of expert
+/// `ids[t, j]`.
 /// Activations stay f32 (weights dequantized in registers, ggml's `dequantize_row_q4_K`), so the
 /// result is the f32 reference's up to summation order — unlike candle's `indexed_moe_forward`,
 /// which quantizes activations to Q8_1.

@@ -5,10 +5,10 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 
 /// Formats that run on our kernels (`strata-kernels`) rather than candle's, dense layers and routed
 /// experts alike: Q4_0, Q4_1 and Q8_0 (candle computes Q4_1 with scalar code and quantizes Q8_0
-/// activations unlike ggml; Q4_0 for the tile kernels) and Q4_K/Q5_K/Q6_K (candle's x86 path repacks Q4_K/Q6_K matrices on
-/// first use, a second copy of 1.33× their size and ~6 ms per streamed expert; our tile kernels
-/// decode faster and keep resident memory at the file's size, docs/performance.md "CPU
-/// kernels").
+/// activations unlike ggml; Q4_0 for the tile kernels) and Q4_K/Q5_K/Q6_K (candle's x86 path
+/// repacks Q4_K/Q6_K matrices on first use, a second copy of 1.33× their size and ~6 ms per
+/// streamed expert; our tile kernels decode faster and keep resident memory at the file's size,
+/// docs/performance.md "CPU kernels").
 pub fn kernel_format(dtype: GgmlDType) -> Option<strata_kernels::BlockFormat> {
     match dtype {
         GgmlDType::Q4_0 => Some(strata_kernels::BlockFormat::Q4_0),

@@ -49,12 +49,16 @@ pub struct GpuRates {
 
 impl GpuRates {
     /// H100 80GB HBM3, synthetic qwen3-30b-a3b Q4_K (1.76 GB touched per token), over four
-    /// device sessions: pinned H2D 52.5–55.1 GB/s; resident decode 57–84 tok/s (100–147 GB/s);
-    /// through the VRAM pool 53–63 tok/s (93–111 GB/s), per expert 26–27 tok/s (46 GB/s); pp512
-    /// 939 tok/s on 3.3 B active params. The lower ends: the plan is a floor.
+    /// device sessions: pinned H2D 52.5–55.1 GB/s; through the VRAM pool 53–63 tok/s (93–111
+    /// GB/s), per expert 26–27 tok/s (46 GB/s); pp512 939 tok/s on 3.3 B active params. Resident
+    /// decode with the GPU decode step (docs/performance.md "GPU decode step", two sessions):
+    /// 132–136 tok/s (232–239 GB/s) launched op by op (device routing, our attention kernels),
+    /// 181–183 tok/s (319–322 GB/s) where the step is replayed from a CUDA graph (one sequence,
+    /// no hybrid layers). The op-by-op lower end is used: a floor for attention-only models;
+    /// hybrids (Gated DeltaNet layers still on the host) decode slower, not re-measured.
     pub const H100: GpuRates = GpuRates {
         h2d_gbps: 52.5,
-        resident_gbps: 100.0,
+        resident_gbps: 232.0,
         tiered_gbps: 93.0,
         tiered_per_expert_gbps: 46.0,
         prefill_gflops: 6000.0,
