@@ -216,28 +216,14 @@ impl Linear {
                 }
             }
             LinearWeight::Candle(_) => self.forward_candle(x, exact_rows)?,
-            LinearWeight::Kernel(w) => {
-                let dims = x.dims().to_vec();
-                let k = *dims.last().unwrap_or(&0);
-                let m = x.elem_count() / k.max(1);
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
-                let mut out = vec![0f32; m * w.rows()];
-                w.matmul(&xs, m, &mut out);
-                let mut od = dims;
-                if let Some(l) = od.last_mut() {
-                    *l = w.rows();
-                }
-                Tensor::from_vec(out, od, x.device())?
-            }
+            LinearWeight::Kernel(w) => host_matmul(x, w.rows(), |xs, m, out| w.matmul(xs, m, out))?,
         };
         match &self.b {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }
-}
 
-impl Linear {
     /// candle's matmul (one row at a time for short CPU passes when `exact_rows`: its multi-row
     /// kernels sum in another order than its one-row kernel).
     fn forward_candle(&self, x: &Tensor, exact_rows: bool) -> candle_core::Result<Tensor> {
@@ -268,22 +254,30 @@ fn f32_matmul_short(t: &Tensor, x: &Tensor) -> candle_core::Result<Option<Tensor
     if t.dtype() != DType::F32 || x.dtype() != DType::F32 || m > crate::attention::EXACT_ROWS_MAX {
         return Ok(None);
     }
+    let (storage, layout) = t.storage_and_layout();
+    let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
+        return Ok(None);
+    };
+    let w = &cpu.as_slice::<f32>()?[start..end];
+    host_matmul(x, rows, |xs, m, out| strata_kernels::f32::matmul_f32(w, rows, cols, xs, m, out))
+        .map(Some)
+}
+
+/// `x: [.., in] → [.., rows]` through a host kernel `f(x rows, row count m, out [m, rows])`.
+fn host_matmul(
+    x: &Tensor,
+    rows: usize,
+    f: impl FnOnce(&[f32], usize, &mut [f32]),
+) -> candle_core::Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let m = x.elem_count() / dims.last().copied().unwrap_or(0).max(1);
     let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; m * rows];
-    {
-        let (storage, layout) = t.storage_and_layout();
-        let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets())
-        else {
-            return Ok(None);
-        };
-        let w = &cpu.as_slice::<f32>()?[start..end];
-        strata_kernels::f32::matmul_f32(w, rows, cols, &xs, m, &mut out);
-    }
-    let mut dims = x.dims().to_vec();
+    f(&xs, m, &mut out);
     if let Some(l) = dims.last_mut() {
         *l = rows;
     }
-    Ok(Some(Tensor::from_vec(out, dims, x.device())?))
+    Tensor::from_vec(out, dims, x.device())
 }
 
 /// RMSNorm (Zhang & Sennrich 2019): `x / sqrt(mean(x²) + eps) * w` over the last dim.
