@@ -163,27 +163,13 @@ impl Attention {
         let seq = q.dim(0)?;
         let pos = cache.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let per_head = self.qk_norm == QkNorm::PerHead;
-        // transformers order: projection → norm (OLMoE: whole projection) → clip → split heads.
-        let heads = |t: Tensor, n: usize, norm: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
-            let t = match norm {
-                Some(nm) if !per_head => nm.forward(&t)?,
-                _ => t,
-            };
-            let t = match self.clip_qkv {
-                Some(c) => t.clamp(-c, c)?,
-                None => t,
-            };
-            let t = t.reshape((seq, n, hd))?;
-            let t = match norm {
-                Some(nm) if per_head => nm.forward(&t)?,
-                _ => t,
-            };
-            t.transpose(0, 1)?.unsqueeze(0)?.contiguous()
+        // [1, heads, seq, hd] for candle's RoPE and matmuls.
+        let heads = |t: &Tensor, n: usize, norm: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
+            self.split_heads(t, n, norm)?.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };
-        let q = heads(q.contiguous()?, nh, &self.q_norm)?;
-        let k = heads(k.contiguous()?, nkv, &self.k_norm)?;
-        let v = heads(v.contiguous()?, nkv, &None)?;
+        let q = heads(q, nh, &self.q_norm)?;
+        let k = heads(k, nkv, &self.k_norm)?;
+        let v = heads(v, nkv, &None)?;
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
         let (k_all, v_all) = cache.append(layer, &k, &v)?;
@@ -224,6 +210,32 @@ impl Attention {
 }
 
 impl Attention {
+    /// A projection `t: [seq, n · hd]` → `[seq, n, hd]` with its norm and clipping, in
+    /// transformers' order: norm over the whole projection (OLMoE) → clip → split heads → norm
+    /// per head (Qwen3).
+    fn split_heads(
+        &self,
+        t: &Tensor,
+        n: usize,
+        norm: &Option<RmsNorm>,
+    ) -> candle_core::Result<Tensor> {
+        let per_head = self.qk_norm == QkNorm::PerHead;
+        let t = t.contiguous()?;
+        let t = match norm {
+            Some(nm) if !per_head => nm.forward(&t)?,
+            _ => t,
+        };
+        let t = match self.clip_qkv {
+            Some(c) => t.clamp(-c, c)?,
+            None => t,
+        };
+        let t = t.reshape((t.dim(0)?, n, self.head_dim))?;
+        match norm {
+            Some(nm) if per_head => nm.forward(&t),
+            _ => Ok(t),
+        }
+    }
+
     /// Whether one-token passes of this layer run on our kernels ([`Self::attend_gpu`]) on a GPU.
     #[cfg(feature = "cuda")]
     pub fn gpu_decodable(&self) -> bool {
@@ -257,21 +269,9 @@ impl Attention {
         {
             return Ok(None);
         }
-        let per_head = self.qk_norm == QkNorm::PerHead;
-        let heads = |t: &Tensor, n: usize, norm: &Option<RmsNorm>| -> candle_core::Result<Tensor> {
-            let t = match norm {
-                Some(nm) if !per_head => nm.forward(&t.contiguous()?)?,
-                _ => t.contiguous()?,
-            };
-            let t = t.reshape((seq, n, hd))?;
-            match norm {
-                Some(nm) if per_head => nm.forward(&t),
-                _ => Ok(t),
-            }
-        };
-        let q = heads(q, self.num_heads, &self.q_norm)?;
-        let k = heads(k, self.num_kv_heads, &self.k_norm)?;
-        let v = heads(v, self.num_kv_heads, &None)?;
+        let q = self.split_heads(q, self.num_heads, &self.q_norm)?;
+        let k = self.split_heads(k, self.num_kv_heads, &self.k_norm)?;
+        let v = self.split_heads(v, self.num_kv_heads, &None)?;
         let (cos, sin, style) = rope.tables();
         let style = match style {
             strata_formats::RopeStyle::Neox => gpu::RopeStyle::Neox,

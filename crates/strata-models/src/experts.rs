@@ -77,14 +77,7 @@ impl FusedExperts {
         let x3 = packed(x.reshape((seq, 1, h))?)?;
         let g = self.gate.indexed_moe_forward(&x3, ids)?;
         let u = self.up.indexed_moe_forward(&x3, ids)?;
-        #[cfg(feature = "cuda")]
-        let a = if g.device().is_cuda() && g.dtype() == candle_core::DType::F32 {
-            strata_kernels::cuda::silu_mul(&g, &u)?
-        } else {
-            packed((candle_nn::ops::silu(&g)? * u)?)?
-        };
-        #[cfg(not(feature = "cuda"))]
-        let a = packed((candle_nn::ops::silu(&g)? * u)?)?;
+        let a = packed(silu_mul(&g, &u)?)?;
         self.down.indexed_moe_forward(&a, ids)
     }
 
@@ -119,6 +112,16 @@ impl FusedExperts {
     pub fn bytes(&self) -> usize {
         [&self.gate, &self.up, &self.down].iter().map(|t| t.storage_size_in_bytes()).sum()
     }
+}
+
+/// SwiGLU's `silu(g) ⊙ u`: one launch of our kernel for f32 tensors on a GPU (`cuda` build),
+/// candle's two ops otherwise.
+fn silu_mul(g: &Tensor, u: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if g.device().is_cuda() && g.dtype() == candle_core::DType::F32 {
+        return strata_kernels::cuda::silu_mul(g, u);
+    }
+    candle_nn::ops::silu(g)? * u
 }
 
 /// Experts for one fused launch: the 3-D tensors, and which of their rows holds each routed expert.

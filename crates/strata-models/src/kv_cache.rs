@@ -96,7 +96,6 @@ impl KvCache {
         })
     }
 
-    /// The routing history of a synthetic model's routers (`None` for every other model).
     /// The position the GPU kernels read from the device, and the largest it may hold, while a
     /// graph-captured decode step runs (`None` otherwise: the position is `len()`).
     #[cfg(feature = "cuda")]
@@ -125,6 +124,7 @@ impl KvCache {
         self.routing.is_some()
     }
 
+    /// The routing history of a synthetic model's routers (`None` for every other model).
     pub fn routing_history_mut(&mut self) -> Option<&mut RoutingHistory> {
         self.routing.as_mut()
     }

@@ -238,6 +238,16 @@ impl Router {
     }
 }
 
+/// `Σⱼ w[t, j] · y[t, j]` for expert outputs `y: [seq, k, H]` and weights `w: [seq, k]`: one
+/// launch of our kernel for f32 tensors on a GPU (`cuda` build), candle's two ops otherwise.
+fn weighted_sum(y: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if y.device().is_cuda() && y.dtype() == candle_core::DType::F32 {
+        return strata_kernels::cuda::moe_combine(y, w);
+    }
+    y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)
+}
+
 /// An always-active shared expert scaled by `sigmoid(x W_gᵀ)` (qwen2_moe).
 #[derive(Debug, Clone)]
 struct SharedExpert {
@@ -470,19 +480,13 @@ impl SparseMoe {
         w: &Tensor,
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        let mut out = match experts.forward_combined(x, ids, w) {
-            Some(out) => out?,
-            None => {
-                let y = experts.forward(x, ids)?; // [seq, k, H]
-                if y.device().is_cuda() && y.dtype() == candle_core::DType::F32 {
-                    strata_kernels::cuda::moe_combine(&y, w)?
-                } else {
-                    y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?
-                }
-            }
-        };
+        let combined = experts.forward_combined(x, ids, w).transpose()?;
         #[cfg(not(feature = "cuda"))]
-        let mut out = experts.forward(x, ids)?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
+        let combined: Option<Tensor> = None;
+        let mut out = match combined {
+            Some(out) => out,
+            None => weighted_sum(&experts.forward(x, ids)?, w)?,
+        };
         if let Some(s) = &self.shared {
             let g = candle_nn::ops::sigmoid(&s.gate.forward(x)?)?;
             out = (out + s.mlp.forward(x)?.broadcast_mul(&g)?)?;

@@ -140,20 +140,15 @@ impl Transformer {
         if let Some(c) = g.graphs.get(&max) {
             c.graph.0.launch().w()?;
             let logits = c.logits.copy()?;
-            let routing = match &c.routing {
-                Some(d) => d.read()?,
-                None => Vec::new(),
-            };
+            let routing =
+                c.routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
             return Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
         }
         // First step in this bucket: run it (candle's parameter uploads cached for the capture,
         // kernels' modules loaded), then capture the same launches for the next steps.
         let _htod = dev.enable_cuda_graph_htod_cache();
         let (logits, routing) = self.decode_body(cache, &g.token)?;
-        let routing = match routing {
-            Some(d) => d.read()?,
-            None => Vec::new(),
-        };
+        let routing = routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
         match self.capture(dev, cache, &g.token) {
             Ok(c) => {
                 g.graphs.insert(max, c);
