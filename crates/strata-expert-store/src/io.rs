@@ -103,6 +103,8 @@ struct Queues {
     demand: VecDeque<Queued>,
     prefetch: VecDeque<Queued>,
     closed: bool,
+    /// Workers start no read while set (tests hold reads in flight with [`IoEngine::pause`]).
+    paused: bool,
 }
 
 struct Shared {
@@ -332,13 +334,25 @@ impl IoEngine {
     }
 }
 
+impl IoEngine {
+    /// Holds (`true`) or releases (`false`) every queued read: a test's way to keep reads in
+    /// flight for as long as it needs (a slow drive).
+    #[cfg(test)]
+    pub(crate) fn pause(&self, paused: bool) {
+        self.shared.queues.lock().unwrap_or_else(|e| e.into_inner()).paused = paused;
+        self.shared.ready.notify_all();
+    }
+}
+
 fn worker(shared: &Shared) {
     loop {
         let (job, ticket) = {
             let mut q = shared.queues.lock().unwrap_or_else(|e| e.into_inner());
             loop {
-                if let Some(j) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
-                    break j;
+                if !q.paused {
+                    if let Some(j) = q.demand.pop_front().or_else(|| q.prefetch.pop_front()) {
+                        break j;
+                    }
                 }
                 if q.closed {
                     return;
@@ -355,7 +369,9 @@ fn worker(shared: &Shared) {
 impl Drop for IoEngine {
     fn drop(&mut self) {
         // Workers finish the queued reads (their slots outlive the engine's users), then stop.
-        self.shared.queues.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+        let mut q = self.shared.queues.lock().unwrap_or_else(|e| e.into_inner());
+        (q.closed, q.paused) = (true, false);
+        drop(q);
         self.shared.ready.notify_all();
         for w in self.workers.drain(..) {
             let _ = w.join();

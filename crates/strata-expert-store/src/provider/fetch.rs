@@ -3,14 +3,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use strata_models::{Expert, ModelError};
 
 use super::build::ExpertBytes;
 use super::read_plan::{pieces, ReadPlan};
-use super::{StreamingExperts, SLOT_WAIT};
+use super::{StreamingExperts, SLOT_RETRY, SLOT_WAIT};
 use crate::cache::ExpertCache;
 use crate::io::{Priority, ReadJob, Ticket};
 use crate::prefetch_gate::PrefetchGate;
@@ -84,6 +84,40 @@ impl StreamingExperts {
         }
     }
 
+    /// A free slot for a read that `expert()` waits on, with the state locked again. Slots come
+    /// back when a pass drops an evicted expert it still held, or when an entry is evicted; the
+    /// entries filling the slab may all have been reads in flight when the caller looked, so every
+    /// [`SLOT_RETRY`] without a slot one evictable entry (its reads finished meanwhile) goes, by
+    /// the policy. Errors when none comes within [`SLOT_WAIT`].
+    fn wait_for_slot(
+        &self,
+        layer: usize,
+        expert: usize,
+    ) -> Result<(Slot, MutexGuard<'_, CacheState>), ModelError> {
+        let deadline = Instant::now() + SLOT_WAIT;
+        loop {
+            if let Some(s) = self.slab.acquire_timeout(SLOT_RETRY) {
+                return Ok((s, self.state.lock().unwrap_or_else(|e| e.into_inner())));
+            }
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            if self.evict_one(&mut st, Need::Wait, &[]) {
+                if let Some(s) = self.slab.try_acquire() {
+                    return Ok((s, st));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(ModelError::ExpertRead {
+                    layer,
+                    expert,
+                    message: format!(
+                        "expert cache exhausted: all {} slots held for {SLOT_WAIT:?}",
+                        self.slab.slots()
+                    ),
+                });
+            }
+        }
+    }
+
     /// Makes room and queues the reads of `keys` not yet cached or pending (see [`Need`]).
     pub(super) fn start_reads(
         &self,
@@ -120,17 +154,8 @@ impl StreamingExperts {
                 Some(s) => s,
                 None if need == Need::Wait => {
                     drop(st);
-                    let s = self.slab.acquire_timeout(SLOT_WAIT).ok_or_else(|| {
-                        ModelError::ExpertRead {
-                            layer,
-                            expert,
-                            message: format!(
-                                "expert cache exhausted: all {} slots held for {SLOT_WAIT:?}",
-                                self.slab.slots()
-                            ),
-                        }
-                    })?;
-                    st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                    let s;
+                    (s, st) = self.wait_for_slot(layer, expert)?;
                     if st.map.contains(&(layer, expert)) {
                         continue; // another thread started it meanwhile; `s` goes back
                     }

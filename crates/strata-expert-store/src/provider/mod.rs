@@ -26,6 +26,8 @@ use strata_models::{Expert, ExpertProvider, ExpertStats, ModelError, PrefetchMod
 mod build;
 mod fetch;
 mod read_plan;
+#[cfg(test)]
+mod tests;
 
 use build::decoded_bytes;
 pub use build::ExpertBytes;
@@ -154,6 +156,10 @@ impl std::fmt::Debug for StreamingExperts {
 
 /// Time to wait for a slot held by another forward pass before failing the request.
 const SLOT_WAIT: Duration = Duration::from_secs(60);
+
+/// How long a read waiting for a slot waits for one to be released before it evicts an entry
+/// whose reads have finished.
+const SLOT_RETRY: Duration = Duration::from_millis(5);
 
 impl StreamingExperts {
     /// Resolves every MoE layer's expert extents (shapes checked, nothing read), sizes the cache
