@@ -1,0 +1,63 @@
+//! Weight bandwidth of one-token passes (decode) over matrices that are not in cache: `count`
+//! random matrices of `rows × cols` in `format`, each multiplied by one activation row in turn,
+//! three rounds of 20 sweeps; prints GB/s of weights read and µs per matrix. The figure behind
+//! `PREFETCH_AHEAD` (docs/performance.md, "Software prefetch").
+//!
+//! `cargo run --release -p strata-kernels --example kernel_bandwidth -- ROWS COLS COUNT FORMAT`
+//! (FORMAT: q4_0, q4_1, q8_0, q4_k, q6_k); threads: candle's pool (`CANDLE_NUM_THREADS`).
+
+use std::time::Instant;
+
+use strata_kernels::{BlockFormat, QuantMatrix};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: kernel_bandwidth ROWS COLS COUNT q4_0|q4_1|q8_0|q4_k|q6_k";
+    let [rows, cols, count, format] = args.as_slice() else { panic!("{usage}") };
+    let num = |s: &String| s.parse::<usize>().expect(usage);
+    let (rows, cols, count) = (num(rows), num(cols), num(count));
+    let format = match format.to_ascii_lowercase().as_str() {
+        "q4_0" => BlockFormat::Q4_0,
+        "q4_1" => BlockFormat::Q4_1,
+        "q8_0" => BlockFormat::Q8_0,
+        "q4_k" => BlockFormat::Q4K,
+        "q6_k" => BlockFormat::Q6K,
+        _ => panic!("{usage}"),
+    };
+    let (block_bytes, block_elems) = (format.block_bytes(), format.block_elems());
+    let bytes = rows * cols / block_elems * block_bytes;
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mats: Vec<QuantMatrix> = (0..count)
+        .map(|_| {
+            let mut v = vec![0u8; bytes];
+            for (i, b) in v.iter_mut().enumerate() {
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                // Random bytes, with the f16 scales at the start of each block kept finite.
+                *b = (seed >> 33) as u8;
+                if i % block_bytes < 4 && i % 2 == 1 {
+                    *b &= 0x3B;
+                }
+            }
+            QuantMatrix::new(format, v, rows, cols).expect("matrix")
+        })
+        .collect();
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0f32; rows];
+    let sweeps = 20;
+    for round in 0..3 {
+        let t = Instant::now();
+        for _ in 0..sweeps {
+            for m in &mats {
+                m.matmul(&x, 1, &mut out);
+            }
+        }
+        let s = t.elapsed().as_secs_f64();
+        let n = (count * sweeps) as f64;
+        println!(
+            "round {round}: {:.2} GB/s, {:.1} µs per matrix ({format:?} {rows}×{cols}, {:.0} MB in all)",
+            bytes as f64 * n / s / 1e9,
+            s / n * 1e6,
+            (bytes * count) as f64 / 1e6
+        );
+    }
+}
