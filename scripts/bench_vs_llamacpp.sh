@@ -5,7 +5,13 @@
 # `../shared/tools/llamacpp.sh cpu DIR` and point LLAMA_BENCH at DIR's llama-bench.
 #
 #   LLAMA_BENCH=…/llama-bench [MODEL=…gguf] [PP="512"] [TG=128] [THREADS=2] [ROUNDS=3] [REPS=3]
-#   [STRATA=./target/release/strata] [STRATA_ARGS="--stream-experts off"] scripts/bench_vs_llamacpp.sh
+#   [STRATA=./target/release/strata] [STRATA_ARGS="--stream-experts off"]
+#   [LLAMA_PP_ARGS="--repack 0"] [LLAMA_TG_ARGS=…] scripts/bench_vs_llamacpp.sh
+#
+# LLAMA_PP_ARGS / LLAMA_TG_ARGS go to llama-bench's prompt / generation runs: on the Xeon VM
+# (AMX) llama.cpp 0c1e570's default weight repacking crashes in prompt processing (SIGSEGV), so
+# its prompt runs there need `--repack 0` while its generation runs keep the (faster) default.
+# A llama-bench run that fails is reported and leaves that round's pair out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${LLAMA_BENCH:?set LLAMA_BENCH to a llama-bench binary}"
@@ -20,16 +26,20 @@ echo "model: $M, threads $T, pp [$PP], tg $TG, $R reps per run, ${ROUNDS:-3} rou
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
 echo "simd: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx|avx2|fma|f16c|avx512[a-z_0-9]*)$' | sort | tr '\n' ' ')"
 "$LLAMA_BENCH" --version 2>&1 | grep -i -E 'version|commit' | head -2 || true
-echo "strata: $("$S" --version)"
+echo "strata: $("$S" --version); llama-bench pp args: ${LLAMA_PP_ARGS:-none}, tg args: ${LLAMA_TG_ARGS:-none}"
 last_pp=${PP##* }
 for round in $(seq "${ROUNDS:-3}"); do
   for p in $PP; do
     # llama-bench: one markdown row per test; the value column is "mean ± sd".
-    "$LLAMA_BENCH" -m "$M" -t "$T" -p "$p" -n 0 -r "$R" 2>/dev/null \
+    # shellcheck disable=SC2086
+    { "$LLAMA_BENCH" -m "$M" -t "$T" -p "$p" -n 0 -r "$R" ${LLAMA_PP_ARGS:-} 2>/dev/null \
+      || echo "note: llama-bench pp$p failed (exit $?)" >&2; } \
       | awk -F'|' -v r="$round" '/ pp[0-9]+ /{gsub(/ /,"",$(NF-2)); split($(NF-1),v," "); print "llama", r, $(NF-2), v[1]}' >>"$OUT/rows"
     n=0
     if [ "$p" = "$last_pp" ]; then
-      "$LLAMA_BENCH" -m "$M" -t "$T" -p 0 -n "$TG" -r "$R" 2>/dev/null \
+      # shellcheck disable=SC2086
+      { "$LLAMA_BENCH" -m "$M" -t "$T" -p 0 -n "$TG" -r "$R" ${LLAMA_TG_ARGS:-} 2>/dev/null \
+        || echo "note: llama-bench tg$TG failed (exit $?)" >&2; } \
         | awk -F'|' -v r="$round" '/ tg[0-9]+ /{gsub(/ /,"",$(NF-2)); split($(NF-1),v," "); print "llama", r, $(NF-2), v[1]}' >>"$OUT/rows"
       n=$TG
     fi

@@ -52,8 +52,12 @@ fn first_token_logprobs_track_llama_cpp() {
         let best = top5[0]["id"].as_u64().unwrap() as usize;
         assert_eq!(strata_engine::sampling::argmax(&lp) as usize, best, "prompt {}", p["name"]);
         let want = top5[0]["logprob"].as_f64().unwrap() as f32;
+        // Two f32 summation orders of the same kernels' integer sums (the file layout's ggml
+        // order, `STRATA_CPU_INTERLEAVE=0`, and the row-interleaved layout) measured top-1
+        // deviations up to 0.087 and 0.100 here (prompt `chat_template_capital`); a wrong model
+        // deviates by several units.
         assert!(
-            (lp[best] - want).abs() < 0.1,
+            (lp[best] - want).abs() < 0.15,
             "prompt {} top-1 {best}: ours {} llama.cpp {want}",
             p["name"],
             lp[best]
@@ -63,7 +67,7 @@ fn first_token_logprobs_track_llama_cpp() {
             worst_alt = worst_alt.max((lp[id] - t["logprob"].as_f64().unwrap() as f32).abs());
         }
     }
-    eprintln!("first token: top-1 logprobs within 0.05; largest top-5 deviation {worst_alt:.4}");
+    eprintln!("first token: largest top-5 deviation {worst_alt:.4}");
     assert!(worst_alt < 0.3, "top-5 alternatives deviate by {worst_alt}");
 }
 

@@ -3,8 +3,9 @@
 //! three rounds of 20 sweeps; prints GB/s of weights read and µs per matrix. The figure behind
 //! `PREFETCH_AHEAD` (docs/performance.md, "Software prefetch").
 //!
-//! `cargo run --release -p strata-kernels --example kernel_bandwidth -- ROWS COLS COUNT FORMAT`
-//! (FORMAT: q4_0, q4_1, q8_0, q4_k, q6_k); threads: candle's pool (`CANDLE_NUM_THREADS`).
+//! `cargo run --release -p strata-kernels --example kernel_bandwidth -- ROWS COLS COUNT FORMAT
+//! [x8]` (FORMAT: q4_0, q4_1, q8_0, q4_k, q6_k; `x8`: the row-interleaved layout of dense layers,
+//! [`QuantMatrix::interleaved`]); threads: candle's pool (`CANDLE_NUM_THREADS`).
 
 use std::time::Instant;
 
@@ -12,8 +13,12 @@ use strata_kernels::{BlockFormat, QuantMatrix};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: kernel_bandwidth ROWS COLS COUNT q4_0|q4_1|q8_0|q4_k|q6_k";
-    let [rows, cols, count, format] = args.as_slice() else { panic!("{usage}") };
+    let usage = "usage: kernel_bandwidth ROWS COLS COUNT q4_0|q4_1|q8_0|q4_k|q6_k [x8]";
+    let (rows, cols, count, format, x8) = match args.as_slice() {
+        [r, c, n, f] => (r, c, n, f, false),
+        [r, c, n, f, x] if x == "x8" => (r, c, n, f, true),
+        _ => panic!("{usage}"),
+    };
     let num = |s: &String| s.parse::<usize>().expect(usage);
     let (rows, cols, count) = (num(rows), num(cols), num(count));
     let format = match format.to_ascii_lowercase().as_str() {
@@ -38,7 +43,11 @@ fn main() {
                     *b &= 0x3B;
                 }
             }
-            QuantMatrix::new(format, v, rows, cols).expect("matrix")
+            if x8 {
+                QuantMatrix::interleaved(format, v, rows, cols).expect("matrix")
+            } else {
+                QuantMatrix::new(format, v, rows, cols).expect("matrix")
+            }
         })
         .collect();
     let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -54,9 +63,10 @@ fn main() {
         let s = t.elapsed().as_secs_f64();
         let n = (count * sweeps) as f64;
         println!(
-            "round {round}: {:.2} GB/s, {:.1} µs per matrix ({format:?} {rows}×{cols}, {:.0} MB in all)",
+            "round {round}: {:.2} GB/s, {:.1} µs per matrix ({format:?} {rows}×{cols}{}, {:.0} MB in all)",
             bytes as f64 * n / s / 1e9,
             s / n * 1e6,
+            if mats[0].row_unit() > 1 { " interleaved" } else { "" },
             (bytes * count) as f64 / 1e6
         );
     }

@@ -2,7 +2,8 @@
 //! times f32 activations, each format with tile kernels for 1–8 tokens per weight row (every
 //! token's arithmetic the one-token kernel's, so a speculative verify pass is bit-identical to
 //! decoding token by token), AVX2 paths, AVX-512 paths for the K-quants (chosen at run time by
-//! [`isa`]; bit-identical to the AVX2 ones) and a scalar fallback for other CPUs; one MoE layer's experts in two parallel
+//! [`isa`]; bit-identical to the AVX2 ones) and a scalar fallback for other CPUs; a row-interleaved
+//! layout of dense Q4_1 / Q8_0 layers with its own tile kernels ([`interleave`]); one MoE layer's experts in two parallel
 //! regions ([`moe`]); and decode attention. With the `cuda` feature, `cuda` holds our own GPU
 //! decode kernels (`cuda/decode.cu`).
 //!
@@ -17,6 +18,7 @@ pub mod bytes;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod f32;
+pub mod interleave;
 pub mod matrix;
 pub mod moe;
 pub mod q4k;

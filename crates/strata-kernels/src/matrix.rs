@@ -50,13 +50,17 @@ impl BlockFormat {
     }
 }
 
-/// A `[rows, cols]` block-quantized matrix in ggml's byte layout (row-major blocks).
+/// A `[rows, cols]` block-quantized matrix in ggml's byte layout (row-major blocks), or — dense
+/// Q4_1 / Q8_0 matrices held in memory, see [`QuantMatrix::interleaved`] — in the row-interleaved
+/// layout of [`crate::interleave`].
 #[derive(Debug, Clone)]
 pub struct QuantMatrix {
     format: BlockFormat,
     data: WeightBytes,
     rows: usize,
     cols: usize,
+    /// `data` is in [`crate::interleave`]'s layout (groups of 8 rows).
+    interleaved: bool,
 }
 
 impl QuantMatrix {
@@ -76,14 +80,38 @@ impl QuantMatrix {
                 data.len()
             ));
         }
-        Ok(Self { format, data, rows, cols })
+        Ok(Self { format, data, rows, cols, interleaved: false })
+    }
+
+    /// Like [`Self::new`] for a matrix this process holds (a dense layer's weights): moved into the
+    /// row-interleaved layout ([`crate::interleave`], same size, faster one-token passes) where
+    /// the format and row count allow it and the CPU runs its kernels (x86-64 with AVX2), else
+    /// kept as given. Results equal the file layout's up to f32 rounding order.
+    ///
+    /// Errors: as [`Self::new`].
+    pub fn interleaved(
+        format: BlockFormat,
+        data: Vec<u8>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, String> {
+        let m = Self::new(format, data, rows, cols)?;
+        if !(crate::interleave::supports(format, rows) && interleave_kernels()) {
+            return Ok(m);
+        }
+        let nb = cols / format.block_elems();
+        let data = crate::interleave::interleave(format, m.data.as_slice(), rows, nb);
+        Ok(Self { data: data.into(), interleaved: true, ..m })
     }
 
     /// Stacks matrices with the same format and column count row-wise (e.g. q, k and v into one
     /// matrix so that one pass quantizes the activations and one dispatch computes all three).
     pub fn concat_rows(parts: &[&QuantMatrix]) -> Option<QuantMatrix> {
         let first = parts.first()?;
-        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+        // Interleaved groups are whole (row counts are multiples of 8), so bytes concatenate.
+        if parts.iter().any(|p| {
+            p.format != first.format || p.cols != first.cols || p.interleaved != first.interleaved
+        }) {
             return None;
         }
         let data: Vec<u8> = parts.iter().flat_map(|p| p.data.as_slice().iter().copied()).collect();
@@ -92,6 +120,7 @@ impl QuantMatrix {
             data: data.into(),
             rows: parts.iter().map(|p| p.rows).sum(),
             cols: first.cols,
+            interleaved: first.interleaved,
         })
     }
 
@@ -149,11 +178,13 @@ impl QuantMatrix {
         assert_eq!(out.len(), m * self.rows);
         let qx = self.quantize(x, m);
         let ptr = SendPtr(out.as_mut_ptr());
+        let unit = self.row_unit();
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
         // ones candle's own ops use, so no second pool competes for the cores.
-        candle_core::utils::barrier_pool().execute_chunked(self.rows, |range| {
+        candle_core::utils::barrier_pool().execute_chunked(self.rows / unit, |range| {
+            let rows = range.start * unit..range.end * unit;
             // SAFETY: every task writes the rows of its own range, for m tokens, into out (m·rows).
-            unsafe { self.rows_into(&qx, m, range, ptr, self.rows) }
+            unsafe { self.rows_into(&qx, m, rows, ptr, self.rows) }
         });
     }
 
@@ -180,6 +211,10 @@ impl QuantMatrix {
         stride: usize,
     ) {
         assert!(rows.end <= self.rows);
+        if self.interleaved {
+            let QuantizedActs::Q8_1(a) = qx else { panic!("{:?} given Q8_K blocks", self.format) };
+            return self.groups_into(a, m, rows, out, stride);
+        }
         match (self.format, qx) {
             (f, QuantizedActs::Q8K(a)) if f.uses_q8k() => {
                 self.tiles_into(a, m, rows, out, stride, select_tiles_k(f))
@@ -246,6 +281,68 @@ fn prefetch(bytes: &[u8]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
+}
+
+impl QuantMatrix {
+    /// Rows that a parallel task's range must be a multiple of (8 when interleaved, else 1).
+    pub fn row_unit(&self) -> usize {
+        if self.interleaved {
+            crate::interleave::GROUP
+        } else {
+            1
+        }
+    }
+
+    /// [`Self::rows_into`] over interleaved groups: `rows` must be whole groups.
+    unsafe fn groups_into(
+        &self,
+        qx: &[BlockQ8_1],
+        m: usize,
+        rows: std::ops::Range<usize>,
+        out: SendPtr,
+        stride: usize,
+    ) {
+        use crate::interleave::GROUP;
+        assert!(
+            rows.start.is_multiple_of(GROUP) && rows.end.is_multiple_of(GROUP),
+            "rows {rows:?} split a group"
+        );
+        let nb = self.cols / self.format.block_elems();
+        assert!(qx.len() >= m * nb);
+        let (data, gb) = (self.data.as_slice(), GROUP * self.row_bytes());
+        let tiles = select_group_tiles(self.format);
+        let mut v = [0f32; MAX_TILE * GROUP];
+        let ahead = PREFETCH_AHEAD.div_ceil(gb);
+        let mut t = 0;
+        while t < m {
+            let &(size, kernel) = tiles.iter().find(|(s, _)| *s <= m - t).expect("a 1-token tile");
+            let a = &qx[t * nb..(t + size) * nb];
+            for g in rows.start / GROUP..rows.end / GROUP {
+                if let Some(next) = data.get((g + ahead) * gb..(g + ahead + 1) * gb) {
+                    prefetch(next);
+                }
+                kernel(&data[g * gb..(g + 1) * gb], a, nb, &mut v[..size * GROUP]);
+                for j in 0..size {
+                    for i in 0..GROUP {
+                        // SAFETY: the caller owns these elements (see `rows_into`).
+                        unsafe { *out.0.add((t + j) * stride + g * GROUP + i) = v[j * GROUP + i] };
+                    }
+                }
+            }
+            t += size;
+        }
+    }
+}
+
+/// Whether this process runs the interleaved kernels: x86-64 with AVX2 (not forced to scalar),
+/// unless `$STRATA_CPU_INTERLEAVE` is `0` (the file layout, for measuring one against the other).
+fn interleave_kernels() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        cfg!(target_arch = "x86_64")
+            && isa() >= Isa::Avx2
+            && std::env::var("STRATA_CPU_INTERLEAVE").as_deref() != Ok("0")
+    })
 }
 
 /// Activations quantized for one weight format's dot product, `[m, blocks per row]` row-major.
@@ -374,6 +471,21 @@ fn select_tiles_k(format: BlockFormat) -> &'static [(usize, RowsFn<crate::q4k::B
         BlockFormat::Q6K => &[(1, |w, a, _, o| o[0] = crate::q6k::dot_q6k_scalar(w, a))],
         _ => unreachable!("Q4_1 and Q8_0 pair with Q8_1 activations (select_tiles)"),
     }
+}
+
+/// Tile kernels of the interleaved layout for `format` (8 tokens down to 1).
+fn select_group_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1>)] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::interleave::avx2;
+        match format {
+            BlockFormat::Q4_1 => tiles!(avx2::q4_1x8_tokens),
+            BlockFormat::Q8_0 => tiles!(avx2::q8_0x8_tokens),
+            f => unreachable!("{f:?} is not interleaved"),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("{format:?}: no interleaved kernels on this architecture")
 }
 
 /// ggml `ggml_vec_dot_q8_0_q8_0`, generic version.

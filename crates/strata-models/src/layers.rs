@@ -82,8 +82,14 @@ pub struct Linear {
 
 impl Linear {
     pub fn new(w: Weight, b: Option<Tensor>) -> candle_core::Result<Self> {
+        Self::with_layout(w, b, true)
+    }
+
+    /// [`Self::new`]; `interleave`: our kernels' matrices may take the row-interleaved layout
+    /// ([`strata_kernels::QuantMatrix::interleaved`]).
+    fn with_layout(w: Weight, b: Option<Tensor>, interleave: bool) -> candle_core::Result<Self> {
         let mut l = match w {
-            Weight::Quantized(q) => Self::from_shared(std::sync::Arc::new(q))?,
+            Weight::Quantized(q) => Self::from_quantized(std::sync::Arc::new(q), interleave)?,
             Weight::Dense(t) => {
                 let out_dim = t.dims()[0];
                 Self { w: LinearWeight::Candle(QMatMul::Tensor(t)), b: None, out_dim }
@@ -93,14 +99,20 @@ impl Linear {
         Ok(l)
     }
 
-    /// A routed expert's projection: like [`Self::new`] without bias.
+    /// A routed expert's projection: like [`Self::new`] without bias, and in the file's layout
+    /// whether resident or streamed (a streamed expert is used where it was read), so that both
+    /// give the same bits.
     pub fn for_expert(w: Weight) -> candle_core::Result<Self> {
-        Self::new(w, None)
+        Self::with_layout(w, None, false)
     }
 
     /// A linear layer over a quantized tensor, which may be shared (tied embeddings). Formats our
     /// kernels implement are copied into them; others use candle's `QMatMul`.
     pub fn from_shared(q: std::sync::Arc<QTensor>) -> candle_core::Result<Self> {
+        Self::from_quantized(q, true)
+    }
+
+    fn from_quantized(q: std::sync::Arc<QTensor>, interleave: bool) -> candle_core::Result<Self> {
         let (rows, cols) = q.shape().dims2()?;
         if q.device().is_cpu() && std::env::var("STRATA_CPU_DEQUANTIZE").is_ok_and(|v| v == "1") {
             // Diagnostics (`strata compare-devices`): f32 weights and activations on the CPU, the
@@ -113,9 +125,13 @@ impl Linear {
         }
         let w = match kernel_format(q.dtype()) {
             Some(format) if q.device().is_cpu() => {
-                let m =
-                    strata_kernels::QuantMatrix::new(format, q.data()?.into_owned(), rows, cols)
-                        .map_err(candle_core::Error::msg)?;
+                let data = q.data()?.into_owned();
+                let m = if interleave {
+                    strata_kernels::QuantMatrix::interleaved(format, data, rows, cols)
+                } else {
+                    strata_kernels::QuantMatrix::new(format, data, rows, cols)
+                }
+                .map_err(candle_core::Error::msg)?;
                 LinearWeight::Kernel(std::sync::Arc::new(m))
             }
             _ => LinearWeight::Candle(QMatMul::from_arc(q)?),
