@@ -3,8 +3,9 @@
 //! In the file's layout each row's blocks follow one another, so a SIMD dot product sums one row
 //! at a time and ends in a horizontal sum; per 32 weights the kernel converts two f16 scales one
 //! at a time and spends ~20 instructions. Here eight rows' blocks are stored together: one 32-byte
-//! load holds 4 bytes of each of the 8 rows, `vpmaddubsw` + `vpmaddwd` against 4 activation bytes
-//! broadcast to every lane sum them one row per 32-bit lane, and the 8 rows' f16 scales convert in
+//! load holds 4 bytes of each of the 8 rows, `vpmaddubsw` + `vpmaddwd` (or one `vpdpbusd` where the
+//! CPU has AVX-512 VNNI: the same integers) against 4 activation bytes broadcast to every lane sum
+//! them one row per 32-bit lane, and the 8 rows' f16 scales convert in
 //! one instruction — ~5 instructions per row and block, no horizontal sums. The idea is that of
 //! llama.cpp's repacked CPU layouts (`ggml-cpu/repack.cpp`, `ggml-cpu/amx/`); this layout and code
 //! are our own.
@@ -83,12 +84,24 @@ pub(crate) mod avx2 {
     const Q4_1X8: usize = 160;
     const Q8_0X8: usize = 272;
 
-    /// The 8 lanes' exact `Σ u · s` over 4 bytes per lane (`u` unsigned, `s` signed, at most
-    /// 2 · 255 · 128 per 16-bit pair: no saturation for these formats' ranges).
+    /// `sum` plus the 8 lanes' exact `Σ u · s` over 4 bytes per lane (`u` unsigned, `s` signed;
+    /// at most 2 · 255 · 128 per 16-bit pair: no saturation for these formats' ranges).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn dot4(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    unsafe fn dot4_avx2(sum: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+    }
+
+    /// [`dot4_avx2`] in one `vpdpbusd` (AVX-512 VNNI on 256-bit registers): the same integers.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[inline]
+    unsafe fn dot4_vnni(sum: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(sum, u, s)
+    }
+
+    /// Whether this CPU runs the VNNI variants.
+    pub fn vnni_available() -> bool {
+        std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl")
     }
 
     /// 4 activation bytes `qs[4k..4k+4]` in every 32-bit lane.
@@ -98,89 +111,101 @@ pub(crate) mod avx2 {
         _mm256_set1_epi32((y.qs.as_ptr().add(4 * k) as *const i32).read_unaligned())
     }
 
-    /// One group of 8 interleaved Q4_1 rows (`nb` blocks each) times `R` Q8_1 activation rows
-    /// `a: [R, nb]` → `out[j · 8 + r]` for token `j`, row `r`.
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be available; `g` holds the group's `nb` blocks (`nb · 160` bytes)
-    /// and `a` `R · nb` blocks; `out` at least `8 · R` values.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q4_1x8_tokens<const R: usize>(
-        g: &[u8],
-        a: &[BlockQ8_1],
-        nb: usize,
-        out: &mut [f32],
-    ) {
-        assert!(g.len() >= nb * Q4_1X8 && a.len() >= R * nb && out.len() >= R * GROUP);
-        let low = _mm256_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..nb {
-            let p = g.as_ptr().add(b * Q4_1X8);
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let m = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
-            let mut lo = [_mm256_setzero_si256(); 4];
-            let mut hi = [_mm256_setzero_si256(); 4];
-            for k in 0..4 {
-                let bits = _mm256_loadu_si256(p.add(32 + 32 * k) as *const __m256i);
-                lo[k] = _mm256_and_si256(bits, low);
-                hi[k] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
-            }
-            for j in 0..R {
-                let y = &a[j * nb + b];
-                let mut sumi = _mm256_setzero_si256();
-                for k in 0..4 {
-                    // Low nibbles: weights 4k..4k+4; high nibbles: weights 16+4k..16+4k+4.
-                    sumi = _mm256_add_epi32(sumi, dot4(lo[k], bcast(y, k)));
-                    sumi = _mm256_add_epi32(sumi, dot4(hi[k], bcast(y, 4 + k)));
+    /// The Q4_1 and Q8_0 group kernels for one instruction set: `$dot` sums 4 bytes per lane.
+    macro_rules! group_kernels {
+        ($features:literal, $dot:ident, $q4_1:ident, $q8_0:ident) => {
+            /// One group of 8 interleaved Q4_1 rows (`nb` blocks each) times `R` Q8_1 activation
+            /// rows `a: [R, nb]` → `out[j · 8 + r]` for token `j`, row `r`.
+            ///
+            /// # Safety
+            /// The CPU must have the function's target features; `g` holds the group's `nb`
+            /// blocks (`nb · 160` bytes), `a` `R · nb` blocks, `out` at least `8 · R` values.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $q4_1<const R: usize>(
+                g: &[u8],
+                a: &[BlockQ8_1],
+                nb: usize,
+                out: &mut [f32],
+            ) {
+                assert!(g.len() >= nb * Q4_1X8 && a.len() >= R * nb && out.len() >= R * GROUP);
+                let low = _mm256_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); R];
+                for b in 0..nb {
+                    let p = g.as_ptr().add(b * Q4_1X8);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                    let m = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
+                    let mut lo = [_mm256_setzero_si256(); 4];
+                    let mut hi = [_mm256_setzero_si256(); 4];
+                    for k in 0..4 {
+                        let bits = _mm256_loadu_si256(p.add(32 + 32 * k) as *const __m256i);
+                        lo[k] = _mm256_and_si256(bits, low);
+                        hi[k] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
+                    }
+                    for j in 0..R {
+                        let y = &a[j * nb + b];
+                        let mut sumi = _mm256_setzero_si256();
+                        for k in 0..4 {
+                            // Low nibbles: weights 4k..4k+4; high: weights 16+4k..16+4k+4.
+                            sumi = $dot(sumi, lo[k], bcast(y, k));
+                            sumi = $dot(sumi, hi[k], bcast(y, 4 + k));
+                        }
+                        let dd = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
+                        acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[j]);
+                        acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[j]);
+                    }
                 }
-                let dd = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
-                acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[j]);
-                acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[j]);
+                for (j, v) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(j * GROUP), *v);
+                }
             }
-        }
-        for (j, v) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(j * GROUP), *v);
-        }
+
+            /// The Q8_0 kernel (`nb · 272` bytes per group; `a`'s `s` unused).
+            ///
+            /// # Safety
+            /// As the Q4_1 kernel.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $q8_0<const R: usize>(
+                g: &[u8],
+                a: &[BlockQ8_1],
+                nb: usize,
+                out: &mut [f32],
+            ) {
+                assert!(g.len() >= nb * Q8_0X8 && a.len() >= R * nb && out.len() >= R * GROUP);
+                let mut acc = [_mm256_setzero_ps(); R];
+                for b in 0..nb {
+                    let p = g.as_ptr().add(b * Q8_0X8);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                    let mut w = [_mm256_setzero_si256(); 8];
+                    let mut abs = [_mm256_setzero_si256(); 8];
+                    for k in 0..8 {
+                        w[k] = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+                        abs[k] = _mm256_sign_epi8(w[k], w[k]);
+                    }
+                    for j in 0..R {
+                        let y = &a[j * nb + b];
+                        let mut sumi = _mm256_setzero_si256();
+                        for k in 0..8 {
+                            // |w| · (a with w's sign): ggml's signed × signed trick (|a| ≤ 127).
+                            sumi = $dot(sumi, abs[k], _mm256_sign_epi8(bcast(y, k), w[k]));
+                        }
+                        let dd = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
+                        acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[j]);
+                    }
+                }
+                for (j, v) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(j * GROUP), *v);
+                }
+            }
+        };
     }
 
-    /// [`q4_1x8_tokens`] for Q8_0 weights (`nb · 272` bytes per group; `a`'s `s` unused).
-    ///
-    /// # Safety
-    /// As [`q4_1x8_tokens`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q8_0x8_tokens<const R: usize>(
-        g: &[u8],
-        a: &[BlockQ8_1],
-        nb: usize,
-        out: &mut [f32],
-    ) {
-        assert!(g.len() >= nb * Q8_0X8 && a.len() >= R * nb && out.len() >= R * GROUP);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..nb {
-            let p = g.as_ptr().add(b * Q8_0X8);
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            let mut w = [_mm256_setzero_si256(); 8];
-            let mut abs = [_mm256_setzero_si256(); 8];
-            for k in 0..8 {
-                w[k] = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-                abs[k] = _mm256_sign_epi8(w[k], w[k]);
-            }
-            for j in 0..R {
-                let y = &a[j * nb + b];
-                let mut sumi = _mm256_setzero_si256();
-                for k in 0..8 {
-                    // |w| · (a with w's sign): ggml's signed × signed trick (|a| ≤ 127).
-                    let s = _mm256_sign_epi8(bcast(y, k), w[k]);
-                    sumi = _mm256_add_epi32(sumi, dot4(abs[k], s));
-                }
-                let dd = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
-                acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[j]);
-            }
-        }
-        for (j, v) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(j * GROUP), *v);
-        }
-    }
+    group_kernels!("avx2,fma,f16c", dot4_avx2, q4_1x8_tokens, q8_0x8_tokens);
+    group_kernels!(
+        "avx2,fma,f16c,avx512vnni,avx512vl",
+        dot4_vnni,
+        q4_1x8_tokens_vnni,
+        q8_0x8_tokens_vnni
+    );
 }
 
 #[cfg(test)]
@@ -272,6 +297,55 @@ mod tests {
                 cols,
             );
             assert_eq!(odd.unwrap().row_unit(), 1);
+        }
+    }
+
+    /// The VNNI kernels (`vpdpbusd`) give the AVX2 kernels' bits at every tile width.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_kernels_equal_avx2_bit_for_bit() {
+        use super::avx2::*;
+        if !(crate::x86::avx2::available() && vnni_available()) {
+            eprintln!("no AVX-512 VNNI on this CPU: only the AVX2 kernels run here");
+            return;
+        }
+        let (rows, cols) = (16, 512);
+        let nb = cols / 32;
+        let x = acts(8, cols);
+        let mut q = Vec::new();
+        let mut qa = Vec::new();
+        for t in 0..8 {
+            quantize_row(&x[t * cols..(t + 1) * cols], &mut q);
+            qa.extend_from_slice(&q);
+        }
+        for format in [BlockFormat::Q4_1, BlockFormat::Q8_0] {
+            let data = super::interleave(format, &blocks(format, rows, cols, 77), rows, nb);
+            let gb = 8 * nb * format.block_bytes();
+            macro_rules! check_width {
+                ($r:literal) => {
+                    for g in data.chunks_exact(gb) {
+                        let (mut plain, mut vnni) = ([0f32; 8 * $r], [0f32; 8 * $r]);
+                        let a = &qa[..$r * nb];
+                        unsafe {
+                            if format == BlockFormat::Q4_1 {
+                                q4_1x8_tokens::<$r>(g, a, nb, &mut plain);
+                                q4_1x8_tokens_vnni::<$r>(g, a, nb, &mut vnni);
+                            } else {
+                                q8_0x8_tokens::<$r>(g, a, nb, &mut plain);
+                                q8_0x8_tokens_vnni::<$r>(g, a, nb, &mut vnni);
+                            }
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&plain), bits(&vnni), "{format:?} width {}", $r);
+                        assert!(plain.iter().any(|&v| v != 0.0));
+                    }
+                };
+            }
+            check_width!(1);
+            check_width!(2);
+            check_width!(3);
+            check_width!(5);
+            check_width!(8);
         }
     }
 }

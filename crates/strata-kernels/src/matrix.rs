@@ -478,10 +478,14 @@ fn select_group_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1
     #[cfg(target_arch = "x86_64")]
     {
         use crate::interleave::avx2;
-        match format {
-            BlockFormat::Q4_1 => tiles!(avx2::q4_1x8_tokens),
-            BlockFormat::Q8_0 => tiles!(avx2::q8_0x8_tokens),
-            f => unreachable!("{f:?} is not interleaved"),
+        // VNNI only where AVX-512 is in use (`STRATA_CPU_KERNELS=avx2` measures without it).
+        let vnni = isa() == Isa::Avx512 && avx2::vnni_available();
+        match (format, vnni) {
+            (BlockFormat::Q4_1, true) => tiles!(avx2::q4_1x8_tokens_vnni),
+            (BlockFormat::Q8_0, true) => tiles!(avx2::q8_0x8_tokens_vnni),
+            (BlockFormat::Q4_1, false) => tiles!(avx2::q4_1x8_tokens),
+            (BlockFormat::Q8_0, false) => tiles!(avx2::q8_0x8_tokens),
+            (f, _) => unreachable!("{f:?} is not interleaved"),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
