@@ -312,15 +312,11 @@ impl QuantMatrix {
         let (data, gb) = (self.data.as_slice(), GROUP * self.row_bytes());
         let tiles = select_group_tiles(self.format);
         let mut v = [0f32; MAX_TILE * GROUP];
-        let ahead = PREFETCH_AHEAD.div_ceil(gb);
         let mut t = 0;
         while t < m {
             let &(size, kernel) = tiles.iter().find(|(s, _)| *s <= m - t).expect("a 1-token tile");
             let a = &qx[t * nb..(t + size) * nb];
             for g in rows.start / GROUP..rows.end / GROUP {
-                if let Some(next) = data.get((g + ahead) * gb..(g + ahead + 1) * gb) {
-                    prefetch(next);
-                }
                 kernel(&data[g * gb..(g + 1) * gb], a, nb, &mut v[..size * GROUP]);
                 for j in 0..size {
                     for i in 0..GROUP {
