@@ -321,6 +321,14 @@ impl IoEngine {
         ticket
     }
 
+    /// Holds (`true`) or releases (`false`) every queued read: a test's way to keep reads in
+    /// flight for as long as it needs (a slow drive).
+    #[cfg(test)]
+    pub(crate) fn pause(&self, paused: bool) {
+        self.shared.queues.lock().unwrap_or_else(|e| e.into_inner()).paused = paused;
+        self.shared.ready.notify_all();
+    }
+
     /// Moves the still-queued prefetch reads of `ticket` to the demand queue (a prediction turned
     /// out to be needed). Returns how many moved.
     pub fn promote(&self, ticket: &Arc<Ticket>) -> usize {
@@ -331,16 +339,6 @@ impl IoEngine {
         let n = mine.len();
         q.demand.extend(mine);
         n
-    }
-}
-
-impl IoEngine {
-    /// Holds (`true`) or releases (`false`) every queued read: a test's way to keep reads in
-    /// flight for as long as it needs (a slow drive).
-    #[cfg(test)]
-    pub(crate) fn pause(&self, paused: bool) {
-        self.shared.queues.lock().unwrap_or_else(|e| e.into_inner()).paused = paused;
-        self.shared.ready.notify_all();
     }
 }
 

@@ -1,7 +1,7 @@
 //! Weight bandwidth of one-token passes (decode) over matrices that are not in cache: `count`
 //! random matrices of `rows × cols` in `format`, each multiplied by one activation row in turn,
 //! three rounds of 20 sweeps; prints GB/s of weights read and µs per matrix. The figure behind
-//! `PREFETCH_AHEAD` (docs/performance.md, "Software prefetch").
+//! the kernels' prefetch distances (docs/performance.md, "CPU kernels, continued").
 //!
 //! `cargo run --release -p strata-kernels --example kernel_bandwidth -- ROWS COLS COUNT FORMAT
 //! [x8]` (FORMAT: q4_0, q4_1, q8_0, q4_k, q6_k; `x8`: the row-interleaved layout of dense layers,

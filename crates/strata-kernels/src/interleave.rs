@@ -81,8 +81,11 @@ pub(crate) mod avx2 {
 
     use super::GROUP;
 
-    const Q4_1X8: usize = 160;
-    const Q8_0X8: usize = 272;
+    use crate::BlockFormat;
+
+    /// Bytes of one block of a group.
+    const Q4_1X8: usize = GROUP * BlockFormat::Q4_1.block_bytes();
+    const Q8_0X8: usize = GROUP * BlockFormat::Q8_0.block_bytes();
 
     /// `sum` plus the 8 lanes' exact `Σ u · s` over 4 bytes per lane (`u` unsigned, `s` signed;
     /// at most 2 · 255 · 128 per 16-bit pair: no saturation for these formats' ranges).
@@ -109,17 +112,12 @@ pub(crate) mod avx2 {
     /// kernel; a steady stream keeps DRAM reads in flight).
     const PREFETCH_AHEAD: usize = 2048;
 
-    /// Prefetches the `bytes` bytes `PREFETCH_AHEAD` past `p` (a hint: never faults, so running
-    /// past the end of the weights is harmless).
-    #[inline(always)]
-    fn prefetch_ahead(p: *const u8, bytes: usize) {
-        let mut off = 0;
-        while off < bytes {
-            // SAFETY: a prefetch hint; the address is computed without dereferencing.
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD + off) as *const i8)
-            };
-            off += 64;
+    /// Token `j`'s 8 row sums to `out[8j..8j + 8]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn store(acc: &[__m256], out: &mut [f32]) {
+        for (v, o) in acc.iter().zip(out.chunks_exact_mut(GROUP)) {
+            _mm256_storeu_ps(o.as_mut_ptr(), *v);
         }
     }
 
@@ -151,7 +149,7 @@ pub(crate) mod avx2 {
                 let mut acc = [_mm256_setzero_ps(); R];
                 for b in 0..nb {
                     let p = g.as_ptr().add(b * Q4_1X8);
-                    prefetch_ahead(p, Q4_1X8);
+                    crate::prefetch(p.wrapping_add(PREFETCH_AHEAD), Q4_1X8);
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                     let m = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
                     let mut lo = [_mm256_setzero_si256(); 4];
@@ -174,9 +172,7 @@ pub(crate) mod avx2 {
                         acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[j]);
                     }
                 }
-                for (j, v) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(out.as_mut_ptr().add(j * GROUP), *v);
-                }
+                store(&acc, out);
             }
 
             /// The Q8_0 kernel (`nb · 272` bytes per group; `a`'s `s` unused).
@@ -194,7 +190,7 @@ pub(crate) mod avx2 {
                 let mut acc = [_mm256_setzero_ps(); R];
                 for b in 0..nb {
                     let p = g.as_ptr().add(b * Q8_0X8);
-                    prefetch_ahead(p, Q8_0X8);
+                    crate::prefetch(p.wrapping_add(PREFETCH_AHEAD), Q8_0X8);
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
                     let mut w = [_mm256_setzero_si256(); 8];
                     let mut abs = [_mm256_setzero_si256(); 8];
@@ -213,9 +209,7 @@ pub(crate) mod avx2 {
                         acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[j]);
                     }
                 }
-                for (j, v) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(out.as_mut_ptr().add(j * GROUP), *v);
-                }
+                store(&acc, out);
             }
         };
     }

@@ -37,3 +37,21 @@ pub use matrix::{isa, BlockFormat, Isa, QuantMatrix, QuantizedActs};
 pub struct SendPtr(pub *mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
+
+/// Asks the CPU to bring the `bytes` bytes from `p` into cache, a 64-byte line at a time (a hint:
+/// it never faults, so `p` may run past the end of the weights; no effect on other
+/// architectures).
+#[inline(always)]
+pub(crate) fn prefetch(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch hint; the address is computed without dereferencing.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.wrapping_add(off) as *const i8,
+            )
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
+}

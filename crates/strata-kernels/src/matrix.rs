@@ -213,7 +213,7 @@ impl QuantMatrix {
         assert!(rows.end <= self.rows);
         if self.interleaved {
             let QuantizedActs::Q8_1(a) = qx else { panic!("{:?} given Q8_K blocks", self.format) };
-            return self.groups_into(a, m, rows, out, stride);
+            return self.tiles_into(a, m, rows, out, stride, select_group_tiles(self.format));
         }
         match (self.format, qx) {
             (f, QuantizedActs::Q8K(a)) if f.uses_q8k() => {
@@ -226,6 +226,8 @@ impl QuantMatrix {
         }
     }
 
+    /// [`Self::rows_into`] through `tiles`, whose kernels take one unit of [`Self::row_unit`]
+    /// rows (a row, or an interleaved group of 8) and write `[tokens, unit]` outputs.
     unsafe fn tiles_into<A>(
         &self,
         qx: &[A],
@@ -235,24 +237,33 @@ impl QuantMatrix {
         stride: usize,
         tiles: &[(usize, RowsFn<A>)],
     ) {
+        let unit = self.row_unit();
+        assert!(
+            rows.start.is_multiple_of(unit) && rows.end.is_multiple_of(unit),
+            "rows {rows:?} split a group of {unit}"
+        );
         let nb = self.cols / self.format.block_elems();
         assert!(qx.len() >= m * nb);
-        let (data, rb) = (self.data.as_slice(), self.row_bytes());
-        let mut v = [0f32; MAX_TILE];
-        let ahead = PREFETCH_AHEAD.div_ceil(rb.max(1));
+        let (data, ub) = (self.data.as_slice(), unit * self.row_bytes());
+        let mut v = [0f32; MAX_TILE * crate::interleave::GROUP];
+        // The file layout's kernels read one row at a time: the row PREFETCH_AHEAD bytes on is
+        // fetched before each (the interleaved kernels prefetch block by block themselves).
+        let ahead = (unit == 1).then(|| PREFETCH_AHEAD.div_ceil(ub.max(1)));
         let mut t = 0;
         while t < m {
             // The largest tile that fits the tokens left (the last entry takes one).
             let &(size, kernel) = tiles.iter().find(|(s, _)| *s <= m - t).expect("a 1-token tile");
             let a = &qx[t * nb..(t + size) * nb];
-            for r in rows.clone() {
-                if let Some(next) = data.get((r + ahead) * rb..(r + ahead + 1) * rb) {
-                    prefetch(next);
+            for u in rows.start / unit..rows.end / unit {
+                if let Some(next) = ahead.and_then(|k| data.get((u + k) * ub..(u + k + 1) * ub)) {
+                    crate::prefetch(next.as_ptr(), next.len());
                 }
-                kernel(&data[r * rb..(r + 1) * rb], a, nb, &mut v[..size]);
-                for (j, &x) in v[..size].iter().enumerate() {
-                    // SAFETY: the caller owns these elements (see the function's contract).
-                    unsafe { *out.0.add((t + j) * stride + r) = x };
+                kernel(&data[u * ub..(u + 1) * ub], a, nb, &mut v[..size * unit]);
+                for j in 0..size {
+                    for i in 0..unit {
+                        // SAFETY: the caller owns these elements (see the function's contract).
+                        unsafe { *out.0.add((t + j) * stride + u * unit + i) = v[j * unit + i] };
+                    }
                 }
             }
             t += size;
@@ -264,24 +275,8 @@ impl QuantMatrix {
 /// many bytes further on). The kernels do too much arithmetic per byte for the hardware
 /// prefetchers to keep enough cache lines in flight: one-token passes over matrices not in cache
 /// read ~4.9 GB/s from DRAM on the 2-core VM (2 threads), 10–11 GB/s with 2–4 KiB fetched
-/// ahead (docs/performance.md, "Software prefetch").
+/// ahead (docs/performance.md, "CPU kernels, continued").
 const PREFETCH_AHEAD: usize = 3072;
-
-/// Asks the CPU to bring `bytes` into cache (no effect on other architectures).
-#[inline(always)]
-fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: a prefetch hint on an address inside a live slice; it never faults.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr() as *const i8
-            )
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
-}
 
 impl QuantMatrix {
     /// Rows that a parallel task's range must be a multiple of (8 when interleaved, else 1).
@@ -290,42 +285,6 @@ impl QuantMatrix {
             crate::interleave::GROUP
         } else {
             1
-        }
-    }
-
-    /// [`Self::rows_into`] over interleaved groups: `rows` must be whole groups.
-    unsafe fn groups_into(
-        &self,
-        qx: &[BlockQ8_1],
-        m: usize,
-        rows: std::ops::Range<usize>,
-        out: SendPtr,
-        stride: usize,
-    ) {
-        use crate::interleave::GROUP;
-        assert!(
-            rows.start.is_multiple_of(GROUP) && rows.end.is_multiple_of(GROUP),
-            "rows {rows:?} split a group"
-        );
-        let nb = self.cols / self.format.block_elems();
-        assert!(qx.len() >= m * nb);
-        let (data, gb) = (self.data.as_slice(), GROUP * self.row_bytes());
-        let tiles = select_group_tiles(self.format);
-        let mut v = [0f32; MAX_TILE * GROUP];
-        let mut t = 0;
-        while t < m {
-            let &(size, kernel) = tiles.iter().find(|(s, _)| *s <= m - t).expect("a 1-token tile");
-            let a = &qx[t * nb..(t + size) * nb];
-            for g in rows.start / GROUP..rows.end / GROUP {
-                kernel(&data[g * gb..(g + 1) * gb], a, nb, &mut v[..size * GROUP]);
-                for j in 0..size {
-                    for i in 0..GROUP {
-                        // SAFETY: the caller owns these elements (see `rows_into`).
-                        unsafe { *out.0.add((t + j) * stride + g * GROUP + i) = v[j * GROUP + i] };
-                    }
-                }
-            }
-            t += size;
         }
     }
 }

@@ -31,13 +31,12 @@ fn a_read_waiting_for_a_slot_evicts_finished_reads() {
     };
     let x = StreamingExperts::open(&files, &cfg, &Device::Cpu, &opts).unwrap();
     let experts = cfg.moe.as_ref().unwrap().num_experts;
-    let keys: Vec<(usize, usize)> = (0..cfg.num_layers)
-        .filter(|&l| cfg.is_moe_layer(l))
-        .flat_map(|l| (0..experts).map(move |e| (l, e)))
-        .collect();
+    let layers: Vec<usize> = (0..cfg.num_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let keys: Vec<(usize, usize)> =
+        layers.iter().flat_map(|&l| (0..experts).map(move |e| (l, e))).collect();
     x.io.pause(true);
     let all: Vec<u32> = (0..experts as u32).collect();
-    for layer in keys.iter().map(|k| k.0).collect::<std::collections::BTreeSet<_>>() {
+    for &layer in &layers {
         x.fetch_routed(layer, &all);
     }
     assert!(x.slab.try_acquire().is_none(), "the slab is not full: {:?}", x.slab);
