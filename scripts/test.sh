@@ -17,6 +17,10 @@ if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
 fi
 cargo fmt --all --check
 cargo clippy --release --workspace --all-targets -- -D warnings
+# The workspace type-checks for aarch64 (the kernels' scalar fallbacks; no aarch64 machine needed).
+command -v rustup >/dev/null || { echo "rustup is required (to add the aarch64 target)" >&2; exit 1; }
+rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1 || { echo "could not add the aarch64-unknown-linux-gnu target (rustup)" >&2; exit 1; }
+cargo check --release --workspace --target aarch64-unknown-linux-gnu
 cargo build --release --workspace --all-targets
 ./target/release/strata fetch-default
 cargo test --release --workspace "$@"

@@ -5,7 +5,9 @@
 //!
 //! `cargo run --release -p strata-kernels --example kernel_bandwidth -- ROWS COLS COUNT FORMAT
 //! [x8]` (FORMAT: q4_0, q4_1, q8_0, q4_k, q6_k; `x8`: the row-interleaved layout of dense layers,
-//! [`QuantMatrix::interleaved`]); threads: candle's pool (`CANDLE_NUM_THREADS`).
+//! [`QuantMatrix::interleaved`]); threads: candle's pool (`CANDLE_NUM_THREADS`). `$TOKENS`
+//! (default 1) activation rows per pass: with several, the passes are prefill-like and the
+//! figure to read is the multiply-accumulate rate (GMAC/s), printed beside.
 
 use std::time::Instant;
 
@@ -50,21 +52,23 @@ fn main() {
             }
         })
         .collect();
-    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
-    let mut out = vec![0f32; rows];
+    let tokens: usize = std::env::var("TOKENS").map_or(1, |t| t.parse().expect("TOKENS"));
+    let x: Vec<f32> = (0..tokens * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0f32; tokens * rows];
     let sweeps = 20;
     for round in 0..3 {
         let t = Instant::now();
         for _ in 0..sweeps {
             for m in &mats {
-                m.matmul(&x, 1, &mut out);
+                m.matmul(&x, tokens, &mut out);
             }
         }
         let s = t.elapsed().as_secs_f64();
         let n = (count * sweeps) as f64;
         println!(
-            "round {round}: {:.2} GB/s, {:.1} µs per matrix ({format:?} {rows}×{cols}{}, {:.0} MB in all)",
+            "round {round}: {:.2} GB/s, {:.1} GMAC/s, {:.1} µs per matrix ({format:?} {rows}×{cols}{}, {tokens} tokens, {:.0} MB in all)",
             bytes as f64 * n / s / 1e9,
+            (rows * cols * tokens) as f64 * n / s / 1e9,
             s / n * 1e6,
             if mats[0].row_unit() > 1 { " interleaved" } else { "" },
             (bytes * count) as f64 / 1e6

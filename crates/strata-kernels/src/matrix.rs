@@ -405,12 +405,15 @@ fn select_tiles(format: BlockFormat) -> &'static [(usize, RowsFn<BlockQ8_1>)] {
     }
 }
 
-/// K-quant tile kernels: AVX-512 or AVX2 (bit-identical to each other), else the scalar kernel.
+/// K-quant tile kernels: AVX-512 (with VNNI where the CPU has it) or AVX2 (bit-identical to each
+/// other), else the scalar kernel.
 fn select_tiles_k(format: BlockFormat) -> &'static [(usize, RowsFn<crate::q4k::BlockQ8K>)] {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::{q4k, q5k, q6k};
+        let vnni = isa() == Isa::Avx512 && std::is_x86_feature_detected!("avx512vnni");
         match (isa(), format) {
+            (Isa::Avx512, BlockFormat::Q4K) if vnni => return tiles!(q4k::q4k_tokens_vnni),
             (Isa::Avx512, BlockFormat::Q4K) => return tiles!(q4k::q4k_tokens_avx512),
             (Isa::Avx512, BlockFormat::Q5K) => return tiles!(q5k::q5k_tokens_avx512),
             (Isa::Avx512, BlockFormat::Q6K) => return tiles!(q6k::q6k_tokens_avx512),

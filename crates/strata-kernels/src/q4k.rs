@@ -12,13 +12,17 @@ use half::f16;
 pub const QK_K: usize = 256;
 pub const BLOCK_BYTES: usize = 144;
 
-/// 256 activations quantized to int8 with one f32 scale, and sums of each 16.
+/// 256 activations quantized to int8 with one f32 scale, and sums of each 16 (ggml's
+/// `block_q8_K`) and of each 32 (`sums32[j] = bsums[2j] + bsums[2j + 1]`, what ggml's Q4_K and
+/// Q5_K kernels compute from `bsums` for every weight row; here once per activation block, in
+/// the alignment padding). Cache-line aligned: the kernels load `qs` 64 bytes at a time.
 #[derive(Clone, Copy, Debug)]
-#[repr(C, align(32))]
+#[repr(C, align(64))]
 pub struct BlockQ8K {
     pub qs: [i8; QK_K],
     pub d: f32,
     pub bsums: [i16; QK_K / 16],
+    pub sums32: [i16; QK_K / 32],
 }
 
 /// ggml `quantize_row_q8_K_ref`: scale from the value of largest magnitude (sign kept), round to
@@ -34,7 +38,8 @@ pub fn quantize_row_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
                 max = v;
             }
         }
-        let mut b = BlockQ8K { qs: [0; QK_K], d: 0.0, bsums: [0; QK_K / 16] };
+        let mut b =
+            BlockQ8K { qs: [0; QK_K], d: 0.0, bsums: [0; QK_K / 16], sums32: [0; QK_K / 32] };
         if amax != 0.0 {
             let iscale = -127.0 / max;
             for (q, &v) in b.qs.iter_mut().zip(xs) {
@@ -42,6 +47,9 @@ pub fn quantize_row_q8k(x: &[f32], out: &mut Vec<BlockQ8K>) {
             }
             for (s, g) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
                 *s = g.iter().map(|&q| q as i16).sum();
+            }
+            for (s, pair) in b.sums32.iter_mut().zip(b.bsums.chunks_exact(2)) {
+                *s = pair[0] + pair[1];
             }
             b.d = 1.0 / iscale;
         }
@@ -121,7 +129,8 @@ pub(crate) fn scale_pattern(k: usize) -> i16 {
 }
 
 /// The mins term of one block for one token: 4 i32 lanes of `min[2i]·s[2i] + min[2i+1]·s[2i+1]`
-/// where `s[j]` sums the Q8_K block's values of sub-block `j` (ggml's `prod`).
+/// where `s[j]` sums the Q8_K block's values of sub-block `j` (ggml's `prod`; ggml gets `s` by a
+/// horizontal add of `bsums`, the same i16 sums as `sums32`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -130,9 +139,7 @@ pub(crate) unsafe fn mins_prod(
     y: &BlockQ8K,
 ) -> std::arch::x86_64::__m128i {
     use std::arch::x86_64::*;
-    let bs = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
-    let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-    _mm_madd_epi16(mins, q8s)
+    _mm_madd_epi16(mins, _mm_loadu_si128(y.sums32.as_ptr() as *const __m128i))
 }
 
 /// ggml's final reduction: 8 lanes of `d`-scaled sums plus 4 lanes of mins terms.
@@ -152,11 +159,15 @@ unsafe fn q4k_finish(acc: std::arch::x86_64::__m256, acc_m: std::arch::x86_64::_
 /// integer sums per block, one fused multiply-add per block into 8 f32 lanes for the scaled sums
 /// and into 4 lanes for the mins, reduced at the end of the row. So a tile's results are
 /// bit-identical to the one-token kernel's, whatever `R`; equal to [`dot_q4k_scalar`] up to f32
-/// rounding order.
+/// rounding order. (`y.d · d` is computed as a vector product: the same IEEE product in every
+/// lane; `y.d · (−dmin)` equals ggml's `(−y.d) · dmin` exactly.)
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C (checked by the caller at run time); `w` holds `nb`
-/// whole Q4_K blocks and `a` `R · nb` blocks.
+/// The CPU must support AVX2, FMA and F16C (checked by the caller at run time).
+///
+/// # Panics
+/// When `w` holds fewer than `nb` Q4_K blocks, `a` fewer than `R · nb` blocks or `out` fewer
+/// than `R` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4k_tokens_avx2<const R: usize>(
@@ -166,12 +177,15 @@ pub unsafe fn q4k_tokens_avx2<const R: usize>(
     out: &mut [f32],
 ) {
     use std::arch::x86_64::*;
+    assert!(w.len() >= nb * BLOCK_BYTES && a.len() >= R * nb && out.len() >= R);
     let low = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut acc_m = [_mm_setzero_ps(); R];
-    for (b, blk) in w.chunks_exact(BLOCK_BYTES).enumerate() {
+    for b in 0..nb {
+        let blk = w.get_unchecked(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES);
         let p = blk.as_ptr();
         let (d0, dmin0, ms) = q4k_header(blk);
+        let (d0, ndmin0) = (_mm256_set1_ps(d0), _mm_set1_ps(-dmin0));
         let mins = _mm256_extracti128_si256(ms, 1);
         let sc128 = _mm256_castsi256_si128(ms);
         let scales = _mm256_set_m128i(sc128, sc128);
@@ -186,10 +200,10 @@ pub unsafe fn q4k_tokens_avx2<const R: usize>(
             *s = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(scale_pattern(k)));
         }
         for j in 0..R {
-            let y = &a[j * nb + b];
-            let (d, dmin) = (y.d * d0, -y.d * dmin0);
-            acc_m[j] =
-                _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_prod(mins, y)), acc_m[j]);
+            let y = a.get_unchecked(j * nb + b);
+            let yd = _mm256_broadcast_ss(&y.d);
+            let dmin = _mm_mul_ps(_mm256_castps256_ps128(yd), ndmin0);
+            acc_m[j] = _mm_fmadd_ps(dmin, _mm_cvtepi32_ps(mins_prod(mins, y)), acc_m[j]);
             let mut sumi = _mm256_setzero_si256();
             for c in 0..4 {
                 let q8l = _mm256_load_si256(y.qs.as_ptr().add(c * 64) as *const __m256i);
@@ -199,7 +213,7 @@ pub unsafe fn q4k_tokens_avx2<const R: usize>(
                 let ph = _mm256_madd_epi16(sc[2 * c + 1], _mm256_maddubs_epi16(q4[2 * c + 1], q8h));
                 sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
             }
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[j]);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(yd, d0), _mm256_cvtepi32_ps(sumi), acc[j]);
         }
     }
     for j in 0..R {
@@ -207,65 +221,125 @@ pub unsafe fn q4k_tokens_avx2<const R: usize>(
     }
 }
 
-/// [`q4k_tokens_avx2`] on 512-bit registers (AVX-512 F + BW): each 32-byte chunk's low and high
-/// nibbles in one register against the Q8_K block's 64 matching bytes. The two 256-bit halves'
-/// integer sums are added before the f32 step, which gives every 32-bit lane exactly the integer
-/// the AVX2 kernel has there, so results are bit-identical to [`q4k_tokens_avx2`] (tested).
-///
-/// # Safety
-/// The CPU must support AVX-512 F and BW, AVX2, FMA and F16C; `w` holds `nb` whole Q4_K blocks
-/// and `a` `R · nb` blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-pub unsafe fn q4k_tokens_avx512<const R: usize>(
-    w: &[u8],
-    a: &[BlockQ8K],
-    nb: usize,
-    out: &mut [f32],
-) {
-    use std::arch::x86_64::*;
-    let low = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut acc_m = [_mm_setzero_ps(); R];
-    for (b, blk) in w.chunks_exact(BLOCK_BYTES).enumerate() {
-        let p = blk.as_ptr();
-        let (d0, dmin0, ms) = q4k_header(blk);
-        let mins = _mm256_extracti128_si256(ms, 1);
-        let scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(ms));
-        let mut q4 = [_mm512_setzero_si512(); 4];
-        let mut sc = [_mm512_setzero_si512(); 4];
-        for c in 0..4 {
-            let bits = _mm256_loadu_si256(p.add(16 + c * 32) as *const __m256i);
-            let both =
-                _mm512_inserti64x4(_mm512_castsi256_si512(bits), _mm256_srli_epi16(bits, 4), 1);
-            q4[c] = _mm512_and_si512(both, low);
-            let pattern = _mm512_inserti64x4(
-                _mm512_set1_epi16(scale_pattern(2 * c)),
-                _mm256_set1_epi16(scale_pattern(2 * c + 1)),
-                1,
-            );
-            sc[c] = _mm512_shuffle_epi8(scales, pattern);
-        }
-        for j in 0..R {
-            let y = &a[j * nb + b];
-            let (d, dmin) = (y.d * d0, -y.d * dmin0);
-            acc_m[j] =
-                _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_prod(mins, y)), acc_m[j]);
-            let mut sumi = _mm512_setzero_si512();
-            for c in 0..4 {
-                let q8 = _mm512_loadu_si512(y.qs.as_ptr().add(c * 64) as *const _);
-                let prod = _mm512_madd_epi16(sc[c], _mm512_maddubs_epi16(q4[c], q8));
-                sumi = _mm512_add_epi32(sumi, prod);
+/// [`q4k_tokens_avx2`] on 512-bit registers: each 32-byte chunk's low and high nibbles in one
+/// register against the Q8_K block's 64 matching bytes. The two 256-bit halves' integer sums are
+/// added before the f32 step, which gives every 32-bit lane exactly the integer the AVX2 kernel
+/// has there, so results are bit-identical to [`q4k_tokens_avx2`] (tested). `$scaled_add(sum, sc,
+/// p)` adds `sc · p` pairwise to `sum` (`vpmaddwd` + `vpaddd`, or one `vpdpwssd` with AVX-512
+/// VNNI: the same integers).
+macro_rules! q4k_avx512_kernel {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $scaled_add:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support the target features named on the function (checked by the caller
+        /// at run time).
+        ///
+        /// # Panics
+        /// When `w` holds fewer than `nb` Q4_K blocks, `a` fewer than `R · nb` blocks or `out`
+        /// fewer than `R` values.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name<const R: usize>(
+            w: &[u8],
+            a: &[BlockQ8K],
+            nb: usize,
+            out: &mut [f32],
+        ) {
+            use std::arch::x86_64::*;
+            assert!(w.len() >= nb * BLOCK_BYTES && a.len() >= R * nb && out.len() >= R);
+            let low = _mm512_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut acc_m = [_mm_setzero_ps(); R];
+            for b in 0..nb {
+                let blk = w.get_unchecked(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES);
+                let p = blk.as_ptr();
+                let (d0, dmin0, ms) = q4k_header(blk);
+                let (d0, ndmin0) = (_mm256_set1_ps(d0), _mm_set1_ps(-dmin0));
+                let mins = _mm256_extracti128_si256(ms, 1);
+                let scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(ms));
+                let mut q4 = [_mm512_setzero_si512(); 4];
+                let mut sc = [_mm512_setzero_si512(); 4];
+                for c in 0..4 {
+                    let bits = _mm256_loadu_si256(p.add(16 + c * 32) as *const __m256i);
+                    let both = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(bits),
+                        _mm256_srli_epi16(bits, 4),
+                        1,
+                    );
+                    q4[c] = _mm512_and_si512(both, low);
+                    let pattern = _mm512_inserti64x4(
+                        _mm512_set1_epi16(scale_pattern(2 * c)),
+                        _mm256_set1_epi16(scale_pattern(2 * c + 1)),
+                        1,
+                    );
+                    sc[c] = _mm512_shuffle_epi8(scales, pattern);
+                }
+                for j in 0..R {
+                    let y = a.get_unchecked(j * nb + b);
+                    let yd = _mm256_broadcast_ss(&y.d);
+                    let dmin = _mm_mul_ps(_mm256_castps256_ps128(yd), ndmin0);
+                    acc_m[j] = _mm_fmadd_ps(dmin, _mm_cvtepi32_ps(mins_prod(mins, y)), acc_m[j]);
+                    let mut sumi = _mm512_setzero_si512();
+                    for c in 0..4 {
+                        let q8 = _mm512_load_si512(y.qs.as_ptr().add(c * 64) as *const _);
+                        sumi = $scaled_add(sumi, sc[c], _mm512_maddubs_epi16(q4[c], q8));
+                    }
+                    let sumi = _mm256_add_epi32(
+                        _mm512_castsi512_si256(sumi),
+                        _mm512_extracti64x4_epi64(sumi, 1),
+                    );
+                    acc[j] =
+                        _mm256_fmadd_ps(_mm256_mul_ps(yd, d0), _mm256_cvtepi32_ps(sumi), acc[j]);
+                }
             }
-            let sumi =
-                _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[j]);
+            for j in 0..R {
+                out[j] = q4k_finish(acc[j], acc_m[j]);
+            }
         }
-    }
-    for j in 0..R {
-        out[j] = q4k_finish(acc[j], acc_m[j]);
-    }
+    };
 }
+
+/// `sum + sc · p` pairwise (`vpmaddwd` then `vpaddd`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn scaled_add_512(
+    sum: std::arch::x86_64::__m512i,
+    sc: std::arch::x86_64::__m512i,
+    p: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    _mm512_add_epi32(sum, _mm512_madd_epi16(sc, p))
+}
+
+/// [`scaled_add_512`] in one `vpdpwssd` (AVX-512 VNNI; not the saturating `vpdpwssds`): the same
+/// integers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn scaled_add_vnni(
+    sum: std::arch::x86_64::__m512i,
+    sc: std::arch::x86_64::__m512i,
+    p: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512i {
+    std::arch::x86_64::_mm512_dpwssd_epi32(sum, sc, p)
+}
+
+q4k_avx512_kernel!(
+    /// [`q4k_tokens_avx2`] on 512-bit registers (AVX-512 F + BW).
+    q4k_tokens_avx512,
+    "avx512f,avx512bw,avx2,fma,f16c",
+    scaled_add_512
+);
+
+q4k_avx512_kernel!(
+    /// [`q4k_tokens_avx512`] with each chunk's scale multiply and sum in one `vpdpwssd`
+    /// (AVX-512 VNNI).
+    q4k_tokens_vnni,
+    "avx512f,avx512bw,avx512vnni,avx2,fma,f16c",
+    scaled_add_vnni
+);
 
 #[cfg(test)]
 mod tests {
@@ -350,6 +424,7 @@ mod tests {
         quantize_row_q8k(&x, &mut q);
         let avx512 =
             std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw");
+        let vnni = avx512 && std::is_x86_feature_detected!("avx512vnni");
         macro_rules! check_width {
             ($r:literal) => {
                 for r in 0..rows {
@@ -358,6 +433,10 @@ mod tests {
                     let mut wide = [0f32; $r];
                     if avx512 {
                         unsafe { q4k_tokens_avx512::<$r>(w.row(r), &q[..$r * nb], nb, &mut wide) };
+                    }
+                    let mut dp = [0f32; $r];
+                    if vnni {
+                        unsafe { q4k_tokens_vnni::<$r>(w.row(r), &q[..$r * nb], nb, &mut dp) };
                     }
                     for t in 0..$r {
                         let mut one = [0f32];
@@ -374,6 +453,14 @@ mod tests {
                                 one[0].to_bits(),
                                 wide[t].to_bits(),
                                 "avx512 width {} row {r} token {t}",
+                                $r
+                            );
+                        }
+                        if vnni {
+                            assert_eq!(
+                                one[0].to_bits(),
+                                dp[t].to_bits(),
+                                "vnni width {} row {r} token {t}",
                                 $r
                             );
                         }
@@ -397,6 +484,8 @@ mod tests {
         check_width!(8);
         if !avx512 {
             eprintln!("no AVX-512 BW on this CPU: AVX2 tiles checked only");
+        } else if !vnni {
+            eprintln!("no AVX-512 VNNI on this CPU: its variant not checked");
         }
     }
 }
