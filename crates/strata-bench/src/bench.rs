@@ -35,13 +35,19 @@ pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Re
     let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let mut cache = engine.new_cache(n + 1)?;
     // warm-up
-    engine.model.forward(&tokens[..n.min(16)], &mut cache, Logits::Last, &[])?;
+    let prefill = |part: &[u32], cache: &mut strata_models::KvCache| {
+        // Prompt tokens, as the engine's prefill runs them.
+        strata_models::prefill_scope(part.len(), 0, || {
+            engine.model.forward(part, cache, Logits::Last, &[])
+        })
+    };
+    prefill(&tokens[..n.min(16)], &mut cache)?;
     let mut runs = Vec::new();
     for _ in 0..reps {
         cache.clear();
         let t = std::time::Instant::now();
         for part in tokens.chunks(chunk.max(1)) {
-            engine.model.forward(part, &mut cache, Logits::Last, &[])?;
+            prefill(part, &mut cache)?;
         }
         runs.push(n as f64 / t.elapsed().as_secs_f64());
     }

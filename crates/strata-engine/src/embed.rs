@@ -22,7 +22,9 @@ impl Engine {
         let mut cache = self.model.new_cache(tokens.len() + 1)?;
         let mut sum = vec![0f64; self.model.config().hidden_size];
         for part in tokens.chunks(chunk.max(1)) {
-            let out = self.model.forward(part, &mut cache, Logits::Last, &[last])?;
+            let out = strata_models::prefill_scope(part.len(), 0, || {
+                self.model.forward(part, &mut cache, Logits::Last, &[last])
+            })?;
             let h = out.hidden_states.last().ok_or(EngineError::EmptyPrompt)?;
             let rows =
                 self.model.final_norm(h)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;

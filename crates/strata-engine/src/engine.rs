@@ -379,9 +379,10 @@ impl Engine {
     ) -> Result<Vec<f32>> {
         let mut logits = None;
         for part in prompt.chunks(chunk) {
-            logits = Some(
-                self.model.forward_interruptible(part, cache, Logits::Last, &[], stop)?.logits,
-            );
+            let out = strata_models::prefill_scope(part.len(), 0, || {
+                self.model.forward_interruptible(part, cache, Logits::Last, &[], stop)
+            })?;
+            logits = Some(out.logits);
         }
         Ok(logits.ok_or(EngineError::EmptyPrompt)?.flatten_all()?.to_vec1()?)
     }

@@ -42,7 +42,9 @@ pub fn perplexity(
         cache.clear();
         let mut logits_rows: Vec<Vec<f32>> = Vec::with_capacity(n_ctx);
         for (b, part) in chunk.chunks(batch.max(1)).enumerate() {
-            let out = engine.model.forward(part, &mut cache, Logits::All, &[])?;
+            let out = strata_models::prefill_scope(part.len(), 0, || {
+                engine.model.forward(part, &mut cache, Logits::All, &[])
+            })?;
             let start = b * batch.max(1);
             let rows: Vec<Vec<f32>> = out.logits.to_vec2()?;
             for (i, r) in rows.into_iter().enumerate() {

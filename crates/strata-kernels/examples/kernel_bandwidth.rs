@@ -7,7 +7,8 @@
 //! [x8]` (FORMAT: q4_0, q4_1, q8_0, q4_k, q6_k; `x8`: the row-interleaved layout of dense layers,
 //! [`QuantMatrix::interleaved`]); threads: candle's pool (`CANDLE_NUM_THREADS`). `$TOKENS`
 //! (default 1) activation rows per pass: with several, the passes are prefill-like and the
-//! figure to read is the multiply-accumulate rate (GMAC/s), printed beside.
+//! figure to read is the multiply-accumulate rate (GMAC/s), printed beside; `PREFILL=1` runs them
+//! as prompt tokens ([`strata_kernels::prefill_scope`]).
 
 use std::time::Instant;
 
@@ -55,12 +56,17 @@ fn main() {
     let tokens: usize = std::env::var("TOKENS").map_or(1, |t| t.parse().expect("TOKENS"));
     let x: Vec<f32> = (0..tokens * cols).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut out = vec![0f32; tokens * rows];
+    let prefill = std::env::var("PREFILL").as_deref() == Ok("1");
     let sweeps = 20;
     for round in 0..3 {
         let t = Instant::now();
         for _ in 0..sweeps {
             for m in &mats {
-                m.matmul(&x, tokens, &mut out);
+                if prefill {
+                    strata_kernels::prefill_scope(tokens, 0, || m.matmul(&x, tokens, &mut out));
+                } else {
+                    m.matmul(&x, tokens, &mut out);
+                }
             }
         }
         let s = t.elapsed().as_secs_f64();

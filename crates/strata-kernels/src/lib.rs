@@ -22,6 +22,7 @@ pub mod interleave;
 pub mod matrix;
 pub mod moe;
 pub mod q4k;
+pub mod q4k_prefill;
 pub mod q5k;
 pub mod q6k;
 pub mod q8_1;
@@ -30,6 +31,7 @@ mod x86;
 
 pub use bytes::WeightBytes;
 pub use matrix::{isa, BlockFormat, Isa, QuantMatrix, QuantizedActs};
+pub use q4k_prefill::prefill_scope;
 
 /// A raw pointer to an f32 output buffer that may cross threads; each task writes disjoint
 /// elements ([`QuantMatrix::rows_into`]).

@@ -141,6 +141,12 @@ impl QuantMatrix {
         self.cols
     }
 
+    /// The quantized blocks as stored.
+    #[cfg(test)]
+    pub(crate) fn data(&self) -> &[u8] {
+        self.data.as_slice()
+    }
+
     #[cfg(test)]
     pub(crate) fn row(&self, r: usize) -> &[u8] {
         let rb = self.row_bytes();
@@ -174,9 +180,11 @@ impl QuantMatrix {
     }
 
     /// `out[t, r] = Σ_c x[t, c] · W[r, c]` for `m` activation rows; `x: [m, cols]`, `out: [m, rows]`.
+    /// Inside a [`crate::prefill_scope`] of `m` rows, the scope's prompt tokens of a Q4_K matrix
+    /// take the prefill path ([`crate::q4k_prefill`]).
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(out.len(), m * self.rows);
-        let qx = self.quantize(x, m);
+        let qx = self.quantize(x, m).for_prefill(self, crate::q4k_prefill::first_prefill_row(m));
         let ptr = SendPtr(out.as_mut_ptr());
         let unit = self.row_unit();
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
@@ -218,6 +226,19 @@ impl QuantMatrix {
         match (self.format, qx) {
             (f, QuantizedActs::Q8K(a)) if f.uses_q8k() => {
                 self.tiles_into(a, m, rows, out, stride, select_tiles_k(f))
+            }
+            #[cfg(target_arch = "x86_64")]
+            (BlockFormat::Q4K, QuantizedActs::Q8KPrefill { blocks, first, panel }) => {
+                let nb = self.cols / crate::q4k::QK_K;
+                let tiles = select_tiles_k(self.format);
+                self.tiles_into(blocks, *first, rows.clone(), out, stride, tiles);
+                let prompt = &blocks[first * nb..];
+                let data = self.data.as_slice();
+                let at = (out, *first, stride);
+                crate::q4k_prefill::rows_into(data, nb, prompt, panel, rows, at);
+            }
+            (f, QuantizedActs::Q8KPrefill { blocks, .. }) if f.uses_q8k() => {
+                self.tiles_into(blocks, m, rows, out, stride, select_tiles_k(f))
             }
             (BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q8_0, QuantizedActs::Q8_1(a)) => {
                 self.tiles_into(a, m, rows, out, stride, select_tiles(self.format))
@@ -305,8 +326,15 @@ fn interleave_kernels() -> bool {
 pub enum QuantizedActs {
     /// For Q4_1 and Q8_0 weights (Q8_0 uses `qs` and `d` only).
     Q8_1(Vec<BlockQ8_1>),
-    /// For Q4_K weights.
+    /// For Q4_K, Q5_K and Q6_K weights.
     Q8K(Vec<crate::q4k::BlockQ8K>),
+    /// Q8_K blocks whose rows `first..` are prompt tokens, with those rows' panel for the Q4_K
+    /// prefill path ([`crate::q4k_prefill`]; other formats use `blocks` alone).
+    Q8KPrefill {
+        blocks: Vec<crate::q4k::BlockQ8K>,
+        first: usize,
+        panel: crate::q4k_prefill::Q8KPanel,
+    },
 }
 
 impl QuantizedActs {
@@ -317,7 +345,25 @@ impl QuantizedActs {
         }
         match self {
             QuantizedActs::Q8_1(v) => QuantizedActs::Q8_1(pick(v, rows, nb)),
-            QuantizedActs::Q8K(v) => QuantizedActs::Q8K(pick(v, rows, nb)),
+            QuantizedActs::Q8K(v) | QuantizedActs::Q8KPrefill { blocks: v, .. } => {
+                QuantizedActs::Q8K(pick(v, rows, nb))
+            }
+        }
+    }
+
+    /// These activations (for `w`) with rows `first..` marked as prompt tokens, where `w` is Q4_K
+    /// and `first` is given (from [`crate::prefill_scope`]); else unchanged.
+    pub fn for_prefill(self, w: &QuantMatrix, first: Option<usize>) -> QuantizedActs {
+        match (self, first) {
+            (QuantizedActs::Q8K(blocks), Some(first))
+                if w.format == BlockFormat::Q4K && !w.interleaved =>
+            {
+                let nb = w.cols / crate::q4k::QK_K;
+                let tokens = blocks.len() / nb - first;
+                let panel = crate::q4k_prefill::Q8KPanel::new(&blocks[first * nb..], tokens, nb);
+                QuantizedActs::Q8KPrefill { blocks, first, panel }
+            }
+            (acts, _) => acts,
         }
     }
 }

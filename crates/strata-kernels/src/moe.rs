@@ -33,8 +33,16 @@ const ROWS_PER_ITEM: usize = 32;
 ///
 /// # Panics
 /// When shapes disagree (`gate_up` not `[2I, H]`, `down` not `[H, I]`, a token row ≥ `seq`).
+///
+/// Inside a [`crate::prefill_scope`] of `seq` rows, the scope's prompt tokens take the Q4_K
+/// prefill path ([`crate::q4k_prefill`]) in every expert they are routed to.
 pub fn expert_outputs(x: &[f32], seq: usize, experts: &[RoutedExpert<'_>]) -> Vec<Vec<f32>> {
     let h = x.len() / seq.max(1);
+    let first_prompt = crate::q4k_prefill::first_prefill_row(seq);
+    // Each expert's first prompt-token row (its tokens are ascending).
+    let split = |e: &RoutedExpert<'_>| {
+        first_prompt.map(|f| e.tokens.partition_point(|&t| (t as usize) < f))
+    };
     // Each token's activations quantized once per activation kind (all experts of a layer share
     // one format in practice), then gathered per expert.
     let mut full: Vec<(crate::BlockFormat, QuantizedActs)> = Vec::new();
@@ -51,11 +59,12 @@ pub fn expert_outputs(x: &[f32], seq: usize, experts: &[RoutedExpert<'_>]) -> Ve
             }
         };
         let nb = h / f.block_elems();
-        acts.push(if e.tokens.len() == seq {
+        let q = if e.tokens.len() == seq {
             q.clone()
         } else {
             q.gather(e.tokens.iter().map(|&t| t as usize), nb)
-        });
+        };
+        acts.push(q.for_prefill(e.gate_up, split(e)));
     }
     // gate+up of every expert: [n_e, 2I] each.
     let gu = run_region(experts, |e| e.gate_up, &acts);
@@ -70,7 +79,7 @@ pub fn expert_outputs(x: &[f32], seq: usize, experts: &[RoutedExpert<'_>]) -> Ve
                 *d = g / (1.0 + (-g).exp()) * u;
             }
         }
-        down_acts.push(e.down.quantize(&a, e.tokens.len()));
+        down_acts.push(e.down.quantize(&a, e.tokens.len()).for_prefill(e.down, split(e)));
     }
     run_region(experts, |e| e.down, &down_acts)
 }

@@ -26,5 +26,6 @@ pub use kv_cache::{KvBlock, KvCache};
 pub use moe::{ExpertFailure, LayerRouting, Router, SeqRoute, SparseMoe};
 pub use prefetch::{PredictorStats, PrefetchMode, PrefetchStats};
 pub use recurrent::RecurrentSnapshot;
+pub use strata_kernels::prefill_scope;
 pub use synthetic_routing::{RoutingHistory, SyntheticRouter};
 pub use transformer::{BatchOptions, BatchSeq, ForwardOutput, Logits, Transformer};

@@ -232,7 +232,10 @@ impl Batcher {
                 isolate_expert_errors: true,
                 ..Default::default()
             };
-            self.engine.model.forward_batch(&mut batch, opts)?
+            // Decode rows come first in the pass; the prompt chunks' rows after them.
+            strata_models::prefill_scope(rows, decode_rows, || {
+                self.engine.model.forward_batch(&mut batch, opts)
+            })?
         };
         let pass_ms = t.elapsed().as_secs_f64() * 1e3;
         let mut stats =

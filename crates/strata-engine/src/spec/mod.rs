@@ -271,13 +271,9 @@ impl<'a> Speculator<'a> {
         let hidden_layers = self.target_layers().to_vec();
         let mut logits = None;
         for part in prompt.chunks(self.prefill_chunk) {
-            let out = self.target.forward_interruptible(
-                part,
-                cache,
-                Logits::Last,
-                &hidden_layers,
-                stop,
-            )?;
+            let out = strata_models::prefill_scope(part.len(), 0, || {
+                self.target.forward_interruptible(part, cache, Logits::Last, &hidden_layers, stop)
+            })?;
             self.observe_hidden_states(&out.hidden_states, part.len())?;
             logits = Some(out.logits);
         }

@@ -1,0 +1,567 @@
+//! The prompt-token (prefill) path for Q4_K weights on AVX-512 VNNI: a tiled matrix multiply over
+//! groups of 16 tokens instead of the decode path's per-token `vec_dot` arithmetic.
+//!
+//! Why: the decode tile kernels ([`crate::q4k`]) keep ggml's per-token arithmetic so that a
+//! speculative verify pass equals decoding token by token, which costs two multiplies per 64
+//! weight-activation pairs and token. A prompt has no such constraint. Here 4 weight rows and 16
+//! tokens share every instruction: activations are transposed so that one `vpdpbusd` multiplies
+//! 4 weights of a row (broadcast) by the matching 4 activations of 16 tokens, each sub-block's
+//! integer dot is scaled once (`vpmulld`), and the mins term is one `vpdpwssd` per sub-block pair.
+//! The idea is llama.cpp's tiled CPU matmul (`ggml-cpu/tiled/`, 0c1e570) and the usual VNNI
+//! GEMM; the code is ours.
+//!
+//! Arithmetic, per weight row and token: for each block `b` in order, with the exact integers
+//! `I_b = Σ_j scale_j · Σ_{i∈j} q_i·a_i` and `M_b = Σ_j min_j · Σ_{i∈j} a_i`,
+//! `acc = fma(y.d·d, I_b, acc)` then `acc = fma(−(y.d·dmin), M_b, acc)`. The integers are exact
+//! whichever instructions sum them, and the f32 steps are per token, so a token's result does not
+//! depend on the other tokens of the pass nor on the kernel that computed it: groups of fewer
+//! than [`GEMM_MIN`] tokens run a per-token kernel with the same arithmetic (tested bit for bit).
+//! Prompt tokens are therefore independent of how they are batched, and decode and verify tokens
+//! never take this path ([`prefill_scope`]).
+
+use std::cell::Cell;
+
+use crate::q4k::BlockQ8K;
+#[cfg(target_arch = "x86_64")]
+use crate::{
+    q4k::{BLOCK_BYTES, QK_K},
+    SendPtr,
+};
+
+/// Tokens per group (one 32-bit lane of a 512-bit register each).
+pub const GROUP: usize = 16;
+
+/// Fewest tokens of a group that go through the lane-per-token kernels (16 lanes, or 8 for a
+/// group of at most 8); smaller groups take the per-token kernel.
+pub const GEMM_MIN: usize = 8;
+
+/// Weight rows that share each activation load.
+#[cfg(target_arch = "x86_64")]
+const ROWS: usize = 4;
+
+thread_local! {
+    static SCOPE: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
+}
+
+/// Runs `f` (one forward pass of `rows` token rows) with rows `first..rows` marked as prompt
+/// tokens: Q4_K matrix products over exactly `rows` activation rows on this thread then compute
+/// those rows on the prefill path (where the CPU has AVX-512 VNNI and `$STRATA_CPU_PREFILL_GEMM`
+/// is not `0`). Rows before `first` (decode tokens of a batch) keep the decode kernels. Products
+/// over another number of rows (the logits of selected rows, a draft model's pass) are unaffected.
+pub fn prefill_scope<R>(rows: usize, first: usize, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<(usize, usize)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SCOPE.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SCOPE.with(|s| s.replace(Some((rows, first)))));
+    f()
+}
+
+/// The first prompt-token row of a product over `m` rows made inside a [`prefill_scope`] of `m`
+/// rows, where the prefill path runs on this CPU.
+pub(crate) fn first_prefill_row(m: usize) -> Option<usize> {
+    let (rows, first) = SCOPE.with(|s| s.get())?;
+    (rows == m && first < m && available()).then_some(first)
+}
+
+/// Whether the prefill path runs here: x86-64 with AVX-512 VNNI in use, unless
+/// `$STRATA_CPU_PREFILL_GEMM` is `0` (for measuring one path against the other).
+pub fn available() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let cpu = crate::isa() == crate::Isa::Avx512
+            && std::is_x86_feature_detected!("avx512vnni")
+            && std::is_x86_feature_detected!("avx512vl");
+        #[cfg(not(target_arch = "x86_64"))]
+        let cpu = false;
+        cpu && std::env::var("STRATA_CPU_PREFILL_GEMM").as_deref() != Ok("0")
+    })
+}
+
+/// Q8_K activations of prompt tokens rearranged for the 16-lane kernel, per group of [`GROUP`]
+/// tokens and block: the 256 int8 values as 64 vectors of 16 lanes (lane `t`: values `4k..4k+4`
+/// of token `t`), the eight 32-value sums as 4 vectors of i16 pairs, and the 16 scales. Lanes
+/// past the last token are zero.
+#[derive(Debug, Clone)]
+pub struct Q8KPanel {
+    tokens: usize,
+    nb: usize,
+    q: Vec<i32>,
+    s: Vec<i32>,
+    d: Vec<f32>,
+}
+
+impl Q8KPanel {
+    /// The panel of `a: [tokens, nb]` Q8_K blocks.
+    ///
+    /// # Panics
+    /// When `a` holds fewer than `tokens · nb` blocks.
+    pub fn new(a: &[BlockQ8K], tokens: usize, nb: usize) -> Self {
+        assert!(a.len() >= tokens * nb);
+        let groups = tokens.div_ceil(GROUP);
+        let mut q = vec![0i32; groups * nb * 64 * GROUP];
+        let mut s = vec![0i32; groups * nb * 4 * GROUP];
+        let mut d = vec![0f32; groups * nb * GROUP];
+        for t in 0..tokens {
+            let (g, lane) = (t / GROUP, t % GROUP);
+            for b in 0..nb {
+                let y = &a[t * nb + b];
+                let gb = g * nb + b;
+                for (k, v) in y.qs.chunks_exact(4).enumerate() {
+                    q[(gb * 64 + k) * GROUP + lane] =
+                        i32::from_le_bytes([v[0] as u8, v[1] as u8, v[2] as u8, v[3] as u8]);
+                }
+                for p in 0..4 {
+                    let (lo, hi) =
+                        (y.sums32[2 * p] as u16 as u32, y.sums32[2 * p + 1] as u16 as u32);
+                    s[(gb * 4 + p) * GROUP + lane] = (lo | hi << 16) as i32;
+                }
+                d[gb * GROUP + lane] = y.d;
+            }
+        }
+        Self { tokens, nb, q, s, d }
+    }
+
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+}
+
+/// Rows `rows` of a Q4_K matrix (`data`: row-major blocks, `nb` per row) times the prompt tokens
+/// of `panel` (built from `a: [tokens, nb]`): writes `out[(first + t) · stride + r]` for every
+/// token `t` of the panel and row `r` in `rows`.
+///
+/// # Safety
+/// [`available`] must be true; `out` must be valid for those writes and no other thread may
+/// write those elements meanwhile.
+///
+/// # Panics
+/// When `data` is shorter than `rows.end` rows or `a` than the panel's tokens.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn rows_into(
+    data: &[u8],
+    nb: usize,
+    a: &[BlockQ8K],
+    panel: &Q8KPanel,
+    rows: std::ops::Range<usize>,
+    (out, first, stride): (SendPtr, usize, usize),
+) {
+    assert_eq!(panel.nb, nb);
+    assert!(data.len() >= rows.end * nb * BLOCK_BYTES && a.len() >= panel.tokens * nb);
+    let row_bytes = nb * BLOCK_BYTES;
+    let n = panel.tokens;
+    let groups = n.div_ceil(GROUP);
+    let wide = (0..groups).any(|g| (n - g * GROUP).min(GROUP) >= GEMM_MIN);
+    let mut unpacked = Unpacked::new(nb);
+    let mut r = rows.start;
+    while r < rows.end {
+        let take = if rows.end - r >= ROWS { ROWS } else { 1 };
+        if wide {
+            unpacked.fill(&data[r * row_bytes..(r + take) * row_bytes], take, ahead(row_bytes));
+        }
+        for g in 0..groups {
+            let t0 = g * GROUP;
+            let valid = (n - t0).min(GROUP);
+            if valid >= GEMM_MIN {
+                let mut v = [[0f32; GROUP]; ROWS];
+                match (take == ROWS, valid > GROUP / 2) {
+                    (true, true) => gemm_group::<ROWS>(&unpacked, panel, g, &mut v),
+                    (false, true) => gemm_group::<1>(&unpacked, panel, g, &mut v),
+                    (true, false) => gemm_half::<ROWS>(&unpacked, panel, g, 0, &mut v),
+                    (false, false) => gemm_half::<1>(&unpacked, panel, g, 0, &mut v),
+                }
+                for (i, vr) in v.iter().enumerate().take(take) {
+                    for (t, &x) in vr.iter().enumerate().take(valid) {
+                        // SAFETY: the caller owns these elements (see the function's contract).
+                        unsafe { *out.0.add((first + t0 + t) * stride + r + i) = x };
+                    }
+                }
+            } else {
+                let mut v = [0f32; GEMM_MIN];
+                for i in 0..take {
+                    let w = &data[(r + i) * row_bytes..(r + i + 1) * row_bytes];
+                    let pf = if wide { 0 } else { ahead(row_bytes) };
+                    small_group(w, &a[t0 * nb..(t0 + valid) * nb], nb, valid, pf, &mut v);
+                    for (t, &x) in v.iter().enumerate().take(valid) {
+                        // SAFETY: as above.
+                        unsafe { *out.0.add((first + t0 + t) * stride + r + i) = x };
+                    }
+                }
+            }
+        }
+        r += take;
+    }
+}
+
+/// Bytes ahead of the weights being read that are prefetched, block by block (a steady stream:
+/// a burst of a whole row's lines stalls on the line-fill buffers): [`ROWS`] rows, at least
+/// 3 KiB, as far as the decode path fetches ahead.
+#[cfg(target_arch = "x86_64")]
+fn ahead(row_bytes: usize) -> usize {
+    (ROWS * row_bytes).max(3072)
+}
+
+/// Up to [`ROWS`] weight rows unpacked for the 16-lane kernel: nibbles as bytes in weight order,
+/// sub-block scales as i32, mins as i16 pairs, `d` and `dmin` as f32.
+#[cfg(target_arch = "x86_64")]
+struct Unpacked {
+    nb: usize,
+    q: Vec<u8>,
+    sc: Vec<i32>,
+    mn: Vec<i32>,
+    d: Vec<f32>,
+    dmin: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Unpacked {
+    fn new(nb: usize) -> Self {
+        Self {
+            nb,
+            q: vec![0; ROWS * nb * QK_K],
+            sc: vec![0; ROWS * nb * 8],
+            mn: vec![0; ROWS * nb * 4],
+            d: vec![0.0; ROWS * nb],
+            dmin: vec![0.0; ROWS * nb],
+        }
+    }
+
+    /// Unpacks `rows` consecutive rows of `data`, prefetching the bytes `ahead` on.
+    fn fill(&mut self, data: &[u8], rows: usize, ahead: usize) {
+        for (rb, blk) in data.chunks_exact(BLOCK_BYTES).take(rows * self.nb).enumerate() {
+            crate::prefetch(blk.as_ptr().wrapping_add(ahead), BLOCK_BYTES);
+            self.d[rb] = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            self.dmin[rb] = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+            let (sc, mn) = crate::q4k::scales_mins(&blk[4..16]);
+            for (dst, &v) in self.sc[rb * 8..(rb + 1) * 8].iter_mut().zip(&sc) {
+                *dst = v as i32;
+            }
+            for p in 0..4 {
+                self.mn[rb * 4 + p] = mn[2 * p] as i32 | (mn[2 * p + 1] as i32) << 16;
+            }
+            // SAFETY: the prefill path runs only where AVX2 is (see `available`).
+            unsafe { nibbles(blk, &mut self.q[rb * QK_K..(rb + 1) * QK_K]) };
+        }
+    }
+}
+
+/// A Q4_K block's 256 nibbles as bytes in weight order: chunk `c`'s low nibbles are weights
+/// `64c..64c+32`, its high nibbles `64c+32..64c+64`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn nibbles(blk: &[u8], q: &mut [u8]) {
+    use std::arch::x86_64::*;
+    assert!(blk.len() >= BLOCK_BYTES && q.len() >= QK_K);
+    let low = _mm256_set1_epi8(0x0F);
+    for c in 0..4 {
+        let bits = _mm256_loadu_si256(blk.as_ptr().add(16 + 32 * c) as *const __m256i);
+        let dst = q.as_mut_ptr().add(64 * c) as *mut __m256i;
+        _mm256_storeu_si256(dst, _mm256_and_si256(bits, low));
+        _mm256_storeu_si256(dst.add(1), _mm256_and_si256(_mm256_srli_epi16(bits, 4), low));
+    }
+}
+
+/// Group `g` of `panel` times the first `R` rows of `w`: `out[r][t]` for the group's 16 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,fma")]
+unsafe fn gemm_group<const R: usize>(
+    w: &Unpacked,
+    panel: &Q8KPanel,
+    g: usize,
+    out: &mut [[f32; GROUP]; ROWS],
+) {
+    use std::arch::x86_64::*;
+    let nb = w.nb;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        let gb = g * nb + b;
+        let qa = panel.q.as_ptr().add(gb * 64 * GROUP);
+        let mut isum = [_mm512_setzero_si512(); R];
+        for j in 0..8 {
+            let mut dsum = [_mm512_setzero_si512(); R];
+            for k in 0..8 {
+                let av = _mm512_loadu_si512(qa.add((8 * j + k) * GROUP) as *const _);
+                for (r, ds) in dsum.iter_mut().enumerate() {
+                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k);
+                    let wv = _mm512_set1_epi32((wq as *const i32).read_unaligned());
+                    // u8 weights (0..15) × i8 activations, four per lane, no saturation.
+                    *ds = _mm512_dpbusd_epi32(*ds, wv, av);
+                }
+            }
+            for (r, is) in isum.iter_mut().enumerate() {
+                let sc = _mm512_set1_epi32(*w.sc.get_unchecked((r * nb + b) * 8 + j));
+                *is = _mm512_add_epi32(*is, _mm512_mullo_epi32(dsum[r], sc));
+            }
+        }
+        let mut msum = [_mm512_setzero_si512(); R];
+        for p in 0..4 {
+            let sv = _mm512_loadu_si512(panel.s.as_ptr().add((gb * 4 + p) * GROUP) as *const _);
+            for (r, ms) in msum.iter_mut().enumerate() {
+                let mv = _mm512_set1_epi32(*w.mn.get_unchecked((r * nb + b) * 4 + p));
+                *ms = _mm512_dpwssd_epi32(*ms, sv, mv);
+            }
+        }
+        let yd = _mm512_loadu_ps(panel.d.as_ptr().add(gb * GROUP));
+        for r in 0..R {
+            let d = _mm512_mul_ps(yd, _mm512_set1_ps(*w.d.get_unchecked(r * nb + b)));
+            let dmin = _mm512_mul_ps(yd, _mm512_set1_ps(*w.dmin.get_unchecked(r * nb + b)));
+            acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(msum[r]), acc[r]);
+        }
+    }
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+    }
+}
+
+/// [`gemm_group`] on 256-bit registers for lanes `8·half..8·half + 8` of group `g` (a group of at
+/// most 8 tokens in use wastes no second half; 256-bit VNNI runs on two ports where 512-bit runs
+/// on one). Lane for lane the same operations, so the same results.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma")]
+unsafe fn gemm_half<const R: usize>(
+    w: &Unpacked,
+    panel: &Q8KPanel,
+    g: usize,
+    half: usize,
+    out: &mut [[f32; GROUP]; ROWS],
+) {
+    use std::arch::x86_64::*;
+    let nb = w.nb;
+    let lane = 8 * half;
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        let gb = g * nb + b;
+        let qa = panel.q.as_ptr().add(gb * 64 * GROUP + lane);
+        let mut isum = [_mm256_setzero_si256(); R];
+        for j in 0..8 {
+            let mut dsum = [_mm256_setzero_si256(); R];
+            for k in 0..8 {
+                let av = _mm256_loadu_si256(qa.add((8 * j + k) * GROUP) as *const __m256i);
+                for (r, ds) in dsum.iter_mut().enumerate() {
+                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k);
+                    let wv = _mm256_set1_epi32((wq as *const i32).read_unaligned());
+                    *ds = _mm256_dpbusd_epi32(*ds, wv, av);
+                }
+            }
+            for (r, is) in isum.iter_mut().enumerate() {
+                let sc = _mm256_set1_epi32(*w.sc.get_unchecked((r * nb + b) * 8 + j));
+                *is = _mm256_add_epi32(*is, _mm256_mullo_epi32(dsum[r], sc));
+            }
+        }
+        let mut msum = [_mm256_setzero_si256(); R];
+        for p in 0..4 {
+            let sv =
+                _mm256_loadu_si256(panel.s.as_ptr().add((gb * 4 + p) * GROUP + lane) as *const _);
+            for (r, ms) in msum.iter_mut().enumerate() {
+                let mv = _mm256_set1_epi32(*w.mn.get_unchecked((r * nb + b) * 4 + p));
+                *ms = _mm256_dpwssd_epi32(*ms, sv, mv);
+            }
+        }
+        let yd = _mm256_loadu_ps(panel.d.as_ptr().add(gb * GROUP + lane));
+        for r in 0..R {
+            let d = _mm256_mul_ps(yd, _mm256_set1_ps(*w.d.get_unchecked(r * nb + b)));
+            let dmin = _mm256_mul_ps(yd, _mm256_set1_ps(*w.dmin.get_unchecked(r * nb + b)));
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(msum[r]), acc[r]);
+        }
+    }
+    for r in 0..R {
+        _mm256_storeu_ps(out[r].as_mut_ptr().add(lane), acc[r]);
+    }
+}
+
+/// Dot products of one weight row `w` with `R` tokens `a: [R, nb]` into `out[..R]` with the
+/// 16-lane kernel's arithmetic (the same exact integers per block, the same two f32 steps), for
+/// groups too small for it: each block unpacked once for the `R` tokens; with `prefetch` > 0 the
+/// weights that many bytes on are fetched block by block.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C ([`available`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn tokens_vnni<const R: usize>(
+    w: &[u8],
+    a: &[BlockQ8K],
+    nb: usize,
+    prefetch: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    assert!(w.len() >= nb * BLOCK_BYTES && a.len() >= R * nb && out.len() >= R);
+    let low = _mm512_set1_epi8(0x0F);
+    let mut acc = [0f32; R];
+    for b in 0..nb {
+        let blk = w.get_unchecked(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES);
+        let p = blk.as_ptr();
+        if prefetch > 0 {
+            crate::prefetch(p.wrapping_add(prefetch), BLOCK_BYTES);
+        }
+        let (d0, dmin0, ms) = crate::q4k::q4k_header(blk);
+        let mins = _mm256_extracti128_si256(ms, 1);
+        let scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(ms));
+        let mut q4 = [_mm512_setzero_si512(); 4];
+        let mut sc = [_mm512_setzero_si512(); 4];
+        for c in 0..4 {
+            let bits = _mm256_loadu_si256(p.add(16 + c * 32) as *const __m256i);
+            q4[c] = _mm512_and_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(bits), _mm256_srli_epi16(bits, 4), 1),
+                low,
+            );
+            let pattern = _mm512_inserti64x4(
+                _mm512_set1_epi16(crate::q4k::scale_pattern(2 * c)),
+                _mm256_set1_epi16(crate::q4k::scale_pattern(2 * c + 1)),
+                1,
+            );
+            sc[c] = _mm512_shuffle_epi8(scales, pattern);
+        }
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let y = a.get_unchecked(j * nb + b);
+            let mut sumi = _mm512_setzero_si512();
+            for c in 0..4 {
+                let q8 = _mm512_load_si512(y.qs.as_ptr().add(c * 64) as *const _);
+                sumi = _mm512_dpwssd_epi32(sumi, sc[c], _mm512_maddubs_epi16(q4[c], q8));
+            }
+            let isum = _mm512_reduce_add_epi32(sumi);
+            let prod = crate::q4k::mins_prod(mins, y);
+            let msum = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(prod, prod), prod));
+            *acc = (y.d * d0).mul_add(isum as f32, *acc);
+            *acc = (-(y.d * dmin0)).mul_add(msum as f32, *acc);
+        }
+    }
+    out[..R].copy_from_slice(&acc);
+}
+
+/// [`tokens_vnni`] for `n` (1 to 7) tokens.
+#[cfg(target_arch = "x86_64")]
+unsafe fn small_group(w: &[u8], a: &[BlockQ8K], nb: usize, n: usize, pf: usize, out: &mut [f32]) {
+    match n {
+        1 => tokens_vnni::<1>(w, a, nb, pf, out),
+        2 => tokens_vnni::<2>(w, a, nb, pf, out),
+        3 => tokens_vnni::<3>(w, a, nb, pf, out),
+        4 => tokens_vnni::<4>(w, a, nb, pf, out),
+        5 => tokens_vnni::<5>(w, a, nb, pf, out),
+        6 => tokens_vnni::<6>(w, a, nb, pf, out),
+        7 => tokens_vnni::<7>(w, a, nb, pf, out),
+        _ => unreachable!("groups of {GEMM_MIN} or more tokens take the lane-per-token kernels"),
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::q4k::{dot_q4k_scalar, quantize_row_q8k};
+    use crate::{BlockFormat, QuantMatrix};
+
+    /// A random Q4_K matrix with finite scales.
+    fn matrix(rows: usize, cols: usize) -> QuantMatrix {
+        let bytes = rows * cols / QK_K * BLOCK_BYTES;
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let v: Vec<u8> = (0..bytes)
+            .map(|i| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let b = (seed >> 24) as u8;
+                if i % BLOCK_BYTES < 4 && i % 2 == 1 {
+                    b & 0x1B
+                } else {
+                    b
+                }
+            })
+            .collect();
+        QuantMatrix::new(BlockFormat::Q4K, v, rows, cols).unwrap()
+    }
+
+    fn acts(tokens: usize, cols: usize, salt: f32) -> Vec<BlockQ8K> {
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i as f32 * 0.377 + salt).cos() * 9631.3).fract() - 0.5)
+            .collect();
+        let mut q = Vec::new();
+        quantize_row_q8k(&x, &mut q);
+        q
+    }
+
+    fn run(w: &QuantMatrix, a: &[BlockQ8K], tokens: usize) -> Vec<f32> {
+        let nb = w.cols() / QK_K;
+        let panel = Q8KPanel::new(a, tokens, nb);
+        let mut out = vec![f32::NAN; tokens * w.rows()];
+        let ptr = SendPtr(out.as_mut_ptr());
+        unsafe { rows_into(w.data(), nb, a, &panel, 0..w.rows(), (ptr, 0, w.rows())) };
+        out
+    }
+
+    /// Every token's result is ggml's dot product up to f32 rounding order, and bit for bit the
+    /// same whatever the other tokens of the pass, the group it falls in (16-lane or per-token
+    /// kernel) and the row block (4 rows or 1).
+    #[test]
+    fn prefill_matches_scalar_and_does_not_depend_on_the_batch() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI on this CPU: the prefill path does not run here");
+            return;
+        }
+        let (rows, cols) = (7, 1024);
+        let nb = cols / QK_K;
+        let w = matrix(rows, cols);
+        let a = acts(37, cols, 0.3);
+        let all = run(&w, &a, 37);
+        for t in 0..37 {
+            for r in 0..rows {
+                let s = dot_q4k_scalar(w.row(r), &a[t * nb..(t + 1) * nb]);
+                let got = all[t * rows + r];
+                assert!(
+                    (s - got).abs() <= 1e-4 * s.abs().max(1.0),
+                    "token {t} row {r}: {got} vs {s}"
+                );
+            }
+        }
+        // Token 20 alone (per-token kernel), in a group of 9 (16-lane kernel, lane 4), and at
+        // lane 0 of a full group.
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let want = bits(&all[20 * rows..21 * rows]);
+        let one = run(&w, &a[20 * nb..21 * nb], 1);
+        assert_eq!(bits(&one), want, "alone");
+        let nine = run(&w, &a[16 * nb..25 * nb], 9);
+        assert_eq!(bits(&nine[4 * rows..5 * rows]), want, "group of 9");
+        let full = run(&w, &a[20 * nb..36 * nb], 16);
+        assert_eq!(bits(&full[..rows]), want, "full group");
+    }
+
+    /// Through `matmul`: inside a scope of 37 rows whose first 5 are decode tokens, those 5 equal
+    /// the decode path bit for bit (no scope), and each prompt token equals its prefill result
+    /// in a pass of its own; outside a matching scope nothing changes.
+    #[test]
+    fn prefill_scope_marks_only_the_prompt_rows_of_its_pass() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI on this CPU: the prefill path does not run here");
+            return;
+        }
+        let (rows, cols, m, first) = (12, 512, 37, 5);
+        let w = matrix(rows, cols);
+        let x: Vec<f32> = (0..m * cols).map(|i| ((i as f32 * 0.123).sin() * 3.7).fract()).collect();
+        let matmul = |x: &[f32], m: usize| {
+            let mut out = vec![0f32; m * rows];
+            w.matmul(x, m, &mut out);
+            out
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let decode = matmul(&x, m);
+        let mixed = prefill_scope(m, first, || matmul(&x, m));
+        assert_eq!(bits(&mixed[..first * rows]), bits(&decode[..first * rows]), "decode rows");
+        let mut differs = false;
+        for t in first..m {
+            let row = &x[t * cols..(t + 1) * cols];
+            let alone = prefill_scope(1, 0, || matmul(row, 1));
+            assert_eq!(bits(&mixed[t * rows..(t + 1) * rows]), bits(&alone), "prompt token {t}");
+            differs |= bits(&alone) != bits(&decode[t * rows..(t + 1) * rows]);
+        }
+        assert!(differs, "the prompt rows ran on the decode path");
+        // A scope of another row count leaves the product on the decode path.
+        let other = prefill_scope(m + 1, 0, || matmul(&x, m));
+        assert_eq!(bits(&other), bits(&decode));
+    }
+}
