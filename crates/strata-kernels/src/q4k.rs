@@ -221,6 +221,36 @@ pub unsafe fn q4k_tokens_avx2<const R: usize>(
     }
 }
 
+/// One Q4_K block's nibbles and scales on 512-bit registers: `q4[c]` holds chunk `c`'s low
+/// nibbles (weights `64c..64c+32`) then its high nibbles (`64c+32..64c+64`), and `sc[c]` the
+/// matching sub-block scales as i16 pairs (from `ms`, [`q4k_header`]'s scales and mins).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[inline]
+pub(crate) unsafe fn unpack_512(
+    blk: &[u8],
+    ms: std::arch::x86_64::__m256i,
+) -> ([std::arch::x86_64::__m512i; 4], [std::arch::x86_64::__m512i; 4]) {
+    use std::arch::x86_64::*;
+    assert!(blk.len() >= BLOCK_BYTES);
+    let low = _mm512_set1_epi8(0x0F);
+    let scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(ms));
+    let mut q4 = [_mm512_setzero_si512(); 4];
+    let mut sc = [_mm512_setzero_si512(); 4];
+    for c in 0..4 {
+        let bits = _mm256_loadu_si256(blk.as_ptr().add(16 + c * 32) as *const __m256i);
+        let both = _mm512_inserti64x4(_mm512_castsi256_si512(bits), _mm256_srli_epi16(bits, 4), 1);
+        q4[c] = _mm512_and_si512(both, low);
+        let pattern = _mm512_inserti64x4(
+            _mm512_set1_epi16(scale_pattern(2 * c)),
+            _mm256_set1_epi16(scale_pattern(2 * c + 1)),
+            1,
+        );
+        sc[c] = _mm512_shuffle_epi8(scales, pattern);
+    }
+    (q4, sc)
+}
+
 /// [`q4k_tokens_avx2`] on 512-bit registers: each 32-byte chunk's low and high nibbles in one
 /// register against the Q8_K block's 64 matching bytes. The two 256-bit halves' integer sums are
 /// added before the f32 step, which gives every 32-bit lane exactly the integer the AVX2 kernel
@@ -248,33 +278,14 @@ macro_rules! q4k_avx512_kernel {
         ) {
             use std::arch::x86_64::*;
             assert!(w.len() >= nb * BLOCK_BYTES && a.len() >= R * nb && out.len() >= R);
-            let low = _mm512_set1_epi8(0x0F);
             let mut acc = [_mm256_setzero_ps(); R];
             let mut acc_m = [_mm_setzero_ps(); R];
             for b in 0..nb {
                 let blk = w.get_unchecked(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES);
-                let p = blk.as_ptr();
                 let (d0, dmin0, ms) = q4k_header(blk);
                 let (d0, ndmin0) = (_mm256_set1_ps(d0), _mm_set1_ps(-dmin0));
                 let mins = _mm256_extracti128_si256(ms, 1);
-                let scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(ms));
-                let mut q4 = [_mm512_setzero_si512(); 4];
-                let mut sc = [_mm512_setzero_si512(); 4];
-                for c in 0..4 {
-                    let bits = _mm256_loadu_si256(p.add(16 + c * 32) as *const __m256i);
-                    let both = _mm512_inserti64x4(
-                        _mm512_castsi256_si512(bits),
-                        _mm256_srli_epi16(bits, 4),
-                        1,
-                    );
-                    q4[c] = _mm512_and_si512(both, low);
-                    let pattern = _mm512_inserti64x4(
-                        _mm512_set1_epi16(scale_pattern(2 * c)),
-                        _mm256_set1_epi16(scale_pattern(2 * c + 1)),
-                        1,
-                    );
-                    sc[c] = _mm512_shuffle_epi8(scales, pattern);
-                }
+                let (q4, sc) = unpack_512(blk, ms);
                 for j in 0..R {
                     let y = a.get_unchecked(j * nb + b);
                     let yd = _mm256_broadcast_ss(&y.d);

@@ -393,7 +393,6 @@ unsafe fn tokens_vnni<const R: usize>(
 ) {
     use std::arch::x86_64::*;
     assert!(w.len() >= nb * BLOCK_BYTES && a.len() >= R * nb && out.len() >= R);
-    let low = _mm512_set1_epi8(0x0F);
     let mut acc = [0f32; R];
     for b in 0..nb {
         let blk = w.get_unchecked(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES);
@@ -403,22 +402,7 @@ unsafe fn tokens_vnni<const R: usize>(
         }
         let (d0, dmin0, ms) = crate::q4k::q4k_header(blk);
         let mins = _mm256_extracti128_si256(ms, 1);
-        let scales = _mm512_broadcast_i32x4(_mm256_castsi256_si128(ms));
-        let mut q4 = [_mm512_setzero_si512(); 4];
-        let mut sc = [_mm512_setzero_si512(); 4];
-        for c in 0..4 {
-            let bits = _mm256_loadu_si256(p.add(16 + c * 32) as *const __m256i);
-            q4[c] = _mm512_and_si512(
-                _mm512_inserti64x4(_mm512_castsi256_si512(bits), _mm256_srli_epi16(bits, 4), 1),
-                low,
-            );
-            let pattern = _mm512_inserti64x4(
-                _mm512_set1_epi16(crate::q4k::scale_pattern(2 * c)),
-                _mm256_set1_epi16(crate::q4k::scale_pattern(2 * c + 1)),
-                1,
-            );
-            sc[c] = _mm512_shuffle_epi8(scales, pattern);
-        }
+        let (q4, sc) = crate::q4k::unpack_512(blk, ms);
         for (j, acc) in acc.iter_mut().enumerate() {
             let y = a.get_unchecked(j * nb + b);
             let mut sumi = _mm512_setzero_si512();
