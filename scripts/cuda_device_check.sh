@@ -14,6 +14,7 @@
 #     / 50% over a host tier holding every expert (page-locked), and over a 50% host tier that
 #     reads the drive with O_DIRECT; tier/runs.tgz holds the `generate --json` outputs.
 #     BENCH_ONLY=1: alternating speed rounds only; CHECK_ONLY=1: correctness only.
+#     ROUTING=realistic (default) | uniform | local: the synthetic's `--routing`.
 #  5. PART=decode (instead of 2-4): the GPU decode step's own kernels (issue 24). The kernel tests
 #     (dist/cuda-kernels-test.xz from build_cuda.sh) against their CPU references; compare-devices
 #     on tiny-moe synthetics (head dim 64: our attention; Q4_K: device routing into the fused
@@ -178,10 +179,10 @@ print('$samp: tokens equal to resident fused, of', len(t['resident']), '| pool 2
     done
   } 2>&1 | tee "$OUT/tier/compare.md"
   [ -z "${CHECK_ONLY:-}" ] || exit 0
-  M=/tmp/q3-30b-q4k.gguf
+  M=/tmp/q3-30b-q4k-${ROUTING:-realistic}.gguf
   if [ ! -f $M ]; then
     t0=$(date +%s)
-    "$S" synth --preset qwen3-30b-a3b --out $M 2>&1 | tail -1 > "$OUT/tier/synth.txt"
+    "$S" synth --preset qwen3-30b-a3b --routing "${ROUTING:-realistic}" --out $M 2>&1 | tail -1 > "$OUT/tier/synth.txt"
     echo "synth: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tier/synth.txt"
     sync; sleep 5 # the synthetic's dirty pages written back before anything is timed
   fi
