@@ -297,7 +297,7 @@ impl QuantMatrix {
 /// prefetchers to keep enough cache lines in flight: one-token passes over matrices not in cache
 /// read ~4.9 GB/s from DRAM on the 2-core VM (2 threads), 10–11 GB/s with 2–4 KiB fetched
 /// ahead (docs/performance.md, "CPU kernels, continued").
-const PREFETCH_AHEAD: usize = 3072;
+pub(crate) const PREFETCH_AHEAD: usize = 3072;
 
 impl QuantMatrix {
     /// Rows that a parallel task's range must be a multiple of (8 when interleaved, else 1).

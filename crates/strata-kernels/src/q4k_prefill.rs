@@ -86,6 +86,8 @@ pub fn available() -> bool {
 /// of token `t`), the eight 32-value sums as 4 vectors of i16 pairs, and the 16 scales. Lanes
 /// past the last token are zero.
 #[derive(Debug, Clone)]
+// Read only by the x86-64 kernels; elsewhere `first_prefill_row` is always `None`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct Q8KPanel {
     tokens: usize,
     nb: usize,
@@ -124,11 +126,6 @@ impl Q8KPanel {
         }
         Self { tokens, nb, q, s, d }
     }
-
-    /// Tokens held.
-    pub fn tokens(&self) -> usize {
-        self.tokens
-    }
 }
 
 /// Rows `rows` of a Q4_K matrix (`data`: row-major blocks, `nb` per row) times the prompt tokens
@@ -155,24 +152,25 @@ pub(crate) unsafe fn rows_into(
     let row_bytes = nb * BLOCK_BYTES;
     let n = panel.tokens;
     let groups = n.div_ceil(GROUP);
-    let wide = (0..groups).any(|g| (n - g * GROUP).min(GROUP) >= GEMM_MIN);
-    let mut unpacked = Unpacked::new(nb);
+    // Every group but the last is full, so the lane-per-token kernels run iff n ≥ GEMM_MIN; the
+    // unpacked rows exist only for them.
+    let mut unpacked = (n >= GEMM_MIN).then(|| Unpacked::new(nb));
     let mut r = rows.start;
     while r < rows.end {
         let take = if rows.end - r >= ROWS { ROWS } else { 1 };
-        if wide {
-            unpacked.fill(&data[r * row_bytes..(r + take) * row_bytes], take, ahead(row_bytes));
+        if let Some(u) = unpacked.as_mut() {
+            u.fill(&data[r * row_bytes..(r + take) * row_bytes], take, ahead(row_bytes));
         }
         for g in 0..groups {
             let t0 = g * GROUP;
             let valid = (n - t0).min(GROUP);
-            if valid >= GEMM_MIN {
+            if let (true, Some(u)) = (valid >= GEMM_MIN, unpacked.as_ref()) {
                 let mut v = [[0f32; GROUP]; ROWS];
                 match (take == ROWS, valid > GROUP / 2) {
-                    (true, true) => gemm_group::<ROWS>(&unpacked, panel, g, &mut v),
-                    (false, true) => gemm_group::<1>(&unpacked, panel, g, &mut v),
-                    (true, false) => gemm_half::<ROWS>(&unpacked, panel, g, 0, &mut v),
-                    (false, false) => gemm_half::<1>(&unpacked, panel, g, 0, &mut v),
+                    (true, true) => gemm_group::<ROWS>(u, panel, g, &mut v),
+                    (false, true) => gemm_group::<1>(u, panel, g, &mut v),
+                    (true, false) => gemm_half::<ROWS>(u, panel, g, 0, &mut v),
+                    (false, false) => gemm_half::<1>(u, panel, g, 0, &mut v),
                 }
                 for (i, vr) in v.iter().enumerate().take(take) {
                     for (t, &x) in vr.iter().enumerate().take(valid) {
@@ -184,7 +182,7 @@ pub(crate) unsafe fn rows_into(
                 let mut v = [0f32; GEMM_MIN];
                 for i in 0..take {
                     let w = &data[(r + i) * row_bytes..(r + i + 1) * row_bytes];
-                    let pf = if wide { 0 } else { ahead(row_bytes) };
+                    let pf = if unpacked.is_some() { 0 } else { ahead(row_bytes) };
                     small_group(w, &a[t0 * nb..(t0 + valid) * nb], nb, valid, pf, &mut v);
                     for (t, &x) in v.iter().enumerate().take(valid) {
                         // SAFETY: as above.
@@ -198,11 +196,11 @@ pub(crate) unsafe fn rows_into(
 }
 
 /// Bytes ahead of the weights being read that are prefetched, block by block (a steady stream:
-/// a burst of a whole row's lines stalls on the line-fill buffers): [`ROWS`] rows, at least
-/// 3 KiB, as far as the decode path fetches ahead.
+/// a burst of a whole row's lines stalls on the line-fill buffers): [`ROWS`] rows, at least as
+/// far as the decode path fetches ahead.
 #[cfg(target_arch = "x86_64")]
 fn ahead(row_bytes: usize) -> usize {
-    (ROWS * row_bytes).max(3072)
+    (ROWS * row_bytes).max(crate::matrix::PREFETCH_AHEAD)
 }
 
 /// Up to [`ROWS`] weight rows unpacked for the 16-lane kernel: nibbles as bytes in weight order,
