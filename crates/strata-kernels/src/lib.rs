@@ -14,6 +14,7 @@
 //! `ggml-cpu/arch/x86/quants.c` `ggml_vec_dot_*` AVX2 kernels) and read weights as stored.
 
 pub mod attention;
+pub mod attention_prefill;
 pub mod bytes;
 #[cfg(feature = "cuda")]
 pub mod cuda;

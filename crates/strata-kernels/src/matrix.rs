@@ -158,25 +158,28 @@ impl QuantMatrix {
     }
 
     /// Quantizes `x: [m, cols]` to the activation blocks this matrix's format pairs with (Q8_K for
-    /// Q4_K, Q8_1 otherwise), row by row: a row's blocks do not depend on the other rows.
+    /// Q4_K, Q8_1 otherwise), row by row: a row's blocks do not depend on the other rows. On the
+    /// calling thread (safe inside a barrier-pool task); [`Self::quantize_parallel`] splits many
+    /// rows over the pool.
     pub fn quantize(&self, x: &[f32], m: usize) -> QuantizedActs {
+        self.quantize_rows(x, m, false)
+    }
+
+    /// [`Self::quantize`] with the rows split over candle's barrier pool when there are at least
+    /// [`PARALLEL_QUANTIZE_ROWS`] (the same blocks). Must not be called from inside a pool task.
+    pub fn quantize_parallel(&self, x: &[f32], m: usize) -> QuantizedActs {
+        self.quantize_rows(x, m, m >= PARALLEL_QUANTIZE_ROWS)
+    }
+
+    fn quantize_rows(&self, x: &[f32], m: usize, parallel: bool) -> QuantizedActs {
         assert_eq!(x.len(), m * self.cols);
         if self.format.uses_q8k() {
-            let mut qx = Vec::with_capacity(m * self.cols / crate::q4k::QK_K);
-            let mut tmp = Vec::new();
-            for row in x.chunks_exact(self.cols) {
-                crate::q4k::quantize_row_q8k(row, &mut tmp);
-                qx.extend_from_slice(&tmp);
-            }
-            return QuantizedActs::Q8K(qx);
+            let per_row = self.cols / crate::q4k::QK_K;
+            let q =
+                quantize_each_row(x, self.cols, per_row, crate::q4k::quantize_row_q8k, parallel);
+            return QuantizedActs::Q8K(q);
         }
-        let mut qx = Vec::with_capacity(m * self.cols / QK);
-        let mut tmp = Vec::new();
-        for row in x.chunks_exact(self.cols) {
-            quantize_row(row, &mut tmp);
-            qx.extend_from_slice(&tmp);
-        }
-        QuantizedActs::Q8_1(qx)
+        QuantizedActs::Q8_1(quantize_each_row(x, self.cols, self.cols / QK, quantize_row, parallel))
     }
 
     /// `out[t, r] = Σ_c x[t, c] · W[r, c]` for `m` activation rows; `x: [m, cols]`, `out: [m, rows]`.
@@ -184,7 +187,9 @@ impl QuantMatrix {
     /// take the prefill path ([`crate::q4k_prefill`]).
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(out.len(), m * self.rows);
-        let qx = self.quantize(x, m).for_prefill(self, crate::q4k_prefill::first_prefill_row(m));
+        let qx = self
+            .quantize_parallel(x, m)
+            .for_prefill(self, crate::q4k_prefill::first_prefill_row(m));
         let ptr = SendPtr(out.as_mut_ptr());
         let unit = self.row_unit();
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
@@ -319,6 +324,46 @@ fn interleave_kernels() -> bool {
             && isa() >= Isa::Avx2
             && std::env::var("STRATA_CPU_INTERLEAVE").as_deref() != Ok("0")
     })
+}
+
+/// Passes of at least this many rows quantize their activations on all cores
+/// ([`QuantMatrix::quantize_parallel`]).
+pub const PARALLEL_QUANTIZE_ROWS: usize = 16;
+
+/// Rows of `x` (`cols` each) quantized by `quantize` (a row → `per_row` blocks) into one buffer,
+/// `[rows · per_row]`, on the barrier pool when `parallel`.
+fn quantize_each_row<B: Copy + Send>(
+    x: &[f32],
+    cols: usize,
+    per_row: usize,
+    quantize: fn(&[f32], &mut Vec<B>),
+    parallel: bool,
+) -> Vec<B> {
+    let m = x.len() / cols;
+    let mut out: Vec<B> = Vec::with_capacity(m * per_row);
+    struct Dst<B>(*mut B);
+    // SAFETY: each task writes its own rows' blocks only.
+    unsafe impl<B: Send> Sync for Dst<B> {}
+    let dst = Dst(out.as_mut_ptr());
+    let work = |rows: std::ops::Range<usize>| {
+        let d = &dst;
+        let mut tmp = Vec::with_capacity(per_row);
+        for r in rows {
+            quantize(&x[r * cols..(r + 1) * cols], &mut tmp);
+            assert_eq!(tmp.len(), per_row);
+            // SAFETY: row r's blocks are out[r · per_row..(r + 1) · per_row], within capacity,
+            // written by this task alone.
+            unsafe { std::ptr::copy_nonoverlapping(tmp.as_ptr(), d.0.add(r * per_row), per_row) };
+        }
+    };
+    if parallel {
+        candle_core::utils::barrier_pool().execute_chunked(m, work);
+    } else {
+        work(0..m);
+    }
+    // SAFETY: every row's blocks were written above (a panicking task propagates before this).
+    unsafe { out.set_len(m * per_row) };
+    out
 }
 
 /// Activations quantized for one weight format's dot product, `[m, blocks per row]` row-major.

@@ -26,6 +26,10 @@ pub struct RoutedExpert<'a> {
 /// large enough that taking an item costs little.
 const ROWS_PER_ITEM: usize = 32;
 
+/// (token, expert) pairs from which a layer's per-expert activation work (gather, SiLU,
+/// quantization) runs in parallel.
+const PARALLEL_PAIRS: usize = 32;
+
 /// Every expert's unweighted output `down_e(silu(gate_e x_t) ⊙ up_e x_t)` for its tokens `t`, from
 /// `x: [seq, H]`: one `[n_e, H]` buffer per expert, rows in the order of its `tokens`. The caller
 /// weighs and sums them (in a fixed expert order, so that results do not depend on which experts
@@ -46,42 +50,63 @@ pub fn expert_outputs(x: &[f32], seq: usize, experts: &[RoutedExpert<'_>]) -> Ve
     // Each token's activations quantized once per activation kind (all experts of a layer share
     // one format in practice), then gathered per expert.
     let mut full: Vec<(crate::BlockFormat, QuantizedActs)> = Vec::new();
-    let mut acts = Vec::with_capacity(experts.len());
     for e in experts {
         assert_eq!((e.gate_up.cols(), e.down.rows()), (h, h), "expert shape");
         assert_eq!(e.gate_up.rows(), 2 * e.down.cols(), "gate_up is not [2I, H]");
         let f = e.gate_up.format();
-        let q = match full.iter().position(|(g, _)| g.uses_q8k() == f.uses_q8k()) {
-            Some(i) => &full[i].1,
-            None => {
-                full.push((f, e.gate_up.quantize(x, seq)));
-                &full.last().expect("just pushed").1
-            }
-        };
+        if !full.iter().any(|(g, _)| g.uses_q8k() == f.uses_q8k()) {
+            full.push((f, e.gate_up.quantize_parallel(x, seq)));
+        }
+    }
+    // Few (token, expert) pairs (decode, short verify passes): on this thread.
+    let parallel = experts.iter().map(|e| e.tokens.len()).sum::<usize>() >= PARALLEL_PAIRS;
+    let acts = per_expert(experts.len(), parallel, |i| {
+        let e = &experts[i];
+        let f = e.gate_up.format();
+        let q = &full.iter().find(|(g, _)| g.uses_q8k() == f.uses_q8k()).expect("quantized").1;
         let nb = h / f.block_elems();
         let q = if e.tokens.len() == seq {
             q.clone()
         } else {
             q.gather(e.tokens.iter().map(|&t| t as usize), nb)
         };
-        acts.push(q.for_prefill(e.gate_up, split(e)));
-    }
+        q.for_prefill(e.gate_up, split(e))
+    });
     // gate+up of every expert: [n_e, 2I] each.
     let gu = run_region(experts, |e| e.gate_up, &acts);
     // silu(gate) ⊙ up, quantized for down.
-    let mut down_acts = Vec::with_capacity(experts.len());
-    for (e, y) in experts.iter().zip(&gu) {
+    let down_acts = per_expert(experts.len(), parallel, |i| {
+        let (e, y) = (&experts[i], &gu[i]);
         let inter = e.down.cols();
-        let mut a = vec![0f32; e.tokens.len() * inter];
-        for (row, dst) in y.chunks_exact(2 * inter).zip(a.chunks_exact_mut(inter)) {
+        let mut a = Vec::with_capacity(e.tokens.len() * inter);
+        for row in y.chunks_exact(2 * inter) {
             let (g, u) = row.split_at(inter);
-            for ((d, &g), &u) in dst.iter_mut().zip(g).zip(u) {
-                *d = g / (1.0 + (-g).exp()) * u;
-            }
+            a.extend(g.iter().zip(u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u));
         }
-        down_acts.push(e.down.quantize(&a, e.tokens.len()).for_prefill(e.down, split(e)));
-    }
+        e.down.quantize(&a, e.tokens.len()).for_prefill(e.down, split(e))
+    });
     run_region(experts, |e| e.down, &down_acts)
+}
+
+/// `f(i)` for every expert `i < n`, in one parallel region when `parallel` (each expert's activations: gathering,
+/// SiLU, quantization), results in the experts' order. `f` must not start a parallel region.
+/// On the calling thread unless `parallel` (a few tokens: less work than waking the pool costs).
+fn per_expert<T: Send>(n: usize, parallel: bool, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    if !parallel {
+        return (0..n).map(f).collect();
+    }
+    let slots: Vec<std::sync::Mutex<Option<T>>> =
+        (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        for i in range {
+            let v = f(i);
+            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+        }
+    });
+    slots
+        .into_iter()
+        .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()).expect("every expert ran"))
+        .collect()
 }
 
 /// One parallel region computing `mat(e) · acts[e]` for every expert: returns `[n_e, rows]` per
@@ -91,8 +116,9 @@ fn run_region<'a>(
     mat: impl Fn(&RoutedExpert<'a>) -> &'a QuantMatrix + Sync,
     acts: &[QuantizedActs],
 ) -> Vec<Vec<f32>> {
+    // Not zeroed: the items below write every element (each expert's rows, all of its tokens).
     let mut outs: Vec<Vec<f32>> =
-        experts.iter().map(|e| vec![0f32; e.tokens.len() * mat(e).rows()]).collect();
+        experts.iter().map(|e| Vec::with_capacity(e.tokens.len() * mat(e).rows())).collect();
     // Work items: (expert, first row), row blocks of ROWS_PER_ITEM.
     let mut items = Vec::new();
     for (i, e) in experts.iter().enumerate() {
@@ -107,6 +133,10 @@ fn run_region<'a>(
             unsafe { m.rows_into(&acts[i], e.tokens.len(), rows, ptrs[i], m.rows()) };
         }
     });
+    for (o, e) in outs.iter_mut().zip(experts) {
+        // SAFETY: every element was written above (a panicking item propagates before this).
+        unsafe { o.set_len(e.tokens.len() * mat(e).rows()) };
+    }
     outs
 }
 

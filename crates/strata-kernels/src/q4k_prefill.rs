@@ -35,6 +35,10 @@ pub const GROUP: usize = 16;
 /// group of at most 8); smaller groups take the per-token kernel.
 pub const GEMM_MIN: usize = 8;
 
+/// Row groups between the one being computed and the one being prefetched.
+#[cfg(target_arch = "x86_64")]
+const PF_GROUPS_AHEAD: usize = 2;
+
 /// Weight rows that share each activation load.
 #[cfg(target_arch = "x86_64")]
 const ROWS: usize = 4;
@@ -153,24 +157,43 @@ pub(crate) unsafe fn rows_into(
     let n = panel.tokens;
     let groups = n.div_ceil(GROUP);
     // Every group but the last is full, so the lane-per-token kernels run iff n ≥ GEMM_MIN; the
-    // unpacked rows exist only for them.
-    let mut unpacked = (n >= GEMM_MIN).then(|| Unpacked::new(nb));
+    // unpacked rows exist only for them (a per-thread buffer, reused across calls).
+    let mut unpacked = (n >= GEMM_MIN).then(|| {
+        let mut u = UNPACKED.take().unwrap_or_else(|| Unpacked::new(nb));
+        u.resize(nb);
+        u
+    });
     let mut r = rows.start;
     while r < rows.end {
         let take = if rows.end - r >= ROWS { ROWS } else { 1 };
-        if let Some(u) = unpacked.as_mut() {
-            u.fill(&data[r * row_bytes..(r + take) * row_bytes], take, ahead(row_bytes));
+        if r == rows.start && PF_GROUPS_AHEAD > 0 {
+            let n = (rows.end - r - take).min(PF_GROUPS_AHEAD * ROWS);
+            crate::prefetch(data.as_ptr().wrapping_add((r + take) * row_bytes), n * row_bytes);
         }
+        if let Some(u) = unpacked.as_mut() {
+            u.fill(&data[r * row_bytes..(r + take) * row_bytes], take);
+        }
+        // The next rows' weights are fetched a few lines per block during the first group's
+        // product (spread out: a burst of a whole row group's lines stalls on the line-fill
+        // buffers, and fetched all at once they arrive before the unpacking needs them only if
+        // the product is long).
+        let pf_row = (r + take + PF_GROUPS_AHEAD * ROWS).min(rows.end);
+        let next = (rows.end - pf_row).min(ROWS);
+        let pf = Prefetch {
+            at: data.as_ptr().wrapping_add(pf_row * row_bytes),
+            step: (next * row_bytes).div_ceil(nb).next_multiple_of(64),
+        };
         for g in 0..groups {
             let t0 = g * GROUP;
             let valid = (n - t0).min(GROUP);
             if let (true, Some(u)) = (valid >= GEMM_MIN, unpacked.as_ref()) {
                 let mut v = [[0f32; GROUP]; ROWS];
+                let pf = if g == 0 { pf } else { Prefetch::NONE };
                 match (take == ROWS, valid > GROUP / 2) {
-                    (true, true) => gemm_group::<ROWS>(u, panel, g, &mut v),
-                    (false, true) => gemm_group::<1>(u, panel, g, &mut v),
-                    (true, false) => gemm_half::<ROWS>(u, panel, g, 0, &mut v),
-                    (false, false) => gemm_half::<1>(u, panel, g, 0, &mut v),
+                    (true, true) => gemm_group::<ROWS>(u, panel, g, pf, &mut v),
+                    (false, true) => gemm_group::<1>(u, panel, g, pf, &mut v),
+                    (true, false) => gemm_half::<ROWS>(u, panel, g, 0, pf, &mut v),
+                    (false, false) => gemm_half::<1>(u, panel, g, 0, pf, &mut v),
                 }
                 for (i, vr) in v.iter().enumerate().take(take) {
                     for (t, &x) in vr.iter().enumerate().take(valid) {
@@ -193,6 +216,9 @@ pub(crate) unsafe fn rows_into(
         }
         r += take;
     }
+    if let Some(u) = unpacked {
+        UNPACKED.set(Some(u));
+    }
 }
 
 /// Bytes ahead of the weights being read that are prefetched, block by block (a steady stream:
@@ -201,6 +227,29 @@ pub(crate) unsafe fn rows_into(
 #[cfg(target_arch = "x86_64")]
 fn ahead(row_bytes: usize) -> usize {
     (ROWS * row_bytes).max(crate::matrix::PREFETCH_AHEAD)
+}
+
+/// Weights to fetch during a product: `step` bytes from `at + b · step` in block `b`'s iteration.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Prefetch {
+    at: *const u8,
+    step: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Prefetch {
+    const NONE: Prefetch = Prefetch { at: std::ptr::null(), step: 0 };
+
+    #[inline(always)]
+    fn block(self, b: usize) {
+        crate::prefetch(self.at.wrapping_add(b * self.step), self.step);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    static UNPACKED: Cell<Option<Unpacked>> = const { Cell::new(None) };
 }
 
 /// Up to [`ROWS`] weight rows unpacked for the 16-lane kernel: nibbles as bytes in weight order,
@@ -217,6 +266,16 @@ struct Unpacked {
 
 #[cfg(target_arch = "x86_64")]
 impl Unpacked {
+    /// Room for rows of `nb` blocks (contents are overwritten by [`Self::fill`]).
+    fn resize(&mut self, nb: usize) {
+        self.nb = nb;
+        self.q.resize(ROWS * nb * QK_K, 0);
+        self.sc.resize(ROWS * nb * 8, 0);
+        self.mn.resize(ROWS * nb * 4, 0);
+        self.d.resize(ROWS * nb, 0.0);
+        self.dmin.resize(ROWS * nb, 0.0);
+    }
+
     fn new(nb: usize) -> Self {
         Self {
             nb,
@@ -228,10 +287,9 @@ impl Unpacked {
         }
     }
 
-    /// Unpacks `rows` consecutive rows of `data`, prefetching the bytes `ahead` on.
-    fn fill(&mut self, data: &[u8], rows: usize, ahead: usize) {
+    /// Unpacks `rows` consecutive rows of `data`.
+    fn fill(&mut self, data: &[u8], rows: usize) {
         for (rb, blk) in data.chunks_exact(BLOCK_BYTES).take(rows * self.nb).enumerate() {
-            crate::prefetch(blk.as_ptr().wrapping_add(ahead), BLOCK_BYTES);
             self.d[rb] = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
             self.dmin[rb] = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
             let (sc, mn) = crate::q4k::scales_mins(&blk[4..16]);
@@ -270,29 +328,39 @@ unsafe fn gemm_group<const R: usize>(
     w: &Unpacked,
     panel: &Q8KPanel,
     g: usize,
+    pf: Prefetch,
     out: &mut [[f32; GROUP]; ROWS],
 ) {
     use std::arch::x86_64::*;
     let nb = w.nb;
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..nb {
+        pf.block(b);
         let gb = g * nb + b;
         let qa = panel.q.as_ptr().add(gb * 64 * GROUP);
         let mut isum = [_mm512_setzero_si512(); R];
         for j in 0..8 {
-            let mut dsum = [_mm512_setzero_si512(); R];
-            for k in 0..8 {
-                let av = _mm512_loadu_si512(qa.add((8 * j + k) * GROUP) as *const _);
-                for (r, ds) in dsum.iter_mut().enumerate() {
-                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k);
-                    let wv = _mm512_set1_epi32((wq as *const i32).read_unaligned());
+            // Two accumulators per row (the sub-block's first and last 16 weights): twice the
+            // independent chains, and each sum fits in i16 (|16 · 15 · 128| ≤ 30720), so that
+            // `vpdpwssd` applies the scale and adds (exact, like a 32-bit multiply).
+            let mut lo = [_mm512_setzero_si512(); R];
+            let mut hi = [_mm512_setzero_si512(); R];
+            for k in 0..4 {
+                let a0 = _mm512_loadu_si512(qa.add((8 * j + k) * GROUP) as *const _);
+                let a1 = _mm512_loadu_si512(qa.add((8 * j + k + 4) * GROUP) as *const _);
+                for r in 0..R {
+                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k) as *const i32;
                     // u8 weights (0..15) × i8 activations, four per lane, no saturation.
-                    *ds = _mm512_dpbusd_epi32(*ds, wv, av);
+                    let w0 = _mm512_set1_epi32(wq.read_unaligned());
+                    lo[r] = _mm512_dpbusd_epi32(lo[r], w0, a0);
+                    let w1 = _mm512_set1_epi32(wq.add(4).read_unaligned());
+                    hi[r] = _mm512_dpbusd_epi32(hi[r], w1, a1);
                 }
             }
             for (r, is) in isum.iter_mut().enumerate() {
+                // The scale in the low i16 of each lane, 0 in the high one.
                 let sc = _mm512_set1_epi32(*w.sc.get_unchecked((r * nb + b) * 8 + j));
-                *is = _mm512_add_epi32(*is, _mm512_mullo_epi32(dsum[r], sc));
+                *is = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(*is, lo[r], sc), hi[r], sc);
             }
         }
         let mut msum = [_mm512_setzero_si512(); R];
@@ -326,6 +394,7 @@ unsafe fn gemm_half<const R: usize>(
     panel: &Q8KPanel,
     g: usize,
     half: usize,
+    pf: Prefetch,
     out: &mut [[f32; GROUP]; ROWS],
 ) {
     use std::arch::x86_64::*;
@@ -333,22 +402,28 @@ unsafe fn gemm_half<const R: usize>(
     let lane = 8 * half;
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
+        pf.block(b);
         let gb = g * nb + b;
         let qa = panel.q.as_ptr().add(gb * 64 * GROUP + lane);
         let mut isum = [_mm256_setzero_si256(); R];
         for j in 0..8 {
-            let mut dsum = [_mm256_setzero_si256(); R];
-            for k in 0..8 {
-                let av = _mm256_loadu_si256(qa.add((8 * j + k) * GROUP) as *const __m256i);
-                for (r, ds) in dsum.iter_mut().enumerate() {
-                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k);
-                    let wv = _mm256_set1_epi32((wq as *const i32).read_unaligned());
-                    *ds = _mm256_dpbusd_epi32(*ds, wv, av);
+            // As in gemm_group: two i16-bounded accumulators per row, scaled by `vpdpwssd`.
+            let mut lo = [_mm256_setzero_si256(); R];
+            let mut hi = [_mm256_setzero_si256(); R];
+            for k in 0..4 {
+                let a0 = _mm256_loadu_si256(qa.add((8 * j + k) * GROUP) as *const __m256i);
+                let a1 = _mm256_loadu_si256(qa.add((8 * j + k + 4) * GROUP) as *const __m256i);
+                for r in 0..R {
+                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k) as *const i32;
+                    let w0 = _mm256_set1_epi32(wq.read_unaligned());
+                    lo[r] = _mm256_dpbusd_epi32(lo[r], w0, a0);
+                    let w1 = _mm256_set1_epi32(wq.add(4).read_unaligned());
+                    hi[r] = _mm256_dpbusd_epi32(hi[r], w1, a1);
                 }
             }
             for (r, is) in isum.iter_mut().enumerate() {
                 let sc = _mm256_set1_epi32(*w.sc.get_unchecked((r * nb + b) * 8 + j));
-                *is = _mm256_add_epi32(*is, _mm256_mullo_epi32(dsum[r], sc));
+                *is = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(*is, lo[r], sc), hi[r], sc);
             }
         }
         let mut msum = [_mm256_setzero_si256(); R];

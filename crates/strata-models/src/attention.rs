@@ -173,10 +173,12 @@ impl Attention {
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
         let (k_all, v_all) = cache.append(layer, &k, &v)?;
-        if seq <= EXACT_ROWS_MAX && q.device().is_cpu() {
-            // One query row at a time over its causal prefix, with the decode kernel: the logits of
-            // a short multi-token pass (speculative verification) are bit-identical to decoding the
-            // same tokens one by one, so greedy speculation reproduces plain decoding exactly.
+        if q.device().is_cpu() {
+            // Straight over the cache storage. Up to EXACT_ROWS_MAX rows one query row at a time
+            // over its causal prefix with the decode kernel: the logits of a short multi-token pass
+            // (speculative verification) are bit-identical to decoding the same tokens one by one,
+            // so greedy speculation reproduces plain decoding exactly. Longer passes (prefill):
+            // the blocked causal kernel, no seq × seq tensors.
             let qv = q.flatten_all()?.to_vec1::<f32>()?; // [nh, seq, hd]
             let mut rows = vec![0f32; seq * nh * hd]; // [seq, nh, hd]
             for i in 0..seq {
@@ -299,20 +301,20 @@ pub struct SeqPart<'a> {
     pub rows: std::ops::Range<usize>,
     /// Its KV cache; the rows sit at positions `cache.len()..`.
     pub cache: &'a mut KvCache,
-    /// Additive causal mask `[rows, cache.len() + rows]` for passes attended by GEMM
+    /// Additive causal mask `[rows, cache.len() + rows]` for GPU passes attended by GEMM
     /// ([`SeqPart::mask_for`]).
     pub mask: Option<Tensor>,
 }
 
 impl SeqPart<'_> {
     /// The mask a pass of `seq` tokens after `past` cached ones needs: `None` where attention
-    /// runs row by row (one token, or CPU passes of at most [`EXACT_ROWS_MAX`] tokens).
+    /// runs over the cache storage without one (one token, or any CPU pass).
     pub fn mask_for(
         seq: usize,
         past: usize,
         device: &candle_core::Device,
     ) -> candle_core::Result<Option<Tensor>> {
-        if seq <= 1 || (seq <= EXACT_ROWS_MAX && device.is_cpu()) {
+        if seq <= 1 || device.is_cpu() {
             return Ok(None);
         }
         causal_mask(seq, past, device).map(Some)

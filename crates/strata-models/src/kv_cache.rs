@@ -218,11 +218,12 @@ impl KvCache {
             .ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} has no KV cache")))
     }
 
-    /// Decode and verify fast path (CPU): attention of `seq` consecutive query rows
-    /// `q: [seq, n_heads · head_dim]` of `layer`, row `i` over positions `0..first + i` (decode:
-    /// `first = len + 1`, the token just appended included); returns `[seq, n_heads · head_dim]`.
-    /// Every row's result equals decoding that token alone. `None` when the cache is not on the
-    /// CPU.
+    /// CPU attention of `seq` consecutive query rows `q: [seq, n_heads · head_dim]` of `layer`,
+    /// row `i` over positions `0..first + i` (decode: `first = len + 1`, the token just appended
+    /// included); returns `[seq, n_heads · head_dim]`. Up to [`crate::EXACT_ROWS_MAX`] rows
+    /// (decode, verify) every row's result equals decoding that token alone
+    /// (`strata_kernels::attention`); longer passes (prefill) run the blocked kernel
+    /// (`strata_kernels::attention_prefill`). `None` when the cache is not on the CPU.
     pub fn attend_tokens(
         &self,
         layer: usize,
@@ -243,9 +244,12 @@ impl KvCache {
         let (_, n_kv_heads, capacity, head_dim) = self.k[layer].dims4()?;
         let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
         let mut out = vec![0f32; seq * n_heads * head_dim];
-        strata_kernels::attention::attend_tokens(
-            q, k, v, layout, n_heads, seq, first, scale, &mut out,
-        );
+        let attend = if seq <= crate::attention::EXACT_ROWS_MAX {
+            strata_kernels::attention::attend_tokens
+        } else {
+            strata_kernels::attention_prefill::attend_prefill
+        };
+        attend(q, k, v, layout, n_heads, seq, first, scale, &mut out);
         Ok(Some(out))
     }
 
