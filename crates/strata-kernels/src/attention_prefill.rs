@@ -126,26 +126,12 @@ fn attend_unit(
         // SAFETY: S [m, n] (row stride KEY_TILE) = Q [m, hd] · K[j0..j0+n]ᵀ, every index in bounds
         // (K rows j0..j0+n < capacity were checked by the caller).
         unsafe {
-            gemm::gemm(
-                m,
-                n,
-                hd,
-                s.s.as_mut_ptr(),
-                1,
-                KEY_TILE as isize,
-                false,
-                s.q.as_ptr(),
-                1,
-                hd as isize,
-                a.k.as_ptr().add(base + j0 * hd),
-                hd as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
+            let k = a.k.as_ptr().add(base + j0 * hd);
+            product(
+                (m, n, hd),
+                (s.s.as_mut_ptr(), KEY_TILE, false),
+                (s.q.as_ptr(), hd),
+                (k, hd, 1),
             );
         }
         for r in 0..m {
@@ -169,27 +155,8 @@ fn attend_unit(
         }
         // SAFETY: O [m, hd] += P [m, n] (row stride KEY_TILE) · V[j0..j0+n] [n, hd], in bounds.
         unsafe {
-            gemm::gemm(
-                m,
-                hd,
-                n,
-                s.o.as_mut_ptr(),
-                1,
-                hd as isize,
-                true,
-                s.s.as_ptr(),
-                1,
-                KEY_TILE as isize,
-                a.v.as_ptr().add(base + j0 * hd),
-                1,
-                hd as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
+            let v = a.v.as_ptr().add(base + j0 * hd);
+            product((m, hd, n), (s.o.as_mut_ptr(), hd, true), (s.s.as_ptr(), KEY_TILE), (v, 1, hd));
         }
     }
     for (i, t) in tokens.enumerate() {
@@ -205,6 +172,41 @@ fn attend_unit(
             }
         }
     }
+}
+
+/// `dst [m, n] (+)= lhs [m, k] · rhs [k, n]` by the `gemm` crate on this thread: `dst` and `lhs`
+/// row-major with the given row strides (elements), `rhs` element `(i, j)` at
+/// `i · rhs_rs + j · rhs_cs`; with `accumulate` the product is added to `dst`.
+///
+/// # Safety
+/// Every element so addressed must be valid (and `dst`'s writable, not aliased).
+unsafe fn product(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs, accumulate): (*mut f32, usize, bool),
+    (lhs, lhs_rs): (*const f32, usize),
+    (rhs, rhs_cs, rhs_rs): (*const f32, usize, usize),
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs,
+        1,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        if accumulate { 1.0 } else { 0.0 },
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
 }
 
 #[cfg(test)]

@@ -190,8 +190,8 @@ pub(crate) unsafe fn rows_into(
                 let mut v = [[0f32; GROUP]; ROWS];
                 let pf = if g == 0 { pf } else { Prefetch::NONE };
                 match (take == ROWS, valid > GROUP / 2) {
-                    (true, true) => gemm_group::<ROWS>(u, panel, g, pf, &mut v),
-                    (false, true) => gemm_group::<1>(u, panel, g, pf, &mut v),
+                    (true, true) => gemm_group::<ROWS>(u, panel, g, 0, pf, &mut v),
+                    (false, true) => gemm_group::<1>(u, panel, g, 0, pf, &mut v),
                     (true, false) => gemm_half::<ROWS>(u, panel, g, 0, pf, &mut v),
                     (false, false) => gemm_half::<1>(u, panel, g, 0, pf, &mut v),
                 }
@@ -321,132 +321,118 @@ unsafe fn nibbles(blk: &[u8], q: &mut [u8]) {
     }
 }
 
-/// Group `g` of `panel` times the first `R` rows of `w`: `out[r][t]` for the group's 16 lanes.
+/// The lane-per-token kernel on one register width: lanes `lane..lane + width` of group `g` of
+/// `panel` times the first `R` rows of `w`, into `out[r][lane..lane + width]`.
+///
+/// Per block and row: each sub-block's integer dot in two accumulators (its first and last 16
+/// weights: twice the independent `vpdpbusd` chains, and each sum within i16, |16 · 15 · 127| ≤
+/// 30480, so that `vpdpwssd` with the scale in each lane's low half applies it exactly); the mins
+/// term by `vpdpwssd` over the panel's 32-value sums; then the two f32 steps.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,fma")]
-unsafe fn gemm_group<const R: usize>(
-    w: &Unpacked,
-    panel: &Q8KPanel,
-    g: usize,
-    pf: Prefetch,
-    out: &mut [[f32; GROUP]; ROWS],
-) {
-    use std::arch::x86_64::*;
-    let nb = w.nb;
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        pf.block(b);
-        let gb = g * nb + b;
-        let qa = panel.q.as_ptr().add(gb * 64 * GROUP);
-        let mut isum = [_mm512_setzero_si512(); R];
-        for j in 0..8 {
-            // Two accumulators per row (the sub-block's first and last 16 weights): twice the
-            // independent chains, and each sum fits in i16 (|16 · 15 · 128| ≤ 30720), so that
-            // `vpdpwssd` applies the scale and adds (exact, like a 32-bit multiply).
-            let mut lo = [_mm512_setzero_si512(); R];
-            let mut hi = [_mm512_setzero_si512(); R];
-            for k in 0..4 {
-                let a0 = _mm512_loadu_si512(qa.add((8 * j + k) * GROUP) as *const _);
-                let a1 = _mm512_loadu_si512(qa.add((8 * j + k + 4) * GROUP) as *const _);
+macro_rules! lane_kernel {
+    ($name:ident, $features:literal, $setzero:ident, $setzero_ps:ident, $load:ident,
+     $set1:ident, $dpbusd:ident, $dpwssd:ident, $load_ps:ident, $set1_ps:ident, $mul_ps:ident,
+     $fmadd:ident, $fnmadd:ident, $cvt:ident, $store_ps:ident) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize>(
+            w: &Unpacked,
+            panel: &Q8KPanel,
+            g: usize,
+            lane: usize,
+            pf: Prefetch,
+            out: &mut [[f32; GROUP]; ROWS],
+        ) {
+            use std::arch::x86_64::*;
+            let nb = w.nb;
+            let mut acc = [$setzero_ps(); R];
+            for b in 0..nb {
+                pf.block(b);
+                let gb = g * nb + b;
+                let qa = panel.q.as_ptr().add(gb * 64 * GROUP + lane);
+                let mut isum = [$setzero(); R];
+                for j in 0..8 {
+                    let mut lo = [$setzero(); R];
+                    let mut hi = [$setzero(); R];
+                    for k in 0..4 {
+                        let a0 = $load(qa.add((8 * j + k) * GROUP) as *const _);
+                        let a1 = $load(qa.add((8 * j + k + 4) * GROUP) as *const _);
+                        for r in 0..R {
+                            let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k);
+                            let wq = wq as *const i32;
+                            // u8 weights (0..15) × i8 activations, four per lane, no saturation.
+                            lo[r] = $dpbusd(lo[r], $set1(wq.read_unaligned()), a0);
+                            hi[r] = $dpbusd(hi[r], $set1(wq.add(4).read_unaligned()), a1);
+                        }
+                    }
+                    for (r, is) in isum.iter_mut().enumerate() {
+                        let sc = $set1(*w.sc.get_unchecked((r * nb + b) * 8 + j));
+                        *is = $dpwssd($dpwssd(*is, lo[r], sc), hi[r], sc);
+                    }
+                }
+                let mut msum = [$setzero(); R];
+                for p in 0..4 {
+                    let sv = $load(panel.s.as_ptr().add((gb * 4 + p) * GROUP + lane) as *const _);
+                    for (r, ms) in msum.iter_mut().enumerate() {
+                        let mv = $set1(*w.mn.get_unchecked((r * nb + b) * 4 + p));
+                        *ms = $dpwssd(*ms, sv, mv);
+                    }
+                }
+                let yd = $load_ps(panel.d.as_ptr().add(gb * GROUP + lane));
                 for r in 0..R {
-                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k) as *const i32;
-                    // u8 weights (0..15) × i8 activations, four per lane, no saturation.
-                    let w0 = _mm512_set1_epi32(wq.read_unaligned());
-                    lo[r] = _mm512_dpbusd_epi32(lo[r], w0, a0);
-                    let w1 = _mm512_set1_epi32(wq.add(4).read_unaligned());
-                    hi[r] = _mm512_dpbusd_epi32(hi[r], w1, a1);
+                    let d = $mul_ps(yd, $set1_ps(*w.d.get_unchecked(r * nb + b)));
+                    let dmin = $mul_ps(yd, $set1_ps(*w.dmin.get_unchecked(r * nb + b)));
+                    acc[r] = $fmadd(d, $cvt(isum[r]), acc[r]);
+                    acc[r] = $fnmadd(dmin, $cvt(msum[r]), acc[r]);
                 }
             }
-            for (r, is) in isum.iter_mut().enumerate() {
-                // The scale in the low i16 of each lane, 0 in the high one.
-                let sc = _mm512_set1_epi32(*w.sc.get_unchecked((r * nb + b) * 8 + j));
-                *is = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(*is, lo[r], sc), hi[r], sc);
+            for r in 0..R {
+                $store_ps(out[r].as_mut_ptr().add(lane), acc[r]);
             }
         }
-        let mut msum = [_mm512_setzero_si512(); R];
-        for p in 0..4 {
-            let sv = _mm512_loadu_si512(panel.s.as_ptr().add((gb * 4 + p) * GROUP) as *const _);
-            for (r, ms) in msum.iter_mut().enumerate() {
-                let mv = _mm512_set1_epi32(*w.mn.get_unchecked((r * nb + b) * 4 + p));
-                *ms = _mm512_dpwssd_epi32(*ms, sv, mv);
-            }
-        }
-        let yd = _mm512_loadu_ps(panel.d.as_ptr().add(gb * GROUP));
-        for r in 0..R {
-            let d = _mm512_mul_ps(yd, _mm512_set1_ps(*w.d.get_unchecked(r * nb + b)));
-            let dmin = _mm512_mul_ps(yd, _mm512_set1_ps(*w.dmin.get_unchecked(r * nb + b)));
-            acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum[r]), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(msum[r]), acc[r]);
-        }
-    }
-    for r in 0..R {
-        _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
-    }
+    };
 }
 
-/// [`gemm_group`] on 256-bit registers for lanes `8·half..8·half + 8` of group `g` (a group of at
-/// most 8 tokens in use wastes no second half; 256-bit VNNI runs on two ports where 512-bit runs
-/// on one). Lane for lane the same operations, so the same results.
+// All 16 lanes of a group.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma")]
-unsafe fn gemm_half<const R: usize>(
-    w: &Unpacked,
-    panel: &Q8KPanel,
-    g: usize,
-    half: usize,
-    pf: Prefetch,
-    out: &mut [[f32; GROUP]; ROWS],
-) {
-    use std::arch::x86_64::*;
-    let nb = w.nb;
-    let lane = 8 * half;
-    let mut acc = [_mm256_setzero_ps(); R];
-    for b in 0..nb {
-        pf.block(b);
-        let gb = g * nb + b;
-        let qa = panel.q.as_ptr().add(gb * 64 * GROUP + lane);
-        let mut isum = [_mm256_setzero_si256(); R];
-        for j in 0..8 {
-            // As in gemm_group: two i16-bounded accumulators per row, scaled by `vpdpwssd`.
-            let mut lo = [_mm256_setzero_si256(); R];
-            let mut hi = [_mm256_setzero_si256(); R];
-            for k in 0..4 {
-                let a0 = _mm256_loadu_si256(qa.add((8 * j + k) * GROUP) as *const __m256i);
-                let a1 = _mm256_loadu_si256(qa.add((8 * j + k + 4) * GROUP) as *const __m256i);
-                for r in 0..R {
-                    let wq = w.q.as_ptr().add((r * nb + b) * QK_K + 32 * j + 4 * k) as *const i32;
-                    let w0 = _mm256_set1_epi32(wq.read_unaligned());
-                    lo[r] = _mm256_dpbusd_epi32(lo[r], w0, a0);
-                    let w1 = _mm256_set1_epi32(wq.add(4).read_unaligned());
-                    hi[r] = _mm256_dpbusd_epi32(hi[r], w1, a1);
-                }
-            }
-            for (r, is) in isum.iter_mut().enumerate() {
-                let sc = _mm256_set1_epi32(*w.sc.get_unchecked((r * nb + b) * 8 + j));
-                *is = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(*is, lo[r], sc), hi[r], sc);
-            }
-        }
-        let mut msum = [_mm256_setzero_si256(); R];
-        for p in 0..4 {
-            let sv =
-                _mm256_loadu_si256(panel.s.as_ptr().add((gb * 4 + p) * GROUP + lane) as *const _);
-            for (r, ms) in msum.iter_mut().enumerate() {
-                let mv = _mm256_set1_epi32(*w.mn.get_unchecked((r * nb + b) * 4 + p));
-                *ms = _mm256_dpwssd_epi32(*ms, sv, mv);
-            }
-        }
-        let yd = _mm256_loadu_ps(panel.d.as_ptr().add(gb * GROUP + lane));
-        for r in 0..R {
-            let d = _mm256_mul_ps(yd, _mm256_set1_ps(*w.d.get_unchecked(r * nb + b)));
-            let dmin = _mm256_mul_ps(yd, _mm256_set1_ps(*w.dmin.get_unchecked(r * nb + b)));
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(msum[r]), acc[r]);
-        }
-    }
-    for r in 0..R {
-        _mm256_storeu_ps(out[r].as_mut_ptr().add(lane), acc[r]);
-    }
-}
+lane_kernel!(
+    gemm_group,
+    "avx512f,avx512bw,avx512vnni,avx512vl,fma",
+    _mm512_setzero_si512,
+    _mm512_setzero_ps,
+    _mm512_loadu_si512,
+    _mm512_set1_epi32,
+    _mm512_dpbusd_epi32,
+    _mm512_dpwssd_epi32,
+    _mm512_loadu_ps,
+    _mm512_set1_ps,
+    _mm512_mul_ps,
+    _mm512_fmadd_ps,
+    _mm512_fnmadd_ps,
+    _mm512_cvtepi32_ps,
+    _mm512_storeu_ps
+);
+
+// 8 lanes on 256-bit registers (a group of at most 8 tokens wastes no second half; 256-bit VNNI
+// runs on two ports where 512-bit runs on one). Lane for lane the same operations as gemm_group,
+// so the same results.
+#[cfg(target_arch = "x86_64")]
+lane_kernel!(
+    gemm_half,
+    "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma",
+    _mm256_setzero_si256,
+    _mm256_setzero_ps,
+    _mm256_loadu_si256,
+    _mm256_set1_epi32,
+    _mm256_dpbusd_epi32,
+    _mm256_dpwssd_epi32,
+    _mm256_loadu_ps,
+    _mm256_set1_ps,
+    _mm256_mul_ps,
+    _mm256_fmadd_ps,
+    _mm256_fnmadd_ps,
+    _mm256_cvtepi32_ps,
+    _mm256_storeu_ps
+);
 
 /// Dot products of one weight row `w` with `R` tokens `a: [R, nb]` into `out[..R]` with the
 /// 16-lane kernel's arithmetic (the same exact integers per block, the same two f32 steps), for
