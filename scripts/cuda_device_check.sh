@@ -24,6 +24,12 @@
 #     dist/strata-cuda-base.xz (the build before them) when carried. LLAMA=1 also builds
 #     llama.cpp CUDA from dist/llamacpp-src.tar.xz (dist/llamacpp.sh, ~6 min) and runs
 #     llama-bench on the same file in the same rounds.
+#  6. PART=batch (instead of 2-5): continuous batching on the GPU (issue 25), everything in VRAM:
+#     `strata bench --batch 2,4,8,16` (batched decode in the engine), then 1 vs CLIENTS (16)
+#     streaming clients through `strata serve --parallel CLIENTS` (scripts/bench_batching.sh, no
+#     llama-server), for each of MODELS (default: SmolLM2 when carried in models/ — its 96 MB
+#     exceed what a call carries — then the synthetic qwen3-30b-a3b Q4_K with realistic routing
+#     generated on the machine's disk).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -45,6 +51,26 @@ hp=torch.empty(1<<30, dtype=torch.uint8).pin_memory(); hg=torch.empty(1<<30, dty
 print(f"pinned host-to-device: {a.numel()/t(lambda: a.copy_(hp, non_blocking=True)):.3e} B/s")
 print(f"pageable host-to-device: {a.numel()/t(lambda: a.copy_(hg), 5):.3e} B/s")
 PY
+if [ "${PART:-}" = batch ]; then
+  M30=/tmp/q3-30b-realistic.gguf
+  for M in ${MODELS:-models/SmolLM2-135M-Instruct.Q4_1.gguf $M30}; do
+    if [ "$M" != "$M30" ] && [ ! -f "$M" ]; then
+      echo "## $M: not carried, skipped" | tee -a "$OUT/batch.md"; continue
+    fi
+    if [ "$M" = "$M30" ] && [ ! -f $M30 ]; then
+      "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out $M30 2>&1 | tail -1
+    fi
+    echo "## $M: batched decode in the engine" | tee -a "$OUT/batch.md"
+    "$S" bench -m "$M" --device cuda --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 \
+      | grep '^|' | tee -a "$OUT/batch.md"
+    echo "## $M: server, 1 vs ${CLIENTS:-16} streaming clients" | tee -a "$OUT/batch.md"
+    STRATA=$S EXTRA="--device cuda --stream-experts off" SKIP_LLAMA=1 CLIENTS=${CLIENTS:-16} \
+      THREADS=16 ROUNDS=${ROUNDS:-2} bash scripts/bench_batching.sh "$M" 2>&1 | tail -3 \
+      | tee -a "$OUT/batch.md"
+    cp /tmp/bench_batching_strata.log "$OUT/serve-$(basename "$M").log" 2>/dev/null || true
+  done
+  exit 0
+fi
 ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['input_ids'])))" "$1"; }
 F=tests/fixtures
 unxz_to() { python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$1" "$2" && chmod +x "$2"; }
