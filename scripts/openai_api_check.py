@@ -150,7 +150,9 @@ schemas = [
     S({"word": {"type": "string", "minLength": 3, "maxLength": 8, "pattern": "^[a-z]+$"}, "letters": {"type": "integer", "minimum": 3, "maximum": 8}}),
 ]
 assert len(schemas) == 20
-valid = 0
+# An output the grammar lets run on (a number's digits are unbounded in JSON) can be cut by
+# max_tokens: at most one of the 40 may end that way; every finished one must validate.
+valid, cut = 0, []
 for i, schema in enumerate(schemas):
     for temp in (0.0, 0.8):
         r = client.chat.completions.create(
@@ -158,22 +160,32 @@ for i, schema in enumerate(schemas):
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
             temperature=temp, seed=i, max_tokens=200)
         text = r.choices[0].message.content
+        if r.choices[0].finish_reason == "length":
+            cut.append((i, temp, text[-40:]))
+            continue
         assert r.choices[0].finish_reason == "stop", (i, temp, r.choices[0].finish_reason, text)
         jsonschema.validate(json.loads(text), schema)
         valid += 1
-print(f"json_schema: {valid} of {len(schemas) * 2} outputs valid (20 schemas, temperature 0 and 0.8)")
+assert len(cut) <= 1, cut
+print(f"json_schema: {valid} of {len(schemas) * 2} outputs valid, {len(cut)} cut by max_tokens {cut} (20 schemas, temperature 0 and 0.8)")
 
 # JSON mode: every output that ends parses as an object (frequency_penalty keeps this 135M model
-# from repeating one word for ever inside a string). Sampled outputs can still
-# run to max_tokens (valid JSON so far, cut off): counted, not failed.
+# from repeating one word for ever inside a string). Outputs can still run to max_tokens (valid
+# JSON so far, cut off; which ones depends on the last bits of the logits): at most one of the
+# four greedy ones may; sampled ones are counted, not failed.
 prompts = ["Describe a cat as JSON.", "Give a book as JSON with title and author.",
            "A JSON object for a user named Ann.", "Return the weather in Rome as JSON."]
+greedy_ended = 0
 for p in prompts:
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
                                        response_format={"type": "json_object"}, temperature=0, max_tokens=400, frequency_penalty=1.0)
     text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "length":
+        continue
     assert r.choices[0].finish_reason == "stop", (r.choices[0].finish_reason, text)
     assert isinstance(json.loads(text), dict), text
+    greedy_ended += 1
+assert greedy_ended >= 3, greedy_ended
 ended = cut = 0
 for seed in range(4):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[seed]}],
@@ -184,7 +196,7 @@ for seed in range(4):
         ended += 1
     else:
         cut += 1
-print(f"json_object: 4 of 4 greedy outputs parse; sampled: {ended} ended and parse, {cut} cut by max_tokens")
+print(f"json_object: {greedy_ended} of 4 greedy outputs ended and parse; sampled: {ended} ended and parse, {cut} cut by max_tokens")
 
 # 4. n, logit_bias, embeddings, a refused field.
 r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say something."}], n=3,

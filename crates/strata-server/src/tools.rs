@@ -377,7 +377,12 @@ pub fn parse_output(text: &str, format: ToolFormat) -> Parsed {
                 }
                 rest = after;
             }
-            if !rest.trim().is_empty() {
+            let rest = rest.trim();
+            // The next call's opener cut off by `max_tokens`: the complete ones stand.
+            if !rest.is_empty() && "<tool_call>".starts_with(rest) && !calls.is_empty() {
+                return Parsed { content: None, calls, truncated: true };
+            }
+            if !rest.is_empty() {
                 return text_only();
             }
         }
@@ -442,6 +447,12 @@ mod tests {
         assert_eq!(m.calls.len(), 2);
         let cut = parse_output(
             "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"na",
+            ToolFormat::Hermes,
+        );
+        assert_eq!((cut.calls.len(), cut.truncated), (1, true));
+        // Cut off inside the next call's opening marker.
+        let cut = parse_output(
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool",
             ToolFormat::Hermes,
         );
         assert_eq!((cut.calls.len(), cut.truncated), (1, true));
