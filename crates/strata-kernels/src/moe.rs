@@ -88,9 +88,9 @@ pub fn expert_outputs(x: &[f32], seq: usize, experts: &[RoutedExpert<'_>]) -> Ve
     run_region(experts, |e| e.down, &down_acts)
 }
 
-/// `f(i)` for every expert `i < n`, in one parallel region when `parallel` (each expert's activations: gathering,
-/// SiLU, quantization), results in the experts' order. `f` must not start a parallel region.
-/// On the calling thread unless `parallel` (a few tokens: less work than waking the pool costs).
+/// `f(i)` for every expert `i < n` (its activations: gathering, SiLU, quantization), results in
+/// the experts' order: in one parallel region when `parallel`, else on the calling thread (a few
+/// tokens: less work than waking the pool costs). `f` must not start a parallel region.
 fn per_expert<T: Send>(n: usize, parallel: bool, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     if !parallel {
         return (0..n).map(f).collect();
