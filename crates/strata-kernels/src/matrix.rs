@@ -237,10 +237,9 @@ impl QuantMatrix {
                 let nb = self.cols / crate::q4k::QK_K;
                 let tiles = select_tiles_k(self.format);
                 self.tiles_into(blocks, *first, rows.clone(), out, stride, tiles);
-                let prompt = &blocks[first * nb..];
                 let data = self.data.as_slice();
                 let at = (out, *first, stride);
-                crate::q4k_prefill::rows_into(data, nb, prompt, panel, rows, at);
+                crate::q4k_prefill::rows_into(data, nb, panel, rows, at);
             }
             (f, QuantizedActs::Q8KPrefill { blocks, .. }) if f.uses_q8k() => {
                 self.tiles_into(blocks, m, rows, out, stride, select_tiles_k(f))

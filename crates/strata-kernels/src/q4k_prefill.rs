@@ -4,20 +4,20 @@
 //! Why: the decode tile kernels ([`crate::q4k`]) keep ggml's per-token arithmetic so that a
 //! speculative verify pass equals decoding token by token, which costs two multiplies per 64
 //! weight-activation pairs and token. A prompt has no such constraint. Here 4 weight rows and 16
-//! tokens share every instruction: activations are transposed so that one `vpdpbusd` multiplies
-//! 4 weights of a row (broadcast) by the matching 4 activations of 16 tokens, each sub-block's
-//! integer dot is scaled once (`vpmulld`), and the mins term is one `vpdpwssd` per sub-block pair.
-//! The idea is llama.cpp's tiled CPU matmul (`ggml-cpu/tiled/`, 0c1e570) and the usual VNNI
-//! GEMM; the code is ours.
+//! tokens (8 for a group of at most 8, on 256-bit registers) share every instruction: activations
+//! are transposed so that one `vpdpbusd` multiplies 4 weights of a row (broadcast) by the matching
+//! 4 activations of 16 tokens, each sub-block's integer dot is scaled in f32 (a convert and an FMA,
+//! which run on either vector port, where `vpdpbusd` and `vpdpwssd` share one), and the mins term
+//! is one `vpdpwssd` per sub-block pair. The idea is llama.cpp's tiled CPU matmul
+//! (`ggml-cpu/tiled/`, 0c1e570) and the usual VNNI GEMM; the code is ours.
 //!
 //! Arithmetic, per weight row and token: for each block `b` in order, with the exact integers
-//! `I_b = Σ_j scale_j · Σ_{i∈j} q_i·a_i` and `M_b = Σ_j min_j · Σ_{i∈j} a_i`,
-//! `acc = fma(y.d·d, I_b, acc)` then `acc = fma(−(y.d·dmin), M_b, acc)`. The integers are exact
-//! whichever instructions sum them, and the f32 steps are per token, so a token's result does not
-//! depend on the other tokens of the pass nor on the kernel that computed it: groups of fewer
-//! than [`GEMM_MIN`] tokens run a per-token kernel with the same arithmetic (tested bit for bit).
-//! Prompt tokens are therefore independent of how they are batched, and decode and verify tokens
-//! never take this path ([`prefill_scope`]).
+//! `D_j = Σ_{i∈j} q_i·a_i` (sub-block `j`) and `M_b = Σ_j min_j · Σ_{i∈j} a_i`,
+//! `s = fma(D_j, d·scale_j, s)` over `j = 0..8` from `s = 0` (`d·scale_j` is exact in f32), then
+//! `acc = fma(y.d, s, acc)` and `acc = fma(−(y.d·dmin), M_b, acc)`. Every step is per token, in
+//! one order, so a token's result does not depend on the other tokens of the pass nor on its lane
+//! or register width (tested bit for bit): prompt tokens are independent of how they are batched.
+//! Decode and verify tokens never take this path ([`prefill_scope`]).
 
 use std::cell::Cell;
 
@@ -30,10 +30,6 @@ use crate::{
 
 /// Tokens per group (one 32-bit lane of a 512-bit register each).
 pub const GROUP: usize = 16;
-
-/// Fewest tokens of a group that go through the lane-per-token kernels (16 lanes, or 8 for a
-/// group of at most 8); smaller groups take the per-token kernel.
-pub const GEMM_MIN: usize = 8;
 
 /// Row groups between the one being computed and the one being prefetched.
 #[cfg(target_arch = "x86_64")]
@@ -133,7 +129,7 @@ impl Q8KPanel {
 }
 
 /// Rows `rows` of a Q4_K matrix (`data`: row-major blocks, `nb` per row) times the prompt tokens
-/// of `panel` (built from `a: [tokens, nb]`): writes `out[(first + t) · stride + r]` for every
+/// of `panel`: writes `out[(first + t) · stride + r]` for every
 /// token `t` of the panel and row `r` in `rows`.
 ///
 /// # Safety
@@ -141,28 +137,23 @@ impl Q8KPanel {
 /// write those elements meanwhile.
 ///
 /// # Panics
-/// When `data` is shorter than `rows.end` rows or `a` than the panel's tokens.
+/// When `data` is shorter than `rows.end` rows or the panel has another block count.
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn rows_into(
     data: &[u8],
     nb: usize,
-    a: &[BlockQ8K],
     panel: &Q8KPanel,
     rows: std::ops::Range<usize>,
     (out, first, stride): (SendPtr, usize, usize),
 ) {
     assert_eq!(panel.nb, nb);
-    assert!(data.len() >= rows.end * nb * BLOCK_BYTES && a.len() >= panel.tokens * nb);
+    assert!(data.len() >= rows.end * nb * BLOCK_BYTES);
     let row_bytes = nb * BLOCK_BYTES;
     let n = panel.tokens;
     let groups = n.div_ceil(GROUP);
-    // Every group but the last is full, so the lane-per-token kernels run iff n ≥ GEMM_MIN; the
-    // unpacked rows exist only for them (a per-thread buffer, reused across calls).
-    let mut unpacked = (n >= GEMM_MIN).then(|| {
-        let mut u = UNPACKED.take().unwrap_or_else(|| Unpacked::new(nb));
-        u.resize(nb);
-        u
-    });
+    // The rows being computed, unpacked (a per-thread buffer, reused across calls).
+    let mut u = UNPACKED.take().unwrap_or_else(|| Unpacked::new(nb));
+    u.resize(nb);
     let mut r = rows.start;
     while r < rows.end {
         let take = if rows.end - r >= ROWS { ROWS } else { 1 };
@@ -170,9 +161,7 @@ pub(crate) unsafe fn rows_into(
             let n = (rows.end - r - take).min(PF_GROUPS_AHEAD * ROWS);
             crate::prefetch(data.as_ptr().wrapping_add((r + take) * row_bytes), n * row_bytes);
         }
-        if let Some(u) = unpacked.as_mut() {
-            u.fill(&data[r * row_bytes..(r + take) * row_bytes], take);
-        }
+        u.fill(&data[r * row_bytes..(r + take) * row_bytes], take);
         // The next rows' weights are fetched a few lines per block during the first group's
         // product (spread out: a burst of a whole row group's lines stalls on the line-fill
         // buffers, and fetched all at once they arrive before the unpacking needs them only if
@@ -186,47 +175,26 @@ pub(crate) unsafe fn rows_into(
         for g in 0..groups {
             let t0 = g * GROUP;
             let valid = (n - t0).min(GROUP);
-            if let (true, Some(u)) = (valid >= GEMM_MIN, unpacked.as_ref()) {
-                let mut v = [[0f32; GROUP]; ROWS];
-                let pf = if g == 0 { pf } else { Prefetch::NONE };
-                match (take == ROWS, valid > GROUP / 2) {
-                    (true, true) => gemm_group::<ROWS>(u, panel, g, 0, pf, &mut v),
-                    (false, true) => gemm_group::<1>(u, panel, g, 0, pf, &mut v),
-                    (true, false) => gemm_half::<ROWS>(u, panel, g, 0, pf, &mut v),
-                    (false, false) => gemm_half::<1>(u, panel, g, 0, pf, &mut v),
-                }
+            let mut v = [[0f32; GROUP]; ROWS];
+            let pf = if g == 0 { pf } else { Prefetch::NONE };
+            match (take == ROWS, valid > GROUP / 2) {
+                (true, true) => gemm_group::<ROWS>(&u, panel, g, 0, pf, &mut v),
+                (false, true) => gemm_group::<1>(&u, panel, g, 0, pf, &mut v),
+                (true, false) => gemm_half::<ROWS>(&u, panel, g, 0, pf, &mut v),
+                (false, false) => gemm_half::<1>(&u, panel, g, 0, pf, &mut v),
+            }
+            for t in 0..valid {
+                // SAFETY: the caller owns these elements (see the function's contract).
+                let dst = unsafe { out.0.add((first + t0 + t) * stride + r) };
                 for (i, vr) in v.iter().enumerate().take(take) {
-                    for (t, &x) in vr.iter().enumerate().take(valid) {
-                        // SAFETY: the caller owns these elements (see the function's contract).
-                        unsafe { *out.0.add((first + t0 + t) * stride + r + i) = x };
-                    }
-                }
-            } else {
-                let mut v = [0f32; GEMM_MIN];
-                for i in 0..take {
-                    let w = &data[(r + i) * row_bytes..(r + i + 1) * row_bytes];
-                    let pf = if unpacked.is_some() { 0 } else { ahead(row_bytes) };
-                    small_group(w, &a[t0 * nb..(t0 + valid) * nb], nb, valid, pf, &mut v);
-                    for (t, &x) in v.iter().enumerate().take(valid) {
-                        // SAFETY: as above.
-                        unsafe { *out.0.add((first + t0 + t) * stride + r + i) = x };
-                    }
+                    // SAFETY: as above.
+                    unsafe { *dst.add(i) = vr[t] };
                 }
             }
         }
         r += take;
     }
-    if let Some(u) = unpacked {
-        UNPACKED.set(Some(u));
-    }
-}
-
-/// Bytes ahead of the weights being read that are prefetched, block by block (a steady stream:
-/// a burst of a whole row's lines stalls on the line-fill buffers): [`ROWS`] rows, at least as
-/// far as the decode path fetches ahead.
-#[cfg(target_arch = "x86_64")]
-fn ahead(row_bytes: usize) -> usize {
-    (ROWS * row_bytes).max(crate::matrix::PREFETCH_AHEAD)
+    UNPACKED.set(Some(u));
 }
 
 /// Weights to fetch during a product: `step` bytes from `at + b · step` in block `b`'s iteration.
@@ -253,14 +221,13 @@ thread_local! {
 }
 
 /// Up to [`ROWS`] weight rows unpacked for the 16-lane kernel: nibbles as bytes in weight order,
-/// sub-block scales as i32, mins as i16 pairs, `d` and `dmin` as f32.
+/// `d` times each sub-block's scale and `dmin` as f32, mins as i16 pairs.
 #[cfg(target_arch = "x86_64")]
 struct Unpacked {
     nb: usize,
     q: Vec<u8>,
-    sc: Vec<i32>,
+    dsc: Vec<f32>,
     mn: Vec<i32>,
-    d: Vec<f32>,
     dmin: Vec<f32>,
 }
 
@@ -270,9 +237,8 @@ impl Unpacked {
     fn resize(&mut self, nb: usize) {
         self.nb = nb;
         self.q.resize(ROWS * nb * QK_K, 0);
-        self.sc.resize(ROWS * nb * 8, 0);
+        self.dsc.resize(ROWS * nb * 8, 0.0);
         self.mn.resize(ROWS * nb * 4, 0);
-        self.d.resize(ROWS * nb, 0.0);
         self.dmin.resize(ROWS * nb, 0.0);
     }
 
@@ -280,27 +246,37 @@ impl Unpacked {
         Self {
             nb,
             q: vec![0; ROWS * nb * QK_K],
-            sc: vec![0; ROWS * nb * 8],
+            dsc: vec![0.0; ROWS * nb * 8],
             mn: vec![0; ROWS * nb * 4],
-            d: vec![0.0; ROWS * nb],
             dmin: vec![0.0; ROWS * nb],
         }
     }
 
     /// Unpacks `rows` consecutive rows of `data`.
     fn fill(&mut self, data: &[u8], rows: usize) {
-        for (rb, blk) in data.chunks_exact(BLOCK_BYTES).take(rows * self.nb).enumerate() {
-            self.d[rb] = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-            self.dmin[rb] = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-            let (sc, mn) = crate::q4k::scales_mins(&blk[4..16]);
-            for (dst, &v) in self.sc[rb * 8..(rb + 1) * 8].iter_mut().zip(&sc) {
-                *dst = v as i32;
-            }
-            for p in 0..4 {
-                self.mn[rb * 4 + p] = mn[2 * p] as i32 | (mn[2 * p + 1] as i32) << 16;
-            }
-            // SAFETY: the prefill path runs only where AVX2 is (see `available`).
-            unsafe { nibbles(blk, &mut self.q[rb * QK_K..(rb + 1) * QK_K]) };
+        let n = rows * self.nb;
+        assert!(data.len() >= n * BLOCK_BYTES && n <= self.dmin.len());
+        // SAFETY: the prefill path runs only where AVX2, FMA and F16C are (see `available`);
+        // every block index below is < n, within each buffer (sized for ROWS rows of nb blocks).
+        unsafe { self.fill_blocks(data, n) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fill_blocks(&mut self, data: &[u8], n: usize) {
+        use std::arch::x86_64::*;
+        for rb in 0..n {
+            let blk = data.get_unchecked(rb * BLOCK_BYTES..(rb + 1) * BLOCK_BYTES);
+            // Scales in i16 lanes 0–7, mins in lanes 8–15 (ggml's unpacking).
+            let (d, dmin, ms) = crate::q4k::q4k_header(blk);
+            *self.dmin.get_unchecked_mut(rb) = dmin;
+            // d · scale is exact in f32 (an 11-bit significand times a 6-bit integer).
+            let sc = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(ms)));
+            let dsc = _mm256_mul_ps(sc, _mm256_set1_ps(d));
+            _mm256_storeu_ps(self.dsc.as_mut_ptr().add(rb * 8), dsc);
+            // Mins as i16 pairs: lanes 8–15 are already in that layout.
+            let mn = _mm256_extracti128_si256(ms, 1);
+            _mm_storeu_si128(self.mn.as_mut_ptr().add(rb * 4) as *mut __m128i, mn);
+            nibbles(blk, self.q.get_unchecked_mut(rb * QK_K..(rb + 1) * QK_K));
         }
     }
 }
@@ -325,13 +301,13 @@ unsafe fn nibbles(blk: &[u8], q: &mut [u8]) {
 /// `panel` times the first `R` rows of `w`, into `out[r][lane..lane + width]`.
 ///
 /// Per block and row: each sub-block's integer dot in two accumulators (its first and last 16
-/// weights: twice the independent `vpdpbusd` chains, and each sum within i16, |16 · 15 · 127| ≤
-/// 30480, so that `vpdpwssd` with the scale in each lane's low half applies it exactly); the mins
-/// term by `vpdpwssd` over the panel's 32-value sums; then the two f32 steps.
+/// weights: twice the independent `vpdpbusd` chains), added, converted and scaled by one FMA with
+/// `d·scale`; the mins term by `vpdpwssd` over the panel's 32-value sums; then the two f32 steps
+/// of the module's arithmetic.
 #[cfg(target_arch = "x86_64")]
 macro_rules! lane_kernel {
     ($name:ident, $features:literal, $setzero:ident, $setzero_ps:ident, $load:ident,
-     $set1:ident, $dpbusd:ident, $dpwssd:ident, $load_ps:ident, $set1_ps:ident, $mul_ps:ident,
+     $set1:ident, $dpbusd:ident, $dpwssd:ident, $add:ident, $load_ps:ident, $set1_ps:ident, $mul_ps:ident,
      $fmadd:ident, $fnmadd:ident, $cvt:ident, $store_ps:ident) => {
         #[target_feature(enable = $features)]
         unsafe fn $name<const R: usize>(
@@ -349,7 +325,7 @@ macro_rules! lane_kernel {
                 pf.block(b);
                 let gb = g * nb + b;
                 let qa = panel.q.as_ptr().add(gb * 64 * GROUP + lane);
-                let mut isum = [$setzero(); R];
+                let mut blk = [$setzero_ps(); R];
                 for j in 0..8 {
                     let mut lo = [$setzero(); R];
                     let mut hi = [$setzero(); R];
@@ -364,9 +340,9 @@ macro_rules! lane_kernel {
                             hi[r] = $dpbusd(hi[r], $set1(wq.add(4).read_unaligned()), a1);
                         }
                     }
-                    for (r, is) in isum.iter_mut().enumerate() {
-                        let sc = $set1(*w.sc.get_unchecked((r * nb + b) * 8 + j));
-                        *is = $dpwssd($dpwssd(*is, lo[r], sc), hi[r], sc);
+                    for (r, bl) in blk.iter_mut().enumerate() {
+                        let dsc = $set1_ps(*w.dsc.get_unchecked((r * nb + b) * 8 + j));
+                        *bl = $fmadd($cvt($add(lo[r], hi[r])), dsc, *bl);
                     }
                 }
                 let mut msum = [$setzero(); R];
@@ -379,9 +355,8 @@ macro_rules! lane_kernel {
                 }
                 let yd = $load_ps(panel.d.as_ptr().add(gb * GROUP + lane));
                 for r in 0..R {
-                    let d = $mul_ps(yd, $set1_ps(*w.d.get_unchecked(r * nb + b)));
                     let dmin = $mul_ps(yd, $set1_ps(*w.dmin.get_unchecked(r * nb + b)));
-                    acc[r] = $fmadd(d, $cvt(isum[r]), acc[r]);
+                    acc[r] = $fmadd(yd, blk[r], acc[r]);
                     acc[r] = $fnmadd(dmin, $cvt(msum[r]), acc[r]);
                 }
             }
@@ -403,6 +378,7 @@ lane_kernel!(
     _mm512_set1_epi32,
     _mm512_dpbusd_epi32,
     _mm512_dpwssd_epi32,
+    _mm512_add_epi32,
     _mm512_loadu_ps,
     _mm512_set1_ps,
     _mm512_mul_ps,
@@ -425,6 +401,7 @@ lane_kernel!(
     _mm256_set1_epi32,
     _mm256_dpbusd_epi32,
     _mm256_dpwssd_epi32,
+    _mm256_add_epi32,
     _mm256_loadu_ps,
     _mm256_set1_ps,
     _mm256_mul_ps,
@@ -433,66 +410,6 @@ lane_kernel!(
     _mm256_cvtepi32_ps,
     _mm256_storeu_ps
 );
-
-/// Dot products of one weight row `w` with `R` tokens `a: [R, nb]` into `out[..R]` with the
-/// 16-lane kernel's arithmetic (the same exact integers per block, the same two f32 steps), for
-/// groups too small for it: each block unpacked once for the `R` tokens; with `prefetch` > 0 the
-/// weights that many bytes on are fetched block by block.
-///
-/// # Safety
-/// The CPU must have AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C ([`available`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
-unsafe fn tokens_vnni<const R: usize>(
-    w: &[u8],
-    a: &[BlockQ8K],
-    nb: usize,
-    prefetch: usize,
-    out: &mut [f32],
-) {
-    use std::arch::x86_64::*;
-    assert!(w.len() >= nb * BLOCK_BYTES && a.len() >= R * nb && out.len() >= R);
-    let mut acc = [0f32; R];
-    for b in 0..nb {
-        let blk = w.get_unchecked(b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES);
-        let p = blk.as_ptr();
-        if prefetch > 0 {
-            crate::prefetch(p.wrapping_add(prefetch), BLOCK_BYTES);
-        }
-        let (d0, dmin0, ms) = crate::q4k::q4k_header(blk);
-        let mins = _mm256_extracti128_si256(ms, 1);
-        let (q4, sc) = crate::q4k::unpack_512(blk, ms);
-        for (j, acc) in acc.iter_mut().enumerate() {
-            let y = a.get_unchecked(j * nb + b);
-            let mut sumi = _mm512_setzero_si512();
-            for c in 0..4 {
-                let q8 = _mm512_load_si512(y.qs.as_ptr().add(c * 64) as *const _);
-                sumi = _mm512_dpwssd_epi32(sumi, sc[c], _mm512_maddubs_epi16(q4[c], q8));
-            }
-            let isum = _mm512_reduce_add_epi32(sumi);
-            let prod = crate::q4k::mins_prod(mins, y);
-            let msum = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(prod, prod), prod));
-            *acc = (y.d * d0).mul_add(isum as f32, *acc);
-            *acc = (-(y.d * dmin0)).mul_add(msum as f32, *acc);
-        }
-    }
-    out[..R].copy_from_slice(&acc);
-}
-
-/// [`tokens_vnni`] for `n` (1 to 7) tokens.
-#[cfg(target_arch = "x86_64")]
-unsafe fn small_group(w: &[u8], a: &[BlockQ8K], nb: usize, n: usize, pf: usize, out: &mut [f32]) {
-    match n {
-        1 => tokens_vnni::<1>(w, a, nb, pf, out),
-        2 => tokens_vnni::<2>(w, a, nb, pf, out),
-        3 => tokens_vnni::<3>(w, a, nb, pf, out),
-        4 => tokens_vnni::<4>(w, a, nb, pf, out),
-        5 => tokens_vnni::<5>(w, a, nb, pf, out),
-        6 => tokens_vnni::<6>(w, a, nb, pf, out),
-        7 => tokens_vnni::<7>(w, a, nb, pf, out),
-        _ => unreachable!("groups of {GEMM_MIN} or more tokens take the lane-per-token kernels"),
-    }
-}
 
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
@@ -534,13 +451,13 @@ mod tests {
         let panel = Q8KPanel::new(a, tokens, nb);
         let mut out = vec![f32::NAN; tokens * w.rows()];
         let ptr = SendPtr(out.as_mut_ptr());
-        unsafe { rows_into(w.data(), nb, a, &panel, 0..w.rows(), (ptr, 0, w.rows())) };
+        unsafe { rows_into(w.data(), nb, &panel, 0..w.rows(), (ptr, 0, w.rows())) };
         out
     }
 
     /// Every token's result is ggml's dot product up to f32 rounding order, and bit for bit the
-    /// same whatever the other tokens of the pass, the group it falls in (16-lane or per-token
-    /// kernel) and the row block (4 rows or 1).
+    /// same whatever the other tokens of the pass, its lane, the kernel's register width (16 or
+    /// 8 lanes) and the row block (4 rows or 1).
     #[test]
     fn prefill_matches_scalar_and_does_not_depend_on_the_batch() {
         if !available() {
@@ -562,12 +479,14 @@ mod tests {
                 );
             }
         }
-        // Token 20 alone (per-token kernel), in a group of 9 (16-lane kernel, lane 4), and at
-        // lane 0 of a full group.
+        // Token 20 alone and in a group of 5 (8-lane kernel, lanes 0 and 2), in a group of 9
+        // (16-lane kernel, lane 4), and at lane 0 of a full group.
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let want = bits(&all[20 * rows..21 * rows]);
         let one = run(&w, &a[20 * nb..21 * nb], 1);
         assert_eq!(bits(&one), want, "alone");
+        let five = run(&w, &a[18 * nb..23 * nb], 5);
+        assert_eq!(bits(&five[2 * rows..3 * rows]), want, "group of 5");
         let nine = run(&w, &a[16 * nb..25 * nb], 9);
         assert_eq!(bits(&nine[4 * rows..5 * rows]), want, "group of 9");
         let full = run(&w, &a[20 * nb..36 * nb], 16);
