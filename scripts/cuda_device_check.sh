@@ -25,11 +25,13 @@
 #     llama.cpp CUDA from dist/llamacpp-src.tar.xz (dist/llamacpp.sh, ~6 min) and runs
 #     llama-bench on the same file in the same rounds.
 #  6. PART=batch (instead of 2-5): continuous batching on the GPU (issue 25), everything in VRAM:
-#     `strata bench --batch 2,4,8,16` (batched decode in the engine), then 1 vs CLIENTS (16)
-#     streaming clients through `strata serve --parallel CLIENTS` (scripts/bench_batching.sh, no
-#     llama-server), for each of MODELS (default: SmolLM2 when carried in models/ — its 96 MB
-#     exceed what a call carries — then the synthetic qwen3-30b-a3b Q4_K with realistic routing
-#     generated on the machine's disk).
+#     the kernel tests (unless BENCH_ONLY), then `strata bench --batch 2,4,8,16` (batched decode in
+#     the engine) with the opt-in grouped MoE kernels on and off (GROUPED, default "1 0 1"), then
+#     1 vs CLIENTS (16) streaming clients through `strata serve --parallel CLIENTS`
+#     (scripts/bench_batching.sh, no llama-server; SERVER_GROUPED, default "1 0"), for each of
+#     MODELS (default: SmolLM2 when carried in models/ — its 96 MB exceed what a call carries —
+#     then the synthetic qwen3-30b-a3b Q4_K with realistic routing generated on the machine's
+#     disk).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -52,6 +54,11 @@ print(f"pinned host-to-device: {a.numel()/t(lambda: a.copy_(hp, non_blocking=Tru
 print(f"pageable host-to-device: {a.numel()/t(lambda: a.copy_(hg), 5):.3e} B/s")
 PY
 if [ "${PART:-}" = batch ]; then
+  if [ -f dist/cuda-kernels-test.xz ] && [ -z "${BENCH_ONLY:-}" ]; then
+    python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" dist/cuda-kernels-test.xz /tmp/cuda-kernels-test && chmod +x /tmp/cuda-kernels-test
+    /tmp/cuda-kernels-test --test-threads=1 > "$OUT/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$OUT/batch.md"
+    grep -E "^test |test result|panicked|off by" "$OUT/kernels.txt" | tee -a "$OUT/batch.md"
+  fi
   M30=/tmp/q3-30b-realistic.gguf
   for M in ${MODELS:-models/SmolLM2-135M-Instruct.Q4_1.gguf $M30}; do
     if [ "$M" != "$M30" ] && [ ! -f "$M" ]; then
@@ -60,14 +67,20 @@ if [ "${PART:-}" = batch ]; then
     if [ "$M" = "$M30" ] && [ ! -f $M30 ]; then
       "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out $M30 2>&1 | tail -1
     fi
-    echo "## $M: batched decode in the engine" | tee -a "$OUT/batch.md"
-    "$S" bench -m "$M" --device cuda --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 \
-      | grep '^|' | tee -a "$OUT/batch.md"
-    echo "## $M: server, 1 vs ${CLIENTS:-16} streaming clients" | tee -a "$OUT/batch.md"
-    STRATA=$S EXTRA="--device cuda --stream-experts off" SKIP_LLAMA=1 CLIENTS=${CLIENTS:-16} \
-      THREADS=16 ROUNDS=${ROUNDS:-2} bash scripts/bench_batching.sh "$M" 2>&1 | tail -3 \
-      | tee -a "$OUT/batch.md"
-    cp /tmp/bench_batching_strata.log "$OUT/serve-$(basename "$M").log" 2>/dev/null || true
+    # Grouped MoE kernels (STRATA_GPU_MOE_GROUPED=1, opt-in) and candle's indexed_moe_forward, alternating.
+    for g in ${GROUPED:-1 0 1}; do
+      echo "## $M: batched decode in the engine, STRATA_GPU_MOE_GROUPED=$g" | tee -a "$OUT/batch.md"
+      STRATA_GPU_MOE_GROUPED=$g "$S" bench -m "$M" --device cuda --stream-experts off -p 64 -n 64 \
+        -r 2 --batch 2,4,8,16 2>&1 | grep '^|' | tee -a "$OUT/batch.md"
+    done
+    for g in ${SERVER_GROUPED:-1 0}; do
+      echo "## $M: server, 1 vs ${CLIENTS:-16} streaming clients, STRATA_GPU_MOE_GROUPED=$g" \
+        | tee -a "$OUT/batch.md"
+      STRATA_GPU_MOE_GROUPED=$g STRATA=$S EXTRA="--device cuda --stream-experts off" SKIP_LLAMA=1 \
+        CLIENTS=${CLIENTS:-16} THREADS=16 ROUNDS=${ROUNDS:-2} bash scripts/bench_batching.sh "$M" \
+        2>&1 | tail -3 | tee -a "$OUT/batch.md"
+      cp /tmp/bench_batching_strata.log "$OUT/serve-$(basename "$M")-grouped$g.log" 2>/dev/null || true
+    done
   done
   exit 0
 fi

@@ -12,7 +12,8 @@
 //  attn_decode      attention of a few query rows over the KV cache (split-K online softmax,
 //                   FlashDecoding: Dao et al. 2023), row i over positions [0, pos + i].
 //  attn_combine     merges the split-K partial results.
-//  moe_gate_up_q4k, moe_down_q4k (moe_q4k.cuh): the MoE block over Q4_K experts for a few tokens.
+//  moe_gate_up_q4k, moe_down_q4k (moe_q4k.cuh): the MoE block over Q4_K experts for a few tokens;
+//                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
 
 #include <stdint.h>
 #include <math_constants.h>
@@ -172,14 +173,40 @@ __device__ __forceinline__ void rope_row(const float* x, float* o, const float* 
     }
 }
 
+// A batched pass's rows of several sequences (rows_tab, nullable): per row 5 u32 — its position,
+// then the addresses of its sequence's cache k and v for this layer (low word first). Every cache
+// has the shape [nkv, cap, hd] of the launch.
+struct RowKv {
+    int pos;
+    float* k;
+    float* v;
+};
+
+__device__ __forceinline__ RowKv row_kv(const uint32_t* __restrict__ tab, int i) {
+    const uint32_t* t = tab + 5 * (size_t)i;
+    RowKv r;
+    r.pos = (int)t[0];
+    r.k = (float*)(((uint64_t)t[2] << 32) | t[1]);
+    r.v = (float*)(((uint64_t)t[4] << 32) | t[3]);
+    return r;
+}
+
 extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, float* __restrict__ q_out,
                                           float* __restrict__ cache_k, float* __restrict__ cache_v,
                                           int nh, int nkv, int hd, int rd, int style, int pos, int cap,
-                                          const uint32_t* __restrict__ pos_dev) {
+                                          const uint32_t* __restrict__ pos_dev,
+                                          const uint32_t* __restrict__ rows_tab) {
     if (pos_dev) pos = (int)*pos_dev;
-    const int i = blockIdx.x, h = blockIdx.y, p = pos + i;
+    const int i = blockIdx.x, h = blockIdx.y;
+    int p = pos + i;
+    if (rows_tab) {
+        const RowKv r = row_kv(rows_tab, i);
+        p = r.pos;
+        cache_k = r.k;
+        cache_v = r.v;
+    }
     const float* c = cos_t + (size_t)p * (rd / 2);
     const float* s = sin_t + (size_t)p * (rd / 2);
     if (h < nh) {
@@ -194,7 +221,8 @@ extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const flo
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode attention. q [seq, nh, hd]; cache [nkv, cap, hd]; row i attends positions [0, pos + i].
+// Decode attention. q [seq, nh, hd]; cache [nkv, cap, hd]; row i attends positions [0, pos + i]
+// (with rows_tab: positions [0, its position] of its own sequence's cache).
 // grid (nkv * groups, splits, seq), ATT_THREADS threads. A block takes REP query heads of one kv
 // head (groups = ceil(n_rep / REP)) over positions [split * chunk, (split + 1) * chunk); each warp
 // takes every ATT_WARPS-th position with an online softmax, lanes hold HPL = hd / 32 dimensions.
@@ -210,7 +238,8 @@ template <int HPL>
 __device__ void attn_decode_impl(const float* __restrict__ q, const float* __restrict__ ck,
                                  const float* __restrict__ cv, float* __restrict__ out,
                                  float* __restrict__ part, int nh, int nkv, int cap, int pos,
-                                 int chunk, float scale, const uint32_t* __restrict__ pos_dev) {
+                                 int chunk, float scale, const uint32_t* __restrict__ pos_dev,
+                                 const uint32_t* __restrict__ rows_tab) {
     if (pos_dev) pos = (int)*pos_dev;
     constexpr int HD = HPL * WARP;
     __shared__ float sm_acc[ATT_WARPS][REP][HD];
@@ -219,7 +248,13 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
     const int kvh = blockIdx.x / groups, grp = blockIdx.x % groups;
     const int split = blockIdx.y, splits = gridDim.y, row = blockIdx.z;
     const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    const int total = pos + row + 1;
+    int total = pos + row + 1;
+    if (rows_tab) {
+        const RowKv r = row_kv(rows_tab, row);
+        total = r.pos + 1;
+        ck = r.k;
+        cv = r.v;
+    }
     const int j0 = split * chunk, j1 = min(total, j0 + chunk);
     const int h0 = kvh * n_rep + grp * REP;
     const int nr = min(REP, n_rep - grp * REP);
@@ -290,8 +325,9 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
 #define ATT_KERNEL(HPL)                                                                               \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_hd##HPL(                    \
         const float* q, const float* ck, const float* cv, float* out, float* part, int nh, int nkv,   \
-        int cap, int pos, int chunk, float scale, const uint32_t* pos_dev) {                          \
-        attn_decode_impl<HPL>(q, ck, cv, out, part, nh, nkv, cap, pos, chunk, scale, pos_dev);        \
+        int cap, int pos, int chunk, float scale, const uint32_t* pos_dev, const uint32_t* rows_tab) { \
+        attn_decode_impl<HPL>(q, ck, cv, out, part, nh, nkv, cap, pos, chunk, scale, pos_dev,         \
+                              rows_tab);                                                             \
     }
 ATT_KERNEL(1)
 ATT_KERNEL(2)

@@ -84,3 +84,116 @@ extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8
     }
     if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Grouped by expert, for batched passes (many tokens, experts shared between them): block
+// (x, y) takes rows 4x..4x+3 (a warp each) of the y-th distinct expert of `ids` (ascending expert
+// id; blocks past the last distinct expert return at once). Each warp dequantizes its row once
+// into registers (lane l: weight l of every 32-weight sub-block, ggml's dequantize_row_q4_K
+// values d·scale·q − dmin·min) and then takes every (token, slot) pair routed to that expert:
+// the row is read and dequantized once per pass, not once per pair.
+//
+//  moe_rows_q4k_grouped_nb{NB}  out[p, r] = W_e[r, :] · src[s(p), :] over rows of NB super-blocks
+//                               (256·NB values), s(p) = p / k (per_token: x rows) or p (a rows).
+// Used as gate, up (then silu_mul), down (then moe_combine) by strata_kernels::cuda::moe_q4k_grouped,
+// and with ids null for dense Q4_K products of a few rows (strata_kernels::cuda::matmul_q4k).
+#define GROUPED_MAX_E 1024
+
+// The y-th distinct expert id of ids[0..pairs) (ids >= E ignored), or -1; every thread of the
+// block gets the answer. bits: shared, GROUPED_MAX_E / 32 words. ids null: every pair is
+// expert 0's (a dense matrix).
+__device__ int nth_expert(const uint32_t* __restrict__ ids, int pairs, int E, int y, uint32_t* bits,
+                          int* sel) {
+    if (!ids) return y == 0 ? 0 : -1;
+    const int words = (E + 31) / 32;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) bits[i] = 0u;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const uint32_t e = ids[p];
+        if (e < (uint32_t)E) atomicOr(&bits[e / 32], 1u << (e % 32));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int left = y, found = -1;
+        for (int w = 0; w < words && found < 0; w++) {
+            uint32_t b = bits[w];
+            const int c = __popc(b);
+            if (left >= c) {
+                left -= c;
+                continue;
+            }
+            for (; left > 0; left--) b &= b - 1;  // drop the lowest set bits
+            found = w * 32 + __ffs(b) - 1;
+        }
+        *sel = found;
+    }
+    __syncthreads();
+    return *sel;
+}
+
+// src [*, 256·NB]; w [E, rows, 256·NB] Q4_K; ids [pairs] (= [n, k]), or null for a dense
+// matrix (E = 1, every pair expert 0's: out = src · wᵀ); out [pairs, rows].
+// grid (ceil(rows / 4), min(pairs, E)), 128 threads.
+template <int NB>
+__device__ void moe_rows_q4k_grouped(const float* __restrict__ src, const uint8_t* __restrict__ w,
+                                     const uint32_t* __restrict__ ids, float* __restrict__ out,
+                                     int rows, int k, int per_token, int pairs, int E) {
+    __shared__ uint32_t bits[GROUPED_MAX_E / 32];
+    __shared__ int sel;
+    const int e = nth_expert(ids, pairs, E, blockIdx.y, bits, &sel);
+    const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
+    if (e < 0 || r >= rows) return;
+    const uint8_t* row = w + ((size_t)e * rows + r) * NB * Q4K_BYTES;
+    float wv[NB][8];
+#pragma unroll
+    for (int b = 0; b < NB; b++) {
+        const uint8_t* blk = row + (size_t)b * Q4K_BYTES;
+        const float d = __half2float(*(const __half*)blk);
+        const float dmin = __half2float(*(const __half*)(blk + 2));
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const uint8_t q = blk[16 + 32 * c + lane];
+            float s0, m0, s1, m1;
+            q4k_scale_min(blk + 4, 2 * c, s0, m0);
+            q4k_scale_min(blk + 4, 2 * c + 1, s1, m1);
+            wv[b][2 * c] = d * s0 * (float)(q & 0xF) - dmin * m0;
+            wv[b][2 * c + 1] = d * s1 * (float)(q >> 4) - dmin * m1;
+        }
+    }
+    for (int c0 = 0; c0 < pairs; c0 += WARP) {
+        const int p = c0 + lane;
+        unsigned m = __ballot_sync(0xffffffffu, p < pairs && (!ids || ids[p] == (uint32_t)e));
+        while (m) {
+            const int q = c0 + __ffs(m) - 1;
+            m &= m - 1;
+            const float* xs = src + (size_t)(per_token ? q / k : q) * (NB * 256);
+            float acc = 0.f;
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    acc = fmaf(wv[b][2 * c], xs[b * 256 + 64 * c + lane], acc);
+                    acc = fmaf(wv[b][2 * c + 1], xs[b * 256 + 64 * c + 32 + lane], acc);
+                }
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) out[(size_t)q * rows + r] = acc;
+        }
+    }
+}
+
+#define MOE_ROWS_KERNEL(NB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) moe_rows_q4k_grouped_nb##NB(                 \
+        const float* src, const uint8_t* w, const uint32_t* ids, float* out, int rows, int k,       \
+        int per_token, int pairs, int E) {                                                          \
+        moe_rows_q4k_grouped<NB>(src, w, ids, out, rows, k, per_token, pairs, E);                   \
+    }
+// Row lengths 256 · NB: 256 … 4096 (NB_SUPPORTED in src/cuda.rs).
+MOE_ROWS_KERNEL(1)
+MOE_ROWS_KERNEL(2)
+MOE_ROWS_KERNEL(3)
+MOE_ROWS_KERNEL(4)
+MOE_ROWS_KERNEL(6)
+MOE_ROWS_KERNEL(8)
+MOE_ROWS_KERNEL(12)
+MOE_ROWS_KERNEL(16)

@@ -254,39 +254,110 @@ pub enum Position<'a> {
     /// Read by the kernels from `pos` (u32 `[1]` on the device), which holds at most `max`: the
     /// launches can be captured once in a CUDA graph and replayed at every position up to `max`.
     Device { pos: &'a Tensor, max: usize },
+    /// A batched pass over several sequences: row `i`'s position and its sequence's cache are
+    /// row `i` of the uploaded [`RowTable`]. Every cache in it has the shape of the [`LayerKv`]
+    /// given with it (checked).
+    Rows(&'a Rows),
+}
+
+/// The rows of a batched pass over several sequences' KV caches ([`Position::Rows`]): per row,
+/// its position and the device addresses of its sequence's layer cache.
+#[derive(Debug, Default)]
+pub struct RowTable {
+    words: Vec<u32>,
+    max: usize,
+    shape: Option<Vec<usize>>,
+}
+
+/// A [`RowTable`] on the device: u32 `[rows, 5]` (position, then the cache k and v addresses,
+/// low word first), the largest position and the caches' shape.
+#[derive(Debug)]
+pub struct Rows {
+    table: Tensor,
+    max: usize,
+    shape: Vec<usize>,
+}
+
+impl RowTable {
+    /// Adds `rows` rows of one sequence at positions `first..first + rows`, over `cache`.
+    ///
+    /// Errors: a cache tensor not f32, contiguous, on a CUDA device, or of another shape than
+    /// the caches already in the table (k and v alike).
+    pub fn push(&mut self, first: usize, rows: usize, cache: LayerKv<'_>) -> Result<()> {
+        check_f32(cache.k, "cache k")?;
+        check_f32(cache.v, "cache v")?;
+        let shape = self.shape.get_or_insert_with(|| cache.k.dims().to_vec());
+        if cache.k.dims() != shape.as_slice() || cache.v.dims() != shape.as_slice() {
+            bail!("row table: caches {:?} / {:?} after {shape:?}", cache.k.dims(), cache.v.dims());
+        }
+        let (k, v) = (addr(cache.k)?, addr(cache.v)?);
+        for p in first..first + rows {
+            self.words.extend([p as u32, k as u32, (k >> 32) as u32, v as u32, (v >> 32) as u32]);
+            self.max = self.max.max(p);
+        }
+        Ok(())
+    }
+
+    /// The table on `device` (one host-to-device copy), for [`Position::Rows`].
+    pub fn upload(&self, device: &Device) -> Result<Rows> {
+        let rows = self.words.len() / 5;
+        Ok(Rows {
+            table: Tensor::from_slice(&self.words, (rows, 5), device)?,
+            max: self.max,
+            shape: self.shape.clone().unwrap_or_default(),
+        })
+    }
 }
 
 impl Position<'_> {
-    /// The largest first position the launch may see.
-    fn max(&self) -> usize {
+    /// One past the largest position a launch over `seq` rows may write or read.
+    fn end(&self, seq: usize) -> usize {
         match *self {
-            Position::Host(p) => p,
-            Position::Device { max, .. } => max,
+            Position::Host(p) => p + seq,
+            Position::Device { max, .. } => max + seq,
+            Position::Rows(r) => r.max + 1,
         }
     }
 
     fn host(&self) -> i32 {
         match *self {
             Position::Host(p) => p as i32,
-            Position::Device { .. } => 0,
+            Position::Device { .. } | Position::Rows(_) => 0,
         }
     }
 
-    /// The device address of the position (0: a host position).
+    /// The device address of the position (0: a host position or a row table).
     fn device_addr(&self) -> Result<u64> {
         match self {
-            Position::Host(_) => Ok(0),
             Position::Device { pos, .. } => addr(pos),
+            Position::Host(_) | Position::Rows(_) => Ok(0),
         }
     }
 
-    fn check(&self) -> Result<()> {
-        if let Position::Device { pos, .. } = self {
-            if pos.dtype() != DType::U32 || pos.elem_count() != 1 {
-                bail!("device position: expected one u32, got {:?} {:?}", pos.dtype(), pos.dims());
-            }
+    /// The device address of the row table (0: none).
+    fn rows_addr(&self) -> Result<u64> {
+        match self {
+            Position::Rows(r) => addr(&r.table),
+            Position::Host(_) | Position::Device { .. } => Ok(0),
         }
-        Ok(())
+    }
+
+    /// Checks the position for a launch over `seq` rows and `cache`.
+    fn check(&self, seq: usize, cache: &LayerKv<'_>) -> Result<()> {
+        match self {
+            Position::Device { pos, .. } if pos.dtype() != DType::U32 || pos.elem_count() != 1 => {
+                bail!("device position: expected one u32, got {:?} {:?}", pos.dtype(), pos.dims())
+            }
+            Position::Rows(r) if r.table.dims() != [seq, 5] || r.shape != cache.k.dims() => {
+                bail!(
+                    "row table: {:?} rows of caches {:?}, for {seq} rows of caches {:?}",
+                    r.table.dims(),
+                    r.shape,
+                    cache.k.dims()
+                )
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -317,7 +388,7 @@ pub fn rope_kv_append(
     pos: Position<'_>,
     cache: LayerKv<'_>,
 ) -> Result<Tensor> {
-    pos.check()?;
+    pos.check(q.dim(0)?, &cache)?;
     for (t, w) in [(q, "q"), (k, "k"), (v, "v"), (cos, "cos"), (sin, "sin")] {
         check_f32(t, w)?;
     }
@@ -339,7 +410,7 @@ pub fn rope_kv_append(
     if cache.v.dims() != cache.k.dims() || sin.dims() != cos.dims() {
         bail!("rope_kv_append: cache or table shapes differ");
     }
-    let last = pos.max() + seq;
+    let last = pos.end(seq);
     if rd > hd || !hd.is_multiple_of(2) || last > cap || last > max_pos {
         bail!(
             "rope_kv_append: rope dims {rd}, head dim {hd}, positions up to {last} \
@@ -365,9 +436,11 @@ pub fn rope_kv_append(
     args.push(Arg::I32(pos.host()));
     args.push(Arg::I32(cap as i32));
     args.push(Arg::Ptr(pos.device_addr()?));
-    // SAFETY: arguments in `rope_kv_append`'s order; shapes and positions checked above. The
-    // cache is written in place: its tensors belong to one KvCache, used by one pass at a time
-    // on this stream.
+    args.push(Arg::Ptr(pos.rows_addr()?));
+    // SAFETY: arguments in `rope_kv_append`'s order; shapes and positions checked above (a row
+    // table's caches by its builder and caller: contiguous f32 caches of this shape). The caches
+    // are written in place: their tensors belong to KvCaches used by one pass at a time on this
+    // stream.
     unsafe { launch(dev, "rope_kv_append", cfg, &args) }?;
     Ok(q_out)
 }
@@ -392,10 +465,10 @@ pub fn attend_decode(
     cache: LayerKv<'_>,
 ) -> Result<Tensor> {
     check_f32(q, "q")?;
-    pos.check()?;
     let (seq, nh, hd) = q.dims3()?;
+    pos.check(seq, &cache)?;
     let (_, nkv, cap, chd) = cache.k.dims4()?;
-    let last = pos.max() + seq;
+    let last = pos.end(seq);
     if chd != hd || !attend_supports(hd) || nkv == 0 || !nh.is_multiple_of(nkv) || last > cap {
         bail!(
             "attend_decode: q {:?}, cache {:?}, positions up to {last}",
@@ -429,6 +502,7 @@ pub fn attend_decode(
     args.push(Arg::I32(ATTN_CHUNK as i32));
     args.push(Arg::F32(scale));
     args.push(Arg::Ptr(pos.device_addr()?));
+    args.push(Arg::Ptr(pos.rows_addr()?));
     // SAFETY: arguments in `attn_decode_hd*`'s order; shapes checked above; `part` holds
     // `seq · nh · splits · (hd + 2)` values when there are several splits.
     unsafe { launch(dev, &format!("attn_decode_hd{}", hd / 32), cfg, &args) }?;
@@ -443,6 +517,169 @@ pub fn attend_decode(
         // SAFETY: arguments in `attn_combine`'s order.
         unsafe { launch(dev, "attn_combine", cfg, &args) }?;
     }
+    Ok(out)
+}
+
+/// Shapes of a MoE call over Q4_K experts.
+struct MoeDims {
+    n: usize,
+    h: usize,
+    e: usize,
+    i: usize,
+    k: usize,
+}
+
+/// Checks `x: [n, H]` f32, `gate`, `up: [E, I, H]`, `down: [E, H, I]` Q4_K (H, I multiples of
+/// 256), `ids: [n, k]` u32, `weights: [n, k]` f32 and `n ≤ max_rows`.
+fn check_moe(
+    x: &Tensor,
+    [gate, up, down]: [&QTensor; 3],
+    ids: &Tensor,
+    weights: &Tensor,
+    max_rows: usize,
+) -> Result<MoeDims> {
+    check_f32(x, "x")?;
+    check_f32(weights, "routing weights")?;
+    let (n, h) = x.dims2()?;
+    let (e, i, gh) = gate.shape().dims3()?;
+    let (_, k) = ids.dims2()?;
+    let q4k = [gate, up, down].iter().all(|t| t.dtype() == GgmlDType::Q4K);
+    if !q4k
+        || up.shape().dims() != [e, i, gh]
+        || down.shape().dims() != [e, h, i]
+        || gh != h
+        || !h.is_multiple_of(256)
+        || !i.is_multiple_of(256)
+        || ids.dims() != [n, k]
+        || ids.dtype() != DType::U32
+        || weights.dims() != [n, k]
+        || n > max_rows
+    {
+        bail!(
+            "moe_q4k: x {:?}, gate {:?} {:?}, down {:?}, ids {:?}",
+            x.dims(),
+            gate.dtype(),
+            gate.shape().dims(),
+            down.shape().dims(),
+            ids.dims()
+        );
+    }
+    Ok(MoeDims { n, h, e, i, k })
+}
+
+/// Tokens a pass may have for [`moe_q4k_grouped`].
+pub const MOE_GROUPED_ROWS_MAX: usize = 64;
+
+/// Most experts per layer [`moe_q4k_grouped`] takes (`GROUPED_MAX_E` in moe_q4k.cuh).
+pub const MOE_GROUPED_MAX_EXPERTS: usize = 1024;
+
+/// Super-blocks per row (row length ÷ 256) the grouped kernels are built for
+/// (`moe_rows_q4k_grouped_nb*`).
+const NB_SUPPORTED: [usize; 8] = [1, 2, 3, 4, 6, 8, 12, 16];
+
+/// Whether [`moe_q4k_grouped`] takes experts of hidden size `h` and intermediate size `i`.
+pub fn moe_grouped_supports(h: usize, i: usize) -> bool {
+    [h, i].iter().all(|&n| n.is_multiple_of(256) && NB_SUPPORTED.contains(&(n / 256)))
+}
+
+/// [`moe_q4k`] grouped by expert, for batched passes (several sequences' decode tokens, short
+/// verify passes): one block per (distinct selected expert, 4 weight rows) dequantizes those
+/// rows once into registers and runs them over every (token, slot) pair routed to that expert,
+/// so each selected expert's weights are read and dequantized once per pass instead of once per
+/// pair. Five launches: gate, up, [`silu_mul`], down, [`moe_combine`]; no residual. f32
+/// activations like [`moe_q4k`] (the f32 reference's result up to summation order).
+///
+/// `ids` must be below `E` (as a router's are): a pair with another id is skipped by the
+/// kernels and its output row is undefined.
+///
+/// Errors: as [`moe_q4k`], with `n` up to [`MOE_GROUPED_ROWS_MAX`], `E` up to
+/// [`MOE_GROUPED_MAX_EXPERTS`] and sizes [`moe_grouped_supports`] takes.
+pub fn moe_q4k_grouped(
+    x: &Tensor,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+    ids: &Tensor,
+    weights: &Tensor,
+) -> Result<Tensor> {
+    let MoeDims { n, h, e, i, k } =
+        check_moe(x, [gate, up, down], ids, weights, MOE_GROUPED_ROWS_MAX)?;
+    if e > MOE_GROUPED_MAX_EXPERTS || !moe_grouped_supports(h, i) {
+        bail!("moe_q4k_grouped: {e} experts of {h} × {i} (see moe_grouped_supports)");
+    }
+    let dev = cuda_device(x)?;
+    let pairs = n * k;
+    if pairs == 0 {
+        return alloc::<f32>(dev, (n, h))?.zeros_like();
+    }
+    // out [pairs, rows] = the expert's rows (`rows` of `len` values) · src rows.
+    let rows = |src: &Tensor, w: &QTensor, rows: usize, len: usize, per_token: bool| {
+        let out = alloc::<f32>(dev, (pairs, rows))?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(4) as u32, pairs.min(e) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = vec![
+            Arg::Ptr(addr(src)?),
+            Arg::Ptr(w.device_ptr()? as u64),
+            Arg::Ptr(addr(ids)?),
+            Arg::Ptr(addr(&out)?),
+        ];
+        args.extend(i32s(&[rows, k, per_token as usize, pairs, e]));
+        // SAFETY: arguments in `moe_rows_q4k_grouped_nb*`'s order; `w` is [E, rows, len] Q4_K
+        // and src holds a `len`-value row per token (per_token) or per pair; the kernel skips
+        // ids ≥ E (their rows of `out` are left undefined: a router's ids are < E).
+        unsafe { launch(dev, &format!("moe_rows_q4k_grouped_nb{}", len / 256), cfg, &args) }?;
+        Ok::<Tensor, candle_core::Error>(out)
+    };
+    let g = rows(x, gate, i, h, true)?;
+    let u = rows(x, up, i, h, true)?;
+    let a = silu_mul(&g, &u)?;
+    let y = rows(&a, down, h, i, false)?;
+    moe_combine(&y.reshape((n, k, h))?, &weights.contiguous()?)
+}
+
+/// Rows a product may have for [`matmul_q4k`] (a batch's decode rows, a verify pass; longer
+/// passes are faster dequantized once to f32 for cuBLAS).
+pub const MATMUL_ROWS_MAX: usize = 16;
+
+/// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`), for a few rows
+/// (decode steps of a batch, short verify passes): each warp dequantizes one weight row into
+/// registers once (ggml's `dequantize_row_q4_K` values) and takes every row of `x` with it, in
+/// f32 (`moe_rows_q4k_grouped_nb*` with every pair on one "expert"). A row's result does not
+/// depend on the other rows of `x`, so a batch's rows equal the same rows passed alone (tested).
+///
+/// Errors: `w` not Q4_K `[R, K]` with `K` a size [`moe_grouped_supports`] takes, `x` not f32
+/// `[n, K]` contiguous on the same device, `n` above [`MATMUL_ROWS_MAX`].
+pub fn matmul_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    check_f32(x, "x")?;
+    let (n, kx) = x.dims2()?;
+    let (r, k) = w.shape().dims2()?;
+    if w.dtype() != GgmlDType::Q4K || k != kx || !moe_grouped_supports(k, k) || n > MATMUL_ROWS_MAX
+    {
+        bail!("matmul_q4k: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
+    }
+    let dev = cuda_device(x)?;
+    let out = alloc::<f32>(dev, (n, r))?;
+    if n == 0 || r == 0 {
+        return Ok(out);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (r.div_ceil(4) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = vec![
+        Arg::Ptr(addr(x)?),
+        Arg::Ptr(w.device_ptr()? as u64),
+        Arg::Ptr(0),
+        Arg::Ptr(addr(&out)?),
+    ];
+    args.extend(i32s(&[r, 1, 1, n, 1]));
+    // SAFETY: arguments in `moe_rows_q4k_grouped_nb*`'s order: src x [n, K], w [1, R, K] Q4_K,
+    // no ids (every pair expert 0's), out [n, R]; shapes checked above.
+    unsafe { launch(dev, &format!("moe_rows_q4k_grouped_nb{}", k / 256), cfg, &args) }?;
     Ok(out)
 }
 
@@ -471,32 +708,9 @@ pub fn moe_q4k(
     weights: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
-    check_f32(x, "x")?;
-    check_f32(weights, "routing weights")?;
-    let (n, h) = x.dims2()?;
-    let (e, i, gh) = gate.shape().dims3()?;
-    let (_, k) = ids.dims2()?;
-    let q4k = [gate, up, down].iter().all(|t| t.dtype() == GgmlDType::Q4K);
-    if !q4k
-        || up.shape().dims() != [e, i, gh]
-        || down.shape().dims() != [e, h, i]
-        || gh != h
-        || !h.is_multiple_of(256)
-        || !i.is_multiple_of(256)
-        || ids.dims() != [n, k]
-        || ids.dtype() != DType::U32
-        || weights.dims() != [n, k]
-        || residual.is_some_and(|r| r.dims() != [n, h])
-        || n > MOE_ROWS_MAX
-    {
-        bail!(
-            "moe_q4k: x {:?}, gate {:?} {:?}, down {:?}, ids {:?}",
-            x.dims(),
-            gate.dtype(),
-            gate.shape().dims(),
-            down.shape().dims(),
-            ids.dims()
-        );
+    let MoeDims { n, h, i, k, .. } = check_moe(x, [gate, up, down], ids, weights, MOE_ROWS_MAX)?;
+    if residual.is_some_and(|r| r.dims() != [n, h]) {
+        bail!("moe_q4k: residual {:?} for x {:?}", residual.map(|r| r.dims()), x.dims());
     }
     let dev = cuda_device(x)?;
     let a = alloc::<f32>(dev, (n, k, i))?;

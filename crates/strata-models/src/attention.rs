@@ -127,12 +127,21 @@ impl Attention {
         } else {
             (q, None)
         };
+        #[cfg(feature = "cuda")]
+        let batched = self.attend_batch_gpu(&q, &k, &v, layer, parts, rope)?;
+        #[cfg(not(feature = "cuda"))]
+        let batched: Option<Tensor> = None;
         let mut outs = Vec::with_capacity(parts.len());
-        for p in parts.iter_mut() {
-            let (start, n) = (p.rows.start, p.rows.len());
-            let pick = |t: &Tensor| t.narrow(0, start, n);
-            let (q, k, v) = (pick(&q)?, pick(&k)?, pick(&v)?);
-            outs.push(self.attend(&q, &k, &v, layer, p.cache, rope, p.mask.as_ref())?);
+        match batched {
+            Some(out) => outs.push(out),
+            None => {
+                for p in parts.iter_mut() {
+                    let (start, n) = (p.rows.start, p.rows.len());
+                    let pick = |t: &Tensor| t.narrow(0, start, n);
+                    let (q, k, v) = (pick(&q)?, pick(&k)?, pick(&v)?);
+                    outs.push(self.attend(&q, &k, &v, layer, p.cache, rope, p.mask.as_ref())?);
+                }
+            }
         }
         let out = if outs.len() == 1 { outs.pop().unwrap_or(q) } else { Tensor::cat(&outs, 0)? };
         let out = match &gate {
@@ -275,19 +284,79 @@ impl Attention {
         let k = self.split_heads(k, self.num_kv_heads, &self.k_norm)?;
         let v = self.split_heads(v, self.num_kv_heads, &None)?;
         let (cos, sin, style) = rope.tables();
-        let style = match style {
-            strata_formats::RopeStyle::Neox => gpu::RopeStyle::Neox,
-            strata_formats::RopeStyle::Interleaved => gpu::RopeStyle::Interleaved,
-        };
         let pos = match cache.device_position() {
             Some((pos, max)) => gpu::Position::Device { pos, max },
             None => gpu::Position::Host(cache.len()),
         };
         let (ck, cv) = cache.layer_kv(layer)?;
-        let q =
-            gpu::rope_kv_append(&q, &k, &v, cos, sin, style, pos, gpu::LayerKv { k: ck, v: cv })?;
-        let out = gpu::attend_decode(&q, pos, self.scale as f32, gpu::LayerKv { k: ck, v: cv })?;
+        let kv = || gpu::LayerKv { k: ck, v: cv };
+        let q = gpu::rope_kv_append(&q, &k, &v, cos, sin, gpu_rope_style(style), pos, kv())?;
+        let out = gpu::attend_decode(&q, pos, self.scale as f32, kv())?;
         Ok(Some(out))
+    }
+
+    /// [`Self::attend_gpu`] for a batched pass over several sequences, in two launches for all of
+    /// them: the q/k norms and head splits once over the batch's rows, then RoPE with the
+    /// KV-cache writes and split-K attention with each row's position and cache read from a row
+    /// table ([`strata_kernels::cuda::RowTable`], one small host-to-device copy per layer).
+    /// `None` where the per-sequence path must run: the conditions of [`Self::attend_gpu`], a
+    /// single sequence, caches of different capacities, or a cache whose position lives on the
+    /// device (a captured CUDA graph).
+    #[cfg(feature = "cuda")]
+    fn attend_batch_gpu(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        layer: usize,
+        parts: &[SeqPart<'_>],
+        rope: &RotaryEmbedding,
+    ) -> Result<Option<Tensor>> {
+        use strata_kernels::cuda as gpu;
+        let cap = parts.first().map(|p| p.cache.capacity());
+        if parts.len() < 2
+            || !q.device().is_cuda()
+            || parts.iter().any(|p| {
+                p.rows.len() > GPU_ATTEND_ROWS_MAX
+                    || Some(p.cache.capacity()) != cap
+                    || p.cache.device_position().is_some()
+            })
+            || self.clip_qkv.is_some()
+            || !gpu::attend_supports(self.head_dim)
+            || !crate::gpu::enabled(crate::gpu::GpuPath::Attention)
+        {
+            return Ok(None);
+        }
+        // One table row per batch row: the parts' rows, in order (forward_batch's layout).
+        let mut table = gpu::RowTable::default();
+        let mut next = 0;
+        for p in parts.iter() {
+            if p.rows.start != next {
+                return Ok(None);
+            }
+            next = p.rows.end;
+            let (ck, cv) = p.cache.layer_kv(layer)?;
+            table.push(p.cache.len(), p.rows.len(), gpu::LayerKv { k: ck, v: cv })?;
+        }
+        let rows = table.upload(q.device())?;
+        let pos = gpu::Position::Rows(&rows);
+        let q = self.split_heads(q, self.num_heads, &self.q_norm)?;
+        let k = self.split_heads(k, self.num_kv_heads, &self.k_norm)?;
+        let v = self.split_heads(v, self.num_kv_heads, &None)?;
+        let (cos, sin, style) = rope.tables();
+        let (ck, cv) = parts[0].cache.layer_kv(layer)?;
+        let kv = || gpu::LayerKv { k: ck, v: cv };
+        let q = gpu::rope_kv_append(&q, &k, &v, cos, sin, gpu_rope_style(style), pos, kv())?;
+        Ok(Some(gpu::attend_decode(&q, pos, self.scale as f32, kv())?))
+    }
+}
+
+/// The kernels' name for a model's RoPE style.
+#[cfg(feature = "cuda")]
+fn gpu_rope_style(style: strata_formats::RopeStyle) -> strata_kernels::cuda::RopeStyle {
+    match style {
+        strata_formats::RopeStyle::Neox => strata_kernels::cuda::RopeStyle::Neox,
+        strata_formats::RopeStyle::Interleaved => strata_kernels::cuda::RopeStyle::Interleaved,
     }
 }
 

@@ -82,9 +82,11 @@ impl FusedExperts {
     }
 
     /// `x: [seq, H]`, `ids: [seq, k]`, `weights: [seq, k]` (on the device) → the weighted sum of
-    /// the selected experts' outputs `[seq, H]` in two launches of our Q4_K kernels
-    /// (`strata_kernels::cuda::moe_q4k`, f32 activations), for passes of at most
-    /// `MOE_ROWS_MAX` tokens on a GPU, with `STRATA_GPU_MOE=1`. `None`: another device, format or
+    /// the selected experts' outputs `[seq, H]` by our Q4_K kernels (f32 activations) on a GPU:
+    /// with `STRATA_GPU_MOE_GROUPED=1`, passes of 2 to `MOE_GROUPED_ROWS_MAX` tokens (batched
+    /// decode, verify) grouped by expert (`strata_kernels::cuda::moe_q4k_grouped`: each selected
+    /// expert's weights read once for all of its tokens); with `STRATA_GPU_MOE=1`, passes of up
+    /// to `MOE_ROWS_MAX` tokens by `strata_kernels::cuda::moe_q4k`. `None`: another device, format or
     /// length, or the kernels not asked for (then [`Self::forward`] and a weighted sum).
     #[cfg(feature = "cuda")]
     pub fn forward_combined(
@@ -93,19 +95,27 @@ impl FusedExperts {
         ids: &Tensor,
         weights: &Tensor,
     ) -> Option<candle_core::Result<Tensor>> {
-        use strata_kernels::cuda::{moe_q4k, MOE_ROWS_MAX};
+        use crate::gpu::{enabled, GpuPath};
+        use strata_kernels::cuda::{self as k, MOE_GROUPED_MAX_EXPERTS, MOE_GROUPED_ROWS_MAX};
         let seq = x.dim(0).ok()?;
-        if !x.device().is_cuda()
-            || seq > MOE_ROWS_MAX
-            || self.gate.dtype() != GgmlDType::Q4K
-            || !crate::gpu::enabled(crate::gpu::GpuPath::Moe)
-        {
+        if !x.device().is_cuda() || self.gate.dtype() != GgmlDType::Q4K {
             return None;
         }
-        Some(
-            x.contiguous()
-                .and_then(|x| moe_q4k(&x, &self.gate, &self.up, &self.down, ids, weights, None)),
-        )
+        let (experts, inter, hidden) = self.gate.shape().dims3().ok()?;
+        let (g, u, d) = (&self.gate, &self.up, &self.down);
+        if (2..=MOE_GROUPED_ROWS_MAX).contains(&seq)
+            && experts <= MOE_GROUPED_MAX_EXPERTS
+            && k::moe_grouped_supports(hidden, inter)
+            && enabled(GpuPath::MoeGrouped)
+        {
+            return Some(
+                x.contiguous().and_then(|x| k::moe_q4k_grouped(&x, g, u, d, ids, weights)),
+            );
+        }
+        if seq > k::MOE_ROWS_MAX || !enabled(GpuPath::Moe) {
+            return None;
+        }
+        Some(x.contiguous().and_then(|x| k::moe_q4k(&x, g, u, d, ids, weights, None)))
     }
 
     /// Bytes of the three tensors as stored.

@@ -3,10 +3,16 @@
 //! before/after measurement or to rule it out: `STRATA_GPU_ROUTING=0` (router top-k on the host,
 //! one synchronisation per MoE layer), `STRATA_GPU_ATTENTION=0` (decode attention through
 //! candle's matmul + softmax), `STRATA_GPU_GRAPHS=0` (decode steps launched op by op instead of
-//! replayed from a captured CUDA graph). Off by default: `STRATA_GPU_MOE=1` runs the Q4_K
-//! experts of short passes on our f32-activation kernels instead of candle's
-//! `indexed_moe_forward` (Q8_1 activations, as llama.cpp's): exact to the f32 reference, but
-//! measured slower on the H100 (docs/performance.md, "GPU decode step").
+//! replayed from a captured CUDA graph), `STRATA_GPU_DENSE=0` (dense Q4_K products of 2 to
+//! `MATMUL_ROWS_MAX` rows through candle: the whole matrix dequantized to f32, then cuBLAS).
+//!
+//! Off by default, both measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
+//! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by
+//! expert instead of candle's `indexed_moe_forward` (docs/performance.md, "Batched decode on the
+//! H100: where a 16-sequence step goes"); `STRATA_GPU_MOE=1` runs the Q4_K experts of short
+//! passes on our f32-activation kernels instead of candle's `indexed_moe_forward` (Q8_1
+//! activations, as llama.cpp's): exact to the f32 reference (docs/performance.md, "GPU decode
+//! step").
 
 use std::sync::OnceLock;
 
@@ -22,25 +28,36 @@ pub enum GpuPath {
     /// Our Q4_K MoE kernels for passes of a few tokens ([`crate::FusedExperts`]); off unless
     /// asked for.
     Moe,
+    /// Our Q4_K MoE kernels grouped by expert for passes of 2 to
+    /// `strata_kernels::cuda::MOE_GROUPED_ROWS_MAX` tokens ([`crate::FusedExperts`]); off unless
+    /// asked for.
+    MoeGrouped,
+    /// Dense Q4_K products of a few rows on our kernel ([`crate::layers::Linear`]).
+    Dense,
     /// The decode step captured once per context bucket as a CUDA graph and replayed
     /// (`Transformer`'s graph path).
     Graphs,
 }
 
-/// Whether `path` is on: its variable is not `0` ([`GpuPath::Moe`]: is `1`).
+/// Whether `path` is on: its variable is not `0` ([`GpuPath::Moe`], [`GpuPath::MoeGrouped`]:
+/// is `1`).
 pub fn enabled(path: GpuPath) -> bool {
     static ROUTING: OnceLock<bool> = OnceLock::new();
     static ATTENTION: OnceLock<bool> = OnceLock::new();
     static GRAPHS: OnceLock<bool> = OnceLock::new();
     static MOE: OnceLock<bool> = OnceLock::new();
+    static MOE_GROUPED: OnceLock<bool> = OnceLock::new();
+    static DENSE: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
         GpuPath::Graphs => (&GRAPHS, "STRATA_GPU_GRAPHS"),
         GpuPath::Moe => (&MOE, "STRATA_GPU_MOE"),
+        GpuPath::MoeGrouped => (&MOE_GROUPED, "STRATA_GPU_MOE_GROUPED"),
+        GpuPath::Dense => (&DENSE, "STRATA_GPU_DENSE"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
-        (GpuPath::Moe, v) => v.is_ok_and(|v| v == "1"),
+        (GpuPath::Moe | GpuPath::MoeGrouped, v) => v.is_ok_and(|v| v == "1"),
         (_, v) => !v.is_ok_and(|v| v == "0"),
     })
 }

@@ -255,6 +255,10 @@ impl Linear {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::cat(&parts, 0)
         } else {
+            #[cfg(feature = "cuda")]
+            if let Some(y) = dense_q4k_gpu(w, x) {
+                return y;
+            }
             w.forward(x)
         }
     }
@@ -337,4 +341,26 @@ impl RmsNorm {
         }
         Tensor::from_vec(v, dims, x.device())
     }
+}
+
+/// A dense Q4_K product of 2 to `MATMUL_ROWS_MAX` rows `x: [n, in]` on a GPU through our kernel
+/// (`strata_kernels::cuda::matmul_q4k`: each weight row dequantized once for all rows, f32
+/// activations; every row's result independent of the others), unless `STRATA_GPU_DENSE=0`:
+/// candle's path (with `STRATA_CUDA_MMVQ` unset) dequantizes the whole matrix to f32 and runs
+/// cuBLAS for more than one row. One row keeps candle's DMMV kernel (measured faster for a
+/// single decode step). `None`: another device, format, rank or size.
+#[cfg(feature = "cuda")]
+fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
+    use strata_kernels::cuda::{matmul_q4k, moe_grouped_supports, MATMUL_ROWS_MAX};
+    let QMatMul::QTensor(q) = w else { return None };
+    let (n, k) = x.dims2().ok()?;
+    if !x.device().is_cuda()
+        || q.dtype() != GgmlDType::Q4K
+        || !(2..=MATMUL_ROWS_MAX).contains(&n)
+        || !moe_grouped_supports(k, k)
+        || !crate::gpu::enabled(crate::gpu::GpuPath::Dense)
+    {
+        return None;
+    }
+    Some(x.contiguous().and_then(|x| matmul_q4k(&x, q)))
 }

@@ -269,6 +269,135 @@ fn rope_append_and_decode_attention_match_the_reference() {
     assert_eq!(n, 5 * 7 * 2 * 2);
 }
 
+/// The dense Q4_K product of a few rows equals the f64 product over the dequantized weights
+/// (within f32 rounding), and each row's result is bit for bit the same whatever the other rows.
+#[test]
+fn matmul_q4k_matches_the_f32_reference_and_rows_are_independent() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let (dev, cpu) = (cuda(), Device::Cpu);
+    let mut rng = Rng(0xd3);
+    for &(r, k, n) in &[(7usize, 256usize, 1usize), (64, 2048, 16), (130, 768, 3)] {
+        let w = Tensor::from_vec(rng.vec(r * k, 1.0), (r, k), &cpu).unwrap();
+        let deq = QTensor::quantize(&w, GgmlDType::Q4K)
+            .unwrap()
+            .dequantize(&cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let wq = QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap();
+        let x = rng.vec(n * k, 1.0);
+        let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
+        let got =
+            gpu::matmul_q4k(&xt, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let want: Vec<f32> = (0..n * r)
+            .map(|i| {
+                let (t, o) = (i / r, i % r);
+                (0..k).map(|j| deq[o * k + j] as f64 * x[t * k + j] as f64).sum::<f64>() as f32
+            })
+            .collect();
+        let err = max_rel(&got, &want);
+        assert!(err < 1e-5, "matmul_q4k off by {err} (R {r} K {k} n {n})");
+        let last = xt.narrow(0, n - 1, 1).unwrap().contiguous().unwrap();
+        let alone =
+            gpu::matmul_q4k(&last, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(alone, got[(n - 1) * r..], "row {} alone differs (R {r} K {k} n {n})", n - 1);
+    }
+    let x = Tensor::zeros((gpu::MATMUL_ROWS_MAX + 1, 256), DType::F32, &dev).unwrap();
+    let w = Tensor::zeros((4, 256), DType::F32, &cpu).unwrap();
+    let wq = QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap();
+    assert!(gpu::matmul_q4k(&x, &wq).is_err());
+}
+
+/// A batched pass over several sequences' caches through a row table (one launch each for RoPE
+/// with the cache writes and for attention) equals running each sequence alone: the same rotated
+/// queries, cache contents and attention outputs. Contexts of different lengths, one past a
+/// split boundary, and a sequence with two rows.
+#[test]
+fn row_table_batch_equals_each_sequence_alone() {
+    let dev = cuda();
+    let mut rng = Rng(0xba7c);
+    let (nh, nkv, hd, cap) = (8usize, 2usize, 64usize, 700usize);
+    let rope =
+        RotaryEmbedding::new(10000.0, hd, &RopeScaling::None, RopeStyle::Neox, cap, &dev).unwrap();
+    let (cos, sin, _) = rope.tables();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let seqs = [(5usize, 1usize), (300, 2), (611, 1)]; // (position, rows)
+    let rows: usize = seqs.iter().map(|s| s.1).sum();
+    let caches: Vec<(Vec<f32>, Vec<f32>)> =
+        seqs.iter().map(|_| (rng.vec(nkv * cap * hd, 1.0), rng.vec(nkv * cap * hd, 1.0))).collect();
+    let cache = |c: &Vec<f32>| Tensor::from_vec(c.clone(), (1, nkv, cap, hd), &dev).unwrap();
+    let (q, k, v) = (
+        rng.vec(rows * nh * hd, 1.0),
+        rng.vec(rows * nkv * hd, 1.0),
+        rng.vec(rows * nkv * hd, 1.0),
+    );
+    let t = |x: &Vec<f32>, n: usize| Tensor::from_vec(x.clone(), (rows, n, hd), &dev).unwrap();
+    let (qt, kt, vt) = (t(&q, nh), t(&k, nkv), t(&v, nkv));
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // Alone: each sequence's rows with a host position.
+    let alone: Vec<(Tensor, Tensor)> = caches.iter().map(|(a, b)| (cache(a), cache(b))).collect();
+    let (mut q_alone, mut out_alone, mut start) = (Vec::new(), Vec::new(), 0);
+    for (&(pos, n), (ck, cv)) in seqs.iter().zip(&alone) {
+        let pick = |x: &Tensor| x.narrow(0, start, n).unwrap();
+        let kv = gpu::LayerKv { k: ck, v: cv };
+        let qr = gpu::rope_kv_append(
+            &pick(&qt),
+            &pick(&kt),
+            &pick(&vt),
+            cos,
+            sin,
+            gpu::RopeStyle::Neox,
+            gpu::Position::Host(pos),
+            kv,
+        )
+        .unwrap();
+        let kv = gpu::LayerKv { k: ck, v: cv };
+        out_alone
+            .extend(flat(&gpu::attend_decode(&qr, gpu::Position::Host(pos), scale, kv).unwrap()));
+        q_alone.extend(flat(&qr));
+        start += n;
+    }
+    // Batched: all rows, one row table.
+    let batched: Vec<(Tensor, Tensor)> = caches.iter().map(|(a, b)| (cache(a), cache(b))).collect();
+    let mut table = gpu::RowTable::default();
+    for (&(pos, n), (ck, cv)) in seqs.iter().zip(&batched) {
+        table.push(pos, n, gpu::LayerKv { k: ck, v: cv }).unwrap();
+    }
+    let rows_table = table.upload(&dev).unwrap();
+    let at = gpu::Position::Rows(&rows_table);
+    let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
+    let qr = gpu::rope_kv_append(&qt, &kt, &vt, cos, sin, gpu::RopeStyle::Neox, at, kv).unwrap();
+    let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
+    let out = flat(&gpu::attend_decode(&qr, at, scale, kv).unwrap());
+    assert!(max_rel(&flat(&qr), &q_alone) < 1e-6, "rotated q");
+    for ((ak, av), (bk, bv)) in alone.iter().zip(&batched) {
+        assert_eq!(flat(ak), flat(bk), "cache keys");
+        assert_eq!(flat(av), flat(bv), "cache values");
+    }
+    let err = max_rel(&out, &out_alone);
+    assert!(err < 1e-6, "batched attention off by {err}");
+    // Refused: a table with fewer rows than the pass, a cache of another shape in a table, and
+    // a table whose caches differ from the launch's.
+    let mut short = gpu::RowTable::default();
+    short.push(5, 1, gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 }).unwrap();
+    let short = short.upload(&dev).unwrap();
+    let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
+    assert!(gpu::attend_decode(&qr, gpu::Position::Rows(&short), scale, kv).is_err());
+    let other = Tensor::zeros((1, nkv, cap + 1, hd), DType::F32, &dev).unwrap();
+    let mut mixed = gpu::RowTable::default();
+    mixed.push(5, 1, gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 }).unwrap();
+    assert!(mixed.push(5, 1, gpu::LayerKv { k: &other, v: &other }).is_err());
+    let mut lone = gpu::RowTable::default();
+    for _ in 0..rows {
+        lone.push(5, 1, gpu::LayerKv { k: &other, v: &other }).unwrap();
+    }
+    let lone = lone.upload(&dev).unwrap();
+    let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
+    assert!(gpu::attend_decode(&qr, gpu::Position::Rows(&lone), scale, kv).is_err());
+}
+
 #[test]
 fn attention_refuses_what_it_cannot_run() {
     let dev = cuda();
@@ -291,9 +420,14 @@ fn moe_q4k_matches_the_f32_reference() {
     use candle_core::quantized::{GgmlDType, QTensor};
     let (dev, cpu) = (cuda(), Device::Cpu);
     let mut rng = Rng(0x5eed);
-    for &(e, h, i, n, k) in
-        &[(8usize, 256usize, 512usize, 1usize, 2usize), (16, 512, 256, 4, 4), (64, 2048, 768, 1, 8)]
-    {
+    // The last two: batches whose tokens share experts (n·k > E), for the grouped kernels.
+    for &(e, h, i, n, k) in &[
+        (8usize, 256usize, 512usize, 1usize, 2usize),
+        (16, 512, 256, 4, 4),
+        (64, 2048, 768, 1, 8),
+        (16, 256, 512, 9, 4),
+        (128, 512, 256, 16, 8),
+    ] {
         let q = |rows: usize, cols: usize, rng: &mut Rng| {
             let w = Tensor::from_vec(rng.vec(e * rows * cols, 1.0), (e, rows, cols), &cpu).unwrap();
             let qt = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
@@ -309,13 +443,14 @@ fn moe_q4k_matches_the_f32_reference() {
         let it = Tensor::from_vec(ids.clone(), (n, k), &dev).unwrap();
         let wt = Tensor::from_vec(w.clone(), (n, k), &dev).unwrap();
         let rt = Tensor::from_vec(res.clone(), (n, h), &dev).unwrap();
-        for residual in [false, true] {
-            let out = gpu::moe_q4k(&xt, &gq, &uq, &dq, &it, &wt, residual.then_some(&rt))
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+        // (residual, grouped): the grouped kernels take no residual.
+        for (residual, grouped) in [(false, false), (true, false), (false, true)] {
+            let out = if grouped {
+                gpu::moe_q4k_grouped(&xt, &gq, &uq, &dq, &it, &wt)
+            } else {
+                gpu::moe_q4k(&xt, &gq, &uq, &dq, &it, &wt, residual.then_some(&rt))
+            };
+            let out = out.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             // f64 over the dequantized weights.
             let mut want = vec![0f32; n * h];
             for t in 0..n {
@@ -350,7 +485,10 @@ fn moe_q4k_matches_the_f32_reference() {
                 }
             }
             let err = max_rel(&out, &want);
-            assert!(err < 1e-5, "moe_q4k off by {err} (E {e} H {h} I {i} n {n} k {k})");
+            assert!(
+                err < 1e-5,
+                "moe_q4k (grouped: {grouped}) off by {err} (E {e} H {h} I {i} n {n} k {k})"
+            );
         }
     }
     // Refusals: another format, too many tokens.
@@ -360,4 +498,12 @@ fn moe_q4k_matches_the_f32_reference() {
     let ids = Tensor::zeros((1, 2), DType::U32, &dev).unwrap();
     let w = Tensor::zeros((1, 2), DType::F32, &dev).unwrap();
     assert!(gpu::moe_q4k(&x, &q8, &q8, &q8, &ids, &w, None).is_err());
+    assert!(gpu::moe_q4k_grouped(&x, &q8, &q8, &q8, &ids, &w).is_err());
+    let many = gpu::MOE_GROUPED_ROWS_MAX + 1;
+    let w4 = Tensor::zeros((4, 256, 256), DType::F32, &cpu).unwrap();
+    let q4 = QTensor::quantize_onto(&w4, GgmlDType::Q4K, &dev).unwrap();
+    let x = Tensor::zeros((many, 256), DType::F32, &dev).unwrap();
+    let ids = Tensor::zeros((many, 2), DType::U32, &dev).unwrap();
+    let w = Tensor::zeros((many, 2), DType::F32, &dev).unwrap();
+    assert!(gpu::moe_q4k_grouped(&x, &q4, &q4, &q4, &ids, &w).is_err());
 }
