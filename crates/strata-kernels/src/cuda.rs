@@ -612,32 +612,61 @@ pub fn moe_q4k_grouped(
     if pairs == 0 {
         return alloc::<f32>(dev, (n, h))?.zeros_like();
     }
-    // out [pairs, rows] = the expert's rows (`rows` of `len` values) · src rows.
-    let rows = |src: &Tensor, w: &QTensor, rows: usize, len: usize, per_token: bool| {
-        let out = alloc::<f32>(dev, (pairs, rows))?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(4) as u32, pairs.min(e) as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = vec![
-            Arg::Ptr(addr(src)?),
-            Arg::Ptr(w.device_ptr()? as u64),
-            Arg::Ptr(addr(ids)?),
-            Arg::Ptr(addr(&out)?),
-        ];
-        args.extend(i32s(&[rows, k, per_token as usize, pairs, e]));
-        // SAFETY: arguments in `moe_rows_q4k_grouped_nb*`'s order; `w` is [E, rows, len] Q4_K
-        // and src holds a `len`-value row per token (per_token) or per pair; the kernel skips
-        // ids ≥ E (their rows of `out` are left undefined: a router's ids are < E).
-        unsafe { launch(dev, &format!("moe_rows_q4k_grouped_nb{}", len / 256), cfg, &args) }?;
-        Ok::<Tensor, candle_core::Error>(out)
+    let grouped = |src: &Tensor, w: &QTensor, rows: usize, per_token: bool| {
+        let shape = RowsShape { rows, len: w.shape().dims()[2], experts: e, k, per_token, pairs };
+        rows_q4k(dev, src, w, Some(ids), shape)
     };
-    let g = rows(x, gate, i, h, true)?;
-    let u = rows(x, up, i, h, true)?;
+    let g = grouped(x, gate, i, true)?;
+    let u = grouped(x, up, i, true)?;
     let a = silu_mul(&g, &u)?;
-    let y = rows(&a, down, h, i, false)?;
+    let y = grouped(&a, down, h, false)?;
     moe_combine(&y.reshape((n, k, h))?, &weights.contiguous()?)
+}
+
+/// A launch of `moe_rows_q4k_grouped_nb*` (moe_q4k.cuh): `out[p, r] = W_e[r] · src[s(p)]` for
+/// every pair `p < pairs` of expert `e` (its id in `ids`, or expert 0 for all pairs when `ids` is
+/// `None`: a dense matrix), `s(p) = p / k` when `per_token` else `p`.
+struct RowsShape {
+    /// Weight rows per expert.
+    rows: usize,
+    /// Values per weight row (a size [`moe_grouped_supports`] takes).
+    len: usize,
+    experts: usize,
+    k: usize,
+    per_token: bool,
+    pairs: usize,
+}
+
+/// Runs [`RowsShape`]'s product over the Q4_K tensor `w: [experts, rows, len]` (or `[rows, len]`
+/// with one expert) → `out: [pairs, rows]`.
+///
+/// The caller checks the shapes; ids ≥ `experts` are skipped by the kernel (their rows of `out`
+/// are left undefined: a router's ids are < E).
+fn rows_q4k(
+    dev: &CudaDevice,
+    src: &Tensor,
+    w: &QTensor,
+    ids: Option<&Tensor>,
+    s: RowsShape,
+) -> Result<Tensor> {
+    let out = alloc::<f32>(dev, (s.pairs, s.rows))?;
+    let cfg = LaunchConfig {
+        grid_dim: (s.rows.div_ceil(4) as u32, s.pairs.min(s.experts) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = vec![
+        Arg::Ptr(addr(src)?),
+        Arg::Ptr(w.device_ptr()? as u64),
+        Arg::Ptr(ids.map(addr).transpose()?.unwrap_or(0)),
+        Arg::Ptr(addr(&out)?),
+    ];
+    args.extend(i32s(&[s.rows, s.k, s.per_token as usize, s.pairs, s.experts]));
+    // SAFETY: arguments in `moe_rows_q4k_grouped_nb*`'s order; the caller checked that `w` is
+    // [experts, rows, len] Q4_K, src holds a `len`-value row per token (per_token) or per pair,
+    // and ids (if any) hold `pairs` u32.
+    unsafe { launch(dev, &format!("moe_rows_q4k_grouped_nb{}", s.len / 256), cfg, &args) }?;
+    Ok(out)
 }
 
 /// Rows a product may have for [`matmul_q4k`] (a batch's decode rows, a verify pass; longer
@@ -661,26 +690,12 @@ pub fn matmul_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
         bail!("matmul_q4k: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
     }
     let dev = cuda_device(x)?;
-    let out = alloc::<f32>(dev, (n, r))?;
     if n == 0 || r == 0 {
-        return Ok(out);
+        return alloc::<f32>(dev, (n, r));
     }
-    let cfg = LaunchConfig {
-        grid_dim: (r.div_ceil(4) as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut args = vec![
-        Arg::Ptr(addr(x)?),
-        Arg::Ptr(w.device_ptr()? as u64),
-        Arg::Ptr(0),
-        Arg::Ptr(addr(&out)?),
-    ];
-    args.extend(i32s(&[r, 1, 1, n, 1]));
-    // SAFETY: arguments in `moe_rows_q4k_grouped_nb*`'s order: src x [n, K], w [1, R, K] Q4_K,
-    // no ids (every pair expert 0's), out [n, R]; shapes checked above.
-    unsafe { launch(dev, &format!("moe_rows_q4k_grouped_nb{}", k / 256), cfg, &args) }?;
-    Ok(out)
+    // Every row of x is a "pair" of the one expert.
+    let shape = RowsShape { rows: r, len: k, experts: 1, k: 1, per_token: true, pairs: n };
+    rows_q4k(dev, x, w, None, shape)
 }
 
 /// Tokens a pass may have for [`moe_q4k`] (decode and speculative verification; longer passes

@@ -152,7 +152,7 @@ pub(crate) unsafe fn rows_into(
     let n = panel.tokens;
     let groups = n.div_ceil(GROUP);
     // The rows being computed, unpacked (a per-thread buffer, reused across calls).
-    let mut u = UNPACKED.take().unwrap_or_else(|| Unpacked::new(nb));
+    let mut u = UNPACKED.take().unwrap_or_default();
     u.resize(nb);
     let mut r = rows.start;
     while r < rows.end {
@@ -178,10 +178,10 @@ pub(crate) unsafe fn rows_into(
             let mut v = [[0f32; GROUP]; ROWS];
             let pf = if g == 0 { pf } else { Prefetch::NONE };
             match (take == ROWS, valid > GROUP / 2) {
-                (true, true) => gemm_group::<ROWS>(&u, panel, g, 0, pf, &mut v),
-                (false, true) => gemm_group::<1>(&u, panel, g, 0, pf, &mut v),
-                (true, false) => gemm_half::<ROWS>(&u, panel, g, 0, pf, &mut v),
-                (false, false) => gemm_half::<1>(&u, panel, g, 0, pf, &mut v),
+                (true, true) => gemm_group::<ROWS>(&u, panel, g, pf, &mut v),
+                (false, true) => gemm_group::<1>(&u, panel, g, pf, &mut v),
+                (true, false) => gemm_half::<ROWS>(&u, panel, g, pf, &mut v),
+                (false, false) => gemm_half::<1>(&u, panel, g, pf, &mut v),
             }
             for t in 0..valid {
                 // SAFETY: the caller owns these elements (see the function's contract).
@@ -223,6 +223,7 @@ thread_local! {
 /// Up to [`ROWS`] weight rows unpacked for the 16-lane kernel: nibbles as bytes in weight order,
 /// `d` times each sub-block's scale and `dmin` as f32, mins as i16 pairs.
 #[cfg(target_arch = "x86_64")]
+#[derive(Default)]
 struct Unpacked {
     nb: usize,
     q: Vec<u8>,
@@ -240,16 +241,6 @@ impl Unpacked {
         self.dsc.resize(ROWS * nb * 8, 0.0);
         self.mn.resize(ROWS * nb * 4, 0);
         self.dmin.resize(ROWS * nb, 0.0);
-    }
-
-    fn new(nb: usize) -> Self {
-        Self {
-            nb,
-            q: vec![0; ROWS * nb * QK_K],
-            dsc: vec![0.0; ROWS * nb * 8],
-            mn: vec![0; ROWS * nb * 4],
-            dmin: vec![0.0; ROWS * nb],
-        }
     }
 
     /// Unpacks `rows` consecutive rows of `data`.
@@ -297,8 +288,8 @@ unsafe fn nibbles(blk: &[u8], q: &mut [u8]) {
     }
 }
 
-/// The lane-per-token kernel on one register width: lanes `lane..lane + width` of group `g` of
-/// `panel` times the first `R` rows of `w`, into `out[r][lane..lane + width]`.
+/// The lane-per-token kernel on one register width: the first `width` lanes of group `g` of
+/// `panel` times the first `R` rows of `w`, into `out[r][..width]`.
 ///
 /// Per block and row: each sub-block's integer dot in two accumulators (its first and last 16
 /// weights: twice the independent `vpdpbusd` chains), added, converted and scaled by one FMA with
@@ -314,7 +305,6 @@ macro_rules! lane_kernel {
             w: &Unpacked,
             panel: &Q8KPanel,
             g: usize,
-            lane: usize,
             pf: Prefetch,
             out: &mut [[f32; GROUP]; ROWS],
         ) {
@@ -324,7 +314,7 @@ macro_rules! lane_kernel {
             for b in 0..nb {
                 pf.block(b);
                 let gb = g * nb + b;
-                let qa = panel.q.as_ptr().add(gb * 64 * GROUP + lane);
+                let qa = panel.q.as_ptr().add(gb * 64 * GROUP);
                 let mut blk = [$setzero_ps(); R];
                 for j in 0..8 {
                     let mut lo = [$setzero(); R];
@@ -347,13 +337,13 @@ macro_rules! lane_kernel {
                 }
                 let mut msum = [$setzero(); R];
                 for p in 0..4 {
-                    let sv = $load(panel.s.as_ptr().add((gb * 4 + p) * GROUP + lane) as *const _);
+                    let sv = $load(panel.s.as_ptr().add((gb * 4 + p) * GROUP) as *const _);
                     for (r, ms) in msum.iter_mut().enumerate() {
                         let mv = $set1(*w.mn.get_unchecked((r * nb + b) * 4 + p));
                         *ms = $dpwssd(*ms, sv, mv);
                     }
                 }
-                let yd = $load_ps(panel.d.as_ptr().add(gb * GROUP + lane));
+                let yd = $load_ps(panel.d.as_ptr().add(gb * GROUP));
                 for r in 0..R {
                     let dmin = $mul_ps(yd, $set1_ps(*w.dmin.get_unchecked(r * nb + b)));
                     acc[r] = $fmadd(yd, blk[r], acc[r]);
@@ -361,7 +351,7 @@ macro_rules! lane_kernel {
                 }
             }
             for r in 0..R {
-                $store_ps(out[r].as_mut_ptr().add(lane), acc[r]);
+                $store_ps(out[r].as_mut_ptr(), acc[r]);
             }
         }
     };

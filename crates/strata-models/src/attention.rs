@@ -270,29 +270,49 @@ impl Attention {
         rope: &RotaryEmbedding,
     ) -> Result<Option<Tensor>> {
         use strata_kernels::cuda as gpu;
-        let seq = q.dim(0)?;
-        let hd = self.head_dim;
-        if !q.device().is_cuda()
-            || seq > GPU_ATTEND_ROWS_MAX
-            || self.clip_qkv.is_some()
-            || !gpu::attend_supports(hd)
-            || !crate::gpu::enabled(crate::gpu::GpuPath::Attention)
-        {
+        if !self.gpu_attends(q, q.dim(0)?) {
             return Ok(None);
         }
-        let q = self.split_heads(q, self.num_heads, &self.q_norm)?;
-        let k = self.split_heads(k, self.num_kv_heads, &self.k_norm)?;
-        let v = self.split_heads(v, self.num_kv_heads, &None)?;
-        let (cos, sin, style) = rope.tables();
         let pos = match cache.device_position() {
             Some((pos, max)) => gpu::Position::Device { pos, max },
             None => gpu::Position::Host(cache.len()),
         };
         let (ck, cv) = cache.layer_kv(layer)?;
-        let kv = || gpu::LayerKv { k: ck, v: cv };
+        self.rope_attend_gpu(q, k, v, rope, pos, gpu::LayerKv { k: ck, v: cv }).map(Some)
+    }
+
+    /// Whether a pass of `rows` tokens (`q` on its device) attends on our kernels: a CUDA
+    /// device, at most [`GPU_ATTEND_ROWS_MAX`] rows, no q/k/v clipping, a head dimension the
+    /// kernel has, `STRATA_GPU_ATTENTION` not `0`.
+    #[cfg(feature = "cuda")]
+    fn gpu_attends(&self, q: &Tensor, rows: usize) -> bool {
+        q.device().is_cuda()
+            && rows <= GPU_ATTEND_ROWS_MAX
+            && self.gpu_decodable()
+            && crate::gpu::enabled(crate::gpu::GpuPath::Attention)
+    }
+
+    /// The kernels' part of [`Self::attend_gpu`] and [`Self::attend_batch_gpu`]: q/k norms and
+    /// head splits of the projections `q: [rows, nh·hd]`, `k, v: [rows, nkv·hd]`, then RoPE with
+    /// the KV-cache write and split-K attention at `pos` over `cache` → `[rows, nh·hd]`.
+    #[cfg(feature = "cuda")]
+    fn rope_attend_gpu(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &RotaryEmbedding,
+        pos: strata_kernels::cuda::Position<'_>,
+        cache: strata_kernels::cuda::LayerKv<'_>,
+    ) -> Result<Tensor> {
+        use strata_kernels::cuda as gpu;
+        let q = self.split_heads(q, self.num_heads, &self.q_norm)?;
+        let k = self.split_heads(k, self.num_kv_heads, &self.k_norm)?;
+        let v = self.split_heads(v, self.num_kv_heads, &None)?;
+        let (cos, sin, style) = rope.tables();
+        let kv = || gpu::LayerKv { k: cache.k, v: cache.v };
         let q = gpu::rope_kv_append(&q, &k, &v, cos, sin, gpu_rope_style(style), pos, kv())?;
-        let out = gpu::attend_decode(&q, pos, self.scale as f32, kv())?;
-        Ok(Some(out))
+        Ok(gpu::attend_decode(&q, pos, self.scale as f32, kv())?)
     }
 
     /// [`Self::attend_gpu`] for a batched pass over several sequences, in two launches for all of
@@ -314,16 +334,12 @@ impl Attention {
     ) -> Result<Option<Tensor>> {
         use strata_kernels::cuda as gpu;
         let cap = parts.first().map(|p| p.cache.capacity());
+        let longest = parts.iter().map(|p| p.rows.len()).max().unwrap_or(0);
         if parts.len() < 2
-            || !q.device().is_cuda()
-            || parts.iter().any(|p| {
-                p.rows.len() > GPU_ATTEND_ROWS_MAX
-                    || Some(p.cache.capacity()) != cap
-                    || p.cache.device_position().is_some()
-            })
-            || self.clip_qkv.is_some()
-            || !gpu::attend_supports(self.head_dim)
-            || !crate::gpu::enabled(crate::gpu::GpuPath::Attention)
+            || !self.gpu_attends(q, longest)
+            || parts
+                .iter()
+                .any(|p| Some(p.cache.capacity()) != cap || p.cache.device_position().is_some())
         {
             return Ok(None);
         }
@@ -339,15 +355,9 @@ impl Attention {
             table.push(p.cache.len(), p.rows.len(), gpu::LayerKv { k: ck, v: cv })?;
         }
         let rows = table.upload(q.device())?;
-        let pos = gpu::Position::Rows(&rows);
-        let q = self.split_heads(q, self.num_heads, &self.q_norm)?;
-        let k = self.split_heads(k, self.num_kv_heads, &self.k_norm)?;
-        let v = self.split_heads(v, self.num_kv_heads, &None)?;
-        let (cos, sin, style) = rope.tables();
         let (ck, cv) = parts[0].cache.layer_kv(layer)?;
-        let kv = || gpu::LayerKv { k: ck, v: cv };
-        let q = gpu::rope_kv_append(&q, &k, &v, cos, sin, gpu_rope_style(style), pos, kv())?;
-        Ok(Some(gpu::attend_decode(&q, pos, self.scale as f32, kv())?))
+        let cache = gpu::LayerKv { k: ck, v: cv };
+        self.rope_attend_gpu(q, k, v, rope, gpu::Position::Rows(&rows), cache).map(Some)
     }
 }
 

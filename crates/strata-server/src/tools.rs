@@ -356,14 +356,16 @@ pub fn parse_output(text: &str, format: ToolFormat) -> Parsed {
     let mut calls = Vec::new();
     match format {
         ToolFormat::Hermes => {
+            let (open, close) = (format.opener(), "</tool_call>");
             let mut rest = t;
-            while let Some(start) = rest.find("<tool_call>") {
-                let body = &rest[start + "<tool_call>".len()..];
-                let (json_text, after) = match body.find("</tool_call>") {
-                    Some(end) => (&body[..end], &body[end + "</tool_call>".len()..]),
+            while let Some(start) = rest.find(open) {
+                let body = &rest[start + open.len()..];
+                let end = body.find(close);
+                let (json_text, after) = match end {
+                    Some(end) => (&body[..end], &body[end + close.len()..]),
                     None => (body, ""),
                 };
-                let closed = body.contains("</tool_call>");
+                let closed = end.is_some();
                 match serde_json::from_str::<Value>(json_text.trim())
                     .ok()
                     .and_then(|v| openai_call(&v, "arguments"))
@@ -379,7 +381,7 @@ pub fn parse_output(text: &str, format: ToolFormat) -> Parsed {
             }
             let rest = rest.trim();
             // The next call's opener cut off by `max_tokens`: the complete ones stand.
-            if !rest.is_empty() && "<tool_call>".starts_with(rest) && !calls.is_empty() {
+            if !rest.is_empty() && open.starts_with(rest) && !calls.is_empty() {
                 return Parsed { content: None, calls, truncated: true };
             }
             if !rest.is_empty() {
