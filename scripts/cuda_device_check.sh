@@ -32,6 +32,9 @@
 #     MODELS (default: SmolLM2 when carried in models/ — its 96 MB exceed what a call carries —
 #     then the synthetic qwen3-30b-a3b Q4_K with realistic routing generated on the machine's
 #     disk).
+#  7. PART=prefill (instead of 2-6): prompt passes on tensor cores (issue 24): kernel tests,
+#     compare-devices with a long prompt, pp512 with the tensor-core paths on and off (VARIANTS),
+#     LLAMA=1 as in PART=decode.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -87,6 +90,68 @@ fi
 ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['input_ids'])))" "$1"; }
 F=tests/fixtures
 unxz_to() { python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$1" "$2" && chmod +x "$2"; }
+if [ "${PART:-}" = prefill ]; then
+  # Prompt passes on tensor cores (moe_q4k_tc, matmul_q4k_tc): the kernel tests, compare-devices
+  # with a prompt longer than TC_ROWS_MIN on tiny-moe Q4_K (tensor-core paths on, then off), then
+  # `strata bench -p 512` on the synthetic 30B (ROUTING, default local as in PART=decode) with
+  # both paths on, each off, both off, alternating (VARIANTS), and llama-bench when LLAMA=1.
+  D="$OUT/prefill"; mkdir -p "$D"
+  if [ -n "${LLAMA:-}" ] && [ ! -f /tmp/llama-build.started ]; then
+    touch /tmp/llama-build.started
+    setsid bash -c 't0=$(date +%s); bash dist/llamacpp.sh cuda dist/llamacpp-src.tar.xz /tmp/llama > /tmp/llama-build.txt 2>&1; echo "llama.cpp build: $(( $(date +%s) - t0 )) s, exit $?" >> /tmp/llama-build.txt; touch /tmp/llama-build.done' < /dev/null > /dev/null 2>&1 &
+  fi
+  if [ -z "${BENCH_ONLY:-}" ]; then
+    unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
+    /tmp/cuda-kernels-test --test-threads=1 > "$D/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee "$D/check.md"
+    grep -E "^test |test result|panicked|off by" "$D/kernels.txt" | tee -a "$D/check.md"
+    P="In the beginning the river ran quietly through the valley, past the mill and the old stone bridge, where children gathered every summer evening to watch the swallows dive for insects above the slow green water while their parents talked"
+    "$S" synth --preset tiny-moe --quant Q4_K --routing local --out /tmp/tiny-Q4_K.gguf >/dev/null 2>&1
+    for v in on off; do
+      envs=(X=1); [ $v = off ] && envs=(STRATA_GPU_MOE_TC=0 STRATA_GPU_DENSE_TC=0)
+      echo "tiny-moe Q4_K, long prompt, tensor-core paths $v:" | tee -a "$D/check.md"
+      env "${envs[@]}" STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-Q4_K.gguf -p "$P" -n 32 --tolerance 5e-2 2>>"$D/compare.err" | tail -3 | tee -a "$D/check.md"
+    done
+  fi
+  [ -z "${CHECK_ONLY:-}" ] || exit 0
+  R=${ROUTING:-local}; M=/tmp/q3-30b-$R.gguf
+  [ -f $M ] || { "$S" synth --preset qwen3-30b-a3b --routing "$R" --out $M 2>&1 | tail -1 > "$D/synth.txt"; sync; sleep 3; }
+  if [ -f /tmp/llama-build.started ]; then
+    while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
+    tail -1 /tmp/llama-build.txt
+  fi
+  {
+    echo "| run | pp512 tok/s | tg32 tok/s |"
+    echo "|---|---|---|"
+    for round in 1 2; do
+      for v in ${VARIANTS:-tc no-moe-tc no-dense-tc none}; do
+        envs=(X=1)
+        case $v in
+          no-moe-tc) envs=(STRATA_GPU_MOE_TC=0) ;;
+          no-dense-tc) envs=(STRATA_GPU_DENSE_TC=0) ;;
+          none) envs=(STRATA_GPU_MOE_TC=0 STRATA_GPU_DENSE_TC=0) ;;
+        esac
+        env "${envs[@]}" timeout 300 "$S" bench -m $M --device cuda -p 512 -n 32 -r ${REPS:-2} --stream-experts off > /tmp/bench-$v.txt 2>&1
+        python3 - /tmp/bench-$v.txt "$v-$round" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+pp = re.findall(r"pp512\D+([0-9.]+)", t); tg = re.findall(r"tg32\D+([0-9.]+)", t)
+print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
+PY
+      done
+      if [ -x /tmp/llama/bin/llama-bench ]; then
+        /tmp/llama/bin/llama-bench -m $M -ngl 99 -p 512 -n 32 -r ${REPS:-2} -o md > /tmp/llama-$round.txt 2>&1
+        python3 - /tmp/llama-$round.txt "llama.cpp-$round" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+pp = re.findall(r"pp512 \|\s+([0-9.]+)", t); tg = re.findall(r"tg32 \|\s+([0-9.]+)", t)
+print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
+PY
+      fi
+    done
+  } 2>&1 | tee "$D/bench.md"
+  cp /tmp/bench-tc.txt "$D/" 2>/dev/null
+  exit 0
+fi
 if [ "${PART:-}" = decode ]; then
   D="$OUT/decode"; mkdir -p "$D"
   if [ -n "${LLAMA:-}" ] && [ ! -f /tmp/llama-build.started ]; then

@@ -12,8 +12,11 @@
 //  attn_decode      attention of a few query rows over the KV cache (split-K online softmax,
 //                   FlashDecoding: Dao et al. 2023), row i over positions [0, pos + i].
 //  attn_combine     merges the split-K partial results.
+//  causal_softmax   softmax(scale · scores) under the causal mask, in place (prompt passes).
 //  moe_gate_up_q4k, moe_down_q4k (moe_q4k.cuh): the MoE block over Q4_K experts for a few tokens;
 //                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
+//  moe_tc_sort, q4k_mm_tc (moe_tc.cuh): prompt passes' Q4_K products on tensor cores, MoE pairs
+//                   grouped by expert on the device.
 
 #include <stdint.h>
 #include <math_constants.h>
@@ -147,6 +150,41 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     float acc = 0.f;
     for (int j = 0; j < k; j++) acc += w[t * k + j] * y[((size_t)t * k + j) * H + h];
     out[(size_t)t * H + h] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax of attention scores, in place: x [R, total] with row r the query i = r % seq of
+// a pass of seq rows after `past` cached positions; y = softmax(scale · x) over keys j <= past + i
+// (the others 0). Replaces candle's scale, additive-mask broadcast and softmax (three launches and
+// a mask upload per layer) in prompt passes. grid R, CSM_THREADS threads.
+#define CSM_THREADS 256
+extern "C" __global__ void causal_softmax(float* __restrict__ x, int total, int seq, int past,
+                                          float scale) {
+    __shared__ float red[CSM_THREADS / WARP];
+    const int r = blockIdx.x, i = r % seq, n = min(total, past + i + 1);
+    float* row = x + (size_t)r * total;
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    float m = -CUDART_INF_F;
+    for (int j = threadIdx.x; j < n; j += CSM_THREADS) m = fmaxf(m, row[j] * scale);
+    m = warp_max(m);
+    if (lane == 0) red[wid] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < CSM_THREADS / WARP; w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float s = 0.f;
+    for (int j = threadIdx.x; j < n; j += CSM_THREADS) {
+        const float e = expf(row[j] * scale - m);
+        row[j] = e;
+        s += e;
+    }
+    s = warp_sum(s);
+    if (lane == 0) red[wid] = s;
+    __syncthreads();
+    s = 0.f;
+    for (int w = 0; w < CSM_THREADS / WARP; w++) s += red[w];
+    const float inv = 1.f / s;
+    for (int j = threadIdx.x; j < total; j += CSM_THREADS) row[j] = j < n ? row[j] * inv : 0.f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -354,3 +392,4 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 }
 
 #include "moe_q4k.cuh"
+#include "moe_tc.cuh"

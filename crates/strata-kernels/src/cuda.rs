@@ -43,7 +43,7 @@ fn alloc<T: CudaDType + DeviceRepr>(dev: &CudaDevice, shape: impl Into<Shape>) -
     Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
 }
 
-/// The device address of a contiguous f32 or u32 tensor's first element. Kernel arguments are
+/// The device address of a contiguous f32, f16 or u32 tensor's first element. Kernel arguments are
 /// passed as these addresses (a u64 each; 0 for an absent optional buffer); the tensors stay
 /// borrowed by the caller until the launch is queued, and everything runs on the one stream.
 fn addr(t: &Tensor) -> Result<u64> {
@@ -57,7 +57,8 @@ fn addr(t: &Tensor) -> Result<u64> {
     let (base, size) = match t.dtype() {
         DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0, 4),
         DType::U32 => (cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0, 4),
-        d => bail!("strata cuda kernel: {d:?} tensor (f32 or u32 expected)"),
+        DType::F16 => (cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0, 2),
+        d => bail!("strata cuda kernel: {d:?} tensor (f32, f16 or u32 expected)"),
     };
     Ok(base + (l.start_offset() * size) as u64)
 }
@@ -769,4 +770,193 @@ pub fn moe_q4k(
     // SAFETY: arguments in `moe_down_q4k`'s order; shapes checked above.
     unsafe { launch(dev, "moe_down_q4k", cfg, &args) }?;
     Ok(out)
+}
+
+/// `scores: [R, total]` f32 attention logits (contiguous) → `softmax(scale · scores)` per row
+/// under the causal mask, in place: row `r` is query `i = r % seq` of a pass of `seq` rows after
+/// `past` cached positions and sees keys `0..=past + i` (the rest become 0) — the rows of
+/// `[heads, seq, total]` scores. One launch instead of candle's scale, broadcast mask add and
+/// softmax (and no mask tensor). Returns `scores`.
+///
+/// Errors: not f32 `[R, total]` contiguous on a CUDA device, `seq` 0, `total` below `past + seq`.
+pub fn causal_softmax(scores: Tensor, seq: usize, past: usize, scale: f32) -> Result<Tensor> {
+    check_f32(&scores, "scores")?;
+    let (r, total) = scores.dims2()?;
+    if seq == 0 || total < past + seq || !r.is_multiple_of(seq) {
+        bail!("causal_softmax: scores {:?} for {seq} rows after {past}", scores.dims());
+    }
+    let dev = cuda_device(&scores)?;
+    let cfg =
+        LaunchConfig { grid_dim: (r as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let args = [
+        Arg::Ptr(addr(&scores)?),
+        Arg::I32(total as i32),
+        Arg::I32(seq as i32),
+        Arg::I32(past as i32),
+        Arg::F32(scale),
+    ];
+    // SAFETY: arguments in `causal_softmax`'s order; scores hold R rows of `total` values.
+    unsafe { launch(dev, "causal_softmax", cfg, &args) }?;
+    Ok(scores)
+}
+
+/// Rows (tokens) from which prompt passes take the tensor-core kernels ([`moe_q4k_tc`],
+/// [`matmul_q4k_tc`]); shorter passes keep the decode kernels.
+pub const TC_ROWS_MIN: usize = 16;
+
+/// Pairs a tensor-core tile takes (`TC_TM` in moe_tc.cuh).
+const TC_TM: usize = 64;
+/// Weight rows a tensor-core block takes (`TC_TN`; half of them from each matrix with SwiGLU).
+const TC_TN: usize = 128;
+/// Threads of a tensor-core block (`TC_THREADS`).
+const TC_THREADS: u32 = 256;
+
+/// The routed-expert part of a MoE block over Q4_K experts for a prompt pass, on tensor cores:
+/// shapes as [`moe_q4k`] (`x: [n, H]`, `gate`, `up: [E, I, H]`, `down: [E, H, I]`, `ids`,
+/// `weights: [n, k]`) → `[n, H]`. The (token, slot) pairs are sorted by expert on the device
+/// (`moe_tc_sort`, no host round trip); `x` is rounded to f16 once; one launch of `q4k_mm_tc`
+/// computes `silu(gate · x) ⊙ (up · x)` (f16) over tiles of up to 64 pairs of one expert × 64
+/// rows of each matrix, one more the down projection (f32), then [`moe_combine`]. Weights are
+/// dequantized to f16 in the kernel (ggml's `dequantize_row_q4_K` values, rounded), products
+/// accumulate in f32 (WMMA). A pair's result does not depend on the other pairs of the pass.
+///
+/// `ids` must be below `E` (as a router's are): a pair with another id is never computed and
+/// its output row is undefined.
+///
+/// Errors: as [`moe_q4k`] (any `n`), `E` up to [`MOE_GROUPED_MAX_EXPERTS`].
+pub fn moe_q4k_tc(
+    x: &Tensor,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+    ids: &Tensor,
+    weights: &Tensor,
+) -> Result<Tensor> {
+    let MoeDims { n, h, e, i, k } = check_moe(x, [gate, up, down], ids, weights, usize::MAX)?;
+    if e > MOE_GROUPED_MAX_EXPERTS {
+        bail!("moe_q4k_tc: {e} experts (at most {MOE_GROUPED_MAX_EXPERTS})");
+    }
+    let dev = cuda_device(x)?;
+    let pairs = n * k;
+    if pairs == 0 {
+        return alloc::<f32>(dev, (n, h))?.zeros_like();
+    }
+    let ids = ids.contiguous()?;
+    let max_tiles = pairs.div_ceil(TC_TM) + e.min(pairs);
+    let order = alloc::<u32>(dev, pairs)?;
+    let tiles = alloc::<u32>(dev, 3 * max_tiles)?;
+    let ntiles = alloc::<u32>(dev, 1)?;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    let args = [
+        Arg::Ptr(addr(&ids)?),
+        Arg::I32(pairs as i32),
+        Arg::I32(e as i32),
+        Arg::Ptr(addr(&order)?),
+        Arg::Ptr(addr(&tiles)?),
+        Arg::Ptr(addr(&ntiles)?),
+    ];
+    // SAFETY: arguments in `moe_tc_sort`'s order; ids hold `pairs` u32, order `pairs`, tiles
+    // room for every tile (each expert's pairs in ceil(count / 64) tiles ≤ max_tiles).
+    unsafe { launch(dev, "moe_tc_sort", cfg, &args) }?;
+    let sorted = TcPairs { order: &order, tiles: &tiles, ntiles: &ntiles, max_tiles };
+    let xh = f16_of(dev, x)?;
+    let a = alloc::<half::f16>(dev, (pairs, i))?;
+    let glu = TcLaunch { src: &xh, w: gate, w2: Some(up), sorted: Some(&sorted), pairs, k };
+    mm_tc(dev, glu, &a)?;
+    let y = alloc::<f32>(dev, (pairs, h))?;
+    let proj = TcLaunch { src: &a, w: down, w2: None, sorted: Some(&sorted), pairs, k: 1 };
+    mm_tc(dev, proj, &y)?;
+    moe_combine(&y.reshape((n, k, h))?, &weights.contiguous()?)
+}
+
+/// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`) on tensor cores, for
+/// prompt passes: `x` rounded to f16, then `q4k_mm_tc` with every row a pair of one expert
+/// (weights dequantized to f16, f32 accumulation; a row's result does not depend on the other
+/// rows).
+///
+/// Errors: `w` not Q4_K `[R, K]` with `K` a multiple of 256, `x` not f32 `[n, K]` on the same
+/// device.
+pub fn matmul_q4k_tc(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    check_f32(x, "x")?;
+    let (n, kx) = x.dims2()?;
+    let (r, k) = w.shape().dims2()?;
+    if w.dtype() != GgmlDType::Q4K || k != kx || !k.is_multiple_of(256) {
+        bail!("matmul_q4k_tc: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
+    }
+    let dev = cuda_device(x)?;
+    let out = alloc::<f32>(dev, (n, r))?;
+    if n == 0 || r == 0 {
+        return Ok(out);
+    }
+    let xh = f16_of(dev, x)?;
+    mm_tc(dev, TcLaunch { src: &xh, w, w2: None, sorted: None, pairs: n, k: 1 }, &out)?;
+    Ok(out)
+}
+
+/// `x` (f32, contiguous) rounded to f16 by our `to_f16` kernel (a fresh, aligned buffer).
+fn f16_of(dev: &CudaDevice, x: &Tensor) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let n = x.elem_count();
+    let y = alloc::<half::f16>(dev, x.shape().clone())?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [Arg::Ptr(addr(&x)?), Arg::Ptr(addr(&y)?), Arg::I32(n as i32)];
+    // SAFETY: `to_f16(x, y, n)`: both hold n elements.
+    unsafe { launch(dev, "to_f16", cfg, &args) }?;
+    Ok(y)
+}
+
+/// `moe_tc_sort`'s output on the device.
+struct TcPairs<'a> {
+    order: &'a Tensor,
+    tiles: &'a Tensor,
+    ntiles: &'a Tensor,
+    max_tiles: usize,
+}
+
+/// One launch of `q4k_mm_tc` (moe_tc.cuh): over `sorted`'s tiles of the Q4_K tensors
+/// `w` (and `w2`): `[E, R, K]`, or, `sorted` `None`, a dense product over `w: [R, K]`.
+struct TcLaunch<'a> {
+    /// f16 rows: one per token (`k` > 1: pair `p` reads row `p / k`) or one per pair (`k` = 1).
+    src: &'a Tensor,
+    w: &'a QTensor,
+    /// SwiGLU's up beside gate `w`: the output is `silu(w · x) ⊙ (w2 · x)` in f16.
+    w2: Option<&'a QTensor>,
+    sorted: Option<&'a TcPairs<'a>>,
+    pairs: usize,
+    k: usize,
+}
+
+/// Runs `l` into `out: [pairs, R]` (f32; f16 with `w2`). The caller checks the shapes.
+fn mm_tc(dev: &CudaDevice, l: TcLaunch<'_>, out: &Tensor) -> Result<()> {
+    let dims = l.w.shape().dims();
+    let (r, kk) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let rows_per_block = if l.w2.is_some() { TC_TN / 2 } else { TC_TN };
+    let blocks_x = l.sorted.map_or(l.pairs.div_ceil(TC_TM), |s| s.max_tiles);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks_x as u32, r.div_ceil(rows_per_block) as u32, 1),
+        block_dim: (TC_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let opt = |t: Option<&Tensor>| t.map(addr).transpose().map(|a| Arg::Ptr(a.unwrap_or(0)));
+    let (f32_out, f16_out) = if l.w2.is_some() { (None, Some(out)) } else { (Some(out), None) };
+    let mut args = vec![
+        Arg::Ptr(addr(l.src)?),
+        Arg::Ptr(l.w.device_ptr()? as u64),
+        Arg::Ptr(l.w2.map(|w| w.device_ptr()).transpose()?.map_or(0, |p| p as u64)),
+        opt(l.sorted.map(|s| s.order))?,
+        opt(l.sorted.map(|s| s.tiles))?,
+        opt(l.sorted.map(|s| s.ntiles))?,
+        opt(f32_out)?,
+        opt(f16_out)?,
+    ];
+    args.extend(i32s(&[l.pairs, r, kk, l.k, (l.k > 1) as usize]));
+    // SAFETY: arguments in `q4k_mm_tc`'s order; the caller checked that `w` (and `w2`) are Q4_K
+    // [E, R, K] (or [R, K] without `sorted`), that src holds a K-value f16 row per token (k > 1)
+    // or per pair, that out holds [pairs, R], and `sorted` came from `moe_tc_sort` over ids < E.
+    unsafe { launch(dev, "q4k_mm_tc", cfg, &args) }?;
+    Ok(())
 }

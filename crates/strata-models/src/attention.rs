@@ -205,6 +205,15 @@ impl Attention {
         // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
         let n_rep = nh / nkv;
         let q = q.reshape((1, nkv, n_rep * seq, hd))?;
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() && crate::gpu::enabled(crate::gpu::GpuPath::Attention) {
+            // Scale, causal mask and softmax in one launch of our kernel (no mask tensor).
+            let rows = nkv * n_rep * seq;
+            let att = q.matmul(&k_all.t()?)?.reshape((rows, total))?;
+            let att = strata_kernels::cuda::causal_softmax(att, seq, pos, self.scale as f32)?;
+            let out = att.reshape((1, nkv, n_rep * seq, total))?.matmul(&v_all)?;
+            return Ok(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?);
+        }
         let att = (q.matmul(&k_all.t()?)? * self.scale)?;
         let att =
             match mask {
@@ -387,7 +396,8 @@ pub struct SeqPart<'a> {
 
 impl SeqPart<'_> {
     /// The mask a pass of `seq` tokens after `past` cached ones needs: `None` where attention
-    /// runs over the cache storage without one (one token, or any CPU pass).
+    /// runs over the cache storage without one (one token, or any CPU pass) or masks in its
+    /// kernel (a GPU pass with our attention kernels on).
     pub fn mask_for(
         seq: usize,
         past: usize,
@@ -395,6 +405,10 @@ impl SeqPart<'_> {
     ) -> candle_core::Result<Option<Tensor>> {
         if seq <= 1 || device.is_cpu() {
             return Ok(None);
+        }
+        #[cfg(feature = "cuda")]
+        if crate::gpu::enabled(crate::gpu::GpuPath::Attention) {
+            return Ok(None); // `strata_kernels::cuda::causal_softmax` masks as it goes
         }
         causal_mask(seq, past, device).map(Some)
     }

@@ -82,8 +82,10 @@ impl FusedExperts {
     }
 
     /// `x: [seq, H]`, `ids: [seq, k]`, `weights: [seq, k]` (on the device) → the weighted sum of
-    /// the selected experts' outputs `[seq, H]` by our Q4_K kernels (f32 activations) on a GPU:
-    /// with `STRATA_GPU_MOE_GROUPED=1`, passes of 2 to `MOE_GROUPED_ROWS_MAX` tokens (batched
+    /// the selected experts' outputs `[seq, H]` by our Q4_K kernels on a GPU: passes of at least
+    /// `TC_ROWS_MIN` tokens (prompts) on tensor cores, grouped by expert
+    /// (`strata_kernels::cuda::moe_q4k_tc`: f16 inputs, f32 sums; `STRATA_GPU_MOE_TC=0` turns it
+    /// off); of the rest (f32 activations), with `STRATA_GPU_MOE_GROUPED=1`, passes of 2 to `MOE_GROUPED_ROWS_MAX` tokens (batched
     /// decode, verify) grouped by expert (`strata_kernels::cuda::moe_q4k_grouped`: each selected
     /// expert's weights read once for all of its tokens); with `STRATA_GPU_MOE=1`, passes of up
     /// to `MOE_ROWS_MAX` tokens by `strata_kernels::cuda::moe_q4k`. `None`: another device, format or
@@ -103,6 +105,9 @@ impl FusedExperts {
         }
         let (experts, inter, hidden) = self.gate.shape().dims3().ok()?;
         let (g, u, d) = (&self.gate, &self.up, &self.down);
+        if seq >= k::TC_ROWS_MIN && experts <= MOE_GROUPED_MAX_EXPERTS && enabled(GpuPath::MoeTc) {
+            return Some(x.contiguous().and_then(|x| k::moe_q4k_tc(&x, g, u, d, ids, weights)));
+        }
         if (2..=MOE_GROUPED_ROWS_MAX).contains(&seq)
             && experts <= MOE_GROUPED_MAX_EXPERTS
             && k::moe_grouped_supports(hidden, inter)

@@ -4,7 +4,9 @@
 //! one synchronisation per MoE layer), `STRATA_GPU_ATTENTION=0` (decode attention through
 //! candle's matmul + softmax), `STRATA_GPU_GRAPHS=0` (decode steps launched op by op instead of
 //! replayed from a captured CUDA graph), `STRATA_GPU_DENSE=0` (dense Q4_K products of 2 to
-//! `MATMUL_ROWS_MAX` rows through candle: the whole matrix dequantized to f32, then cuBLAS).
+//! `MATMUL_ROWS_MAX` rows through candle: the whole matrix dequantized to f32, then cuBLAS),
+//! `STRATA_GPU_MOE_TC=0` / `STRATA_GPU_DENSE_TC=0` (the Q4_K experts / dense Q4_K products of
+//! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums).
 //!
 //! Off by default, both measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
 //! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by
@@ -23,7 +25,8 @@ pub enum GpuPath {
     /// during the pass.
     Routing,
     /// RoPE + KV write + split-K attention kernels for passes of at most
-    /// [`crate::attention::GPU_ATTEND_ROWS_MAX`] tokens.
+    /// [`crate::attention::GPU_ATTEND_ROWS_MAX`] tokens; the causal softmax kernel for longer
+    /// ones.
     Attention,
     /// Our Q4_K MoE kernels for passes of a few tokens ([`crate::FusedExperts`]); off unless
     /// asked for.
@@ -34,6 +37,11 @@ pub enum GpuPath {
     MoeGrouped,
     /// Dense Q4_K products of a few rows on our kernel ([`crate::layers::Linear`]).
     Dense,
+    /// Q4_K experts of prompt passes (at least `strata_kernels::cuda::TC_ROWS_MIN` tokens) on
+    /// our tensor-core kernels, grouped by expert ([`crate::FusedExperts`]).
+    MoeTc,
+    /// Dense Q4_K products of prompt passes on our tensor-core kernel ([`crate::layers::Linear`]).
+    DenseTc,
     /// The decode step captured once per context bucket as a CUDA graph and replayed
     /// (`Transformer`'s graph path).
     Graphs,
@@ -48,6 +56,8 @@ pub fn enabled(path: GpuPath) -> bool {
     static MOE: OnceLock<bool> = OnceLock::new();
     static MOE_GROUPED: OnceLock<bool> = OnceLock::new();
     static DENSE: OnceLock<bool> = OnceLock::new();
+    static MOE_TC: OnceLock<bool> = OnceLock::new();
+    static DENSE_TC: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
@@ -55,6 +65,8 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::Moe => (&MOE, "STRATA_GPU_MOE"),
         GpuPath::MoeGrouped => (&MOE_GROUPED, "STRATA_GPU_MOE_GROUPED"),
         GpuPath::Dense => (&DENSE, "STRATA_GPU_DENSE"),
+        GpuPath::MoeTc => (&MOE_TC, "STRATA_GPU_MOE_TC"),
+        GpuPath::DenseTc => (&DENSE_TC, "STRATA_GPU_DENSE_TC"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
         (GpuPath::Moe | GpuPath::MoeGrouped, v) => v.is_ok_and(|v| v == "1"),

@@ -343,24 +343,41 @@ impl RmsNorm {
     }
 }
 
-/// A dense Q4_K product of 2 to `MATMUL_ROWS_MAX` rows `x: [n, in]` on a GPU through our kernel
+/// A dense Q4_K product of 2 to `MATMUL_ROWS_MAX` rows `x: [.., in]` on a GPU through our kernel
 /// (`strata_kernels::cuda::matmul_q4k`: each weight row dequantized once for all rows, f32
 /// activations; every row's result independent of the others), unless `STRATA_GPU_DENSE=0`:
 /// candle's path (with `STRATA_CUDA_MMVQ` unset) dequantizes the whole matrix to f32 and runs
 /// cuBLAS for more than one row. One row keeps candle's DMMV kernel (measured faster for a
-/// single decode step). `None`: another device, format, rank or size.
+/// single decode step). Passes of `TC_ROWS_MIN` rows or more (prompts) run on tensor cores
+/// (`strata_kernels::cuda::matmul_q4k_tc`: f16 inputs, f32 sums) unless
+/// `STRATA_GPU_DENSE_TC=0`. `None`: another device, format, rank or size.
 #[cfg(feature = "cuda")]
 fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
-    use strata_kernels::cuda::{matmul_q4k, moe_grouped_supports, MATMUL_ROWS_MAX};
+    use strata_kernels::cuda::{matmul_q4k, matmul_q4k_tc, moe_grouped_supports, MATMUL_ROWS_MAX};
     let QMatMul::QTensor(q) = w else { return None };
-    let (n, k) = x.dims2().ok()?;
-    if !x.device().is_cuda()
-        || q.dtype() != GgmlDType::Q4K
-        || !(2..=MATMUL_ROWS_MAX).contains(&n)
+    let k = *x.dims().last()?;
+    let n = x.elem_count() / k.max(1);
+    if !x.device().is_cuda() || q.dtype() != GgmlDType::Q4K {
+        return None;
+    }
+    // `[.., k]` as `[n, k]`, the product's `[n, R]` back as `[.., R]`.
+    let run = |f: fn(&Tensor, &QTensor) -> candle_core::Result<Tensor>| {
+        let mut dims = x.dims().to_vec();
+        let y = f(&x.reshape((n, k))?.contiguous()?, q)?;
+        *dims.last_mut().expect("rank ≥ 1") = y.dim(1)?;
+        y.reshape(dims)
+    };
+    if n >= strata_kernels::cuda::TC_ROWS_MIN
+        && k.is_multiple_of(256)
+        && crate::gpu::enabled(crate::gpu::GpuPath::DenseTc)
+    {
+        return Some(run(matmul_q4k_tc));
+    }
+    if !(2..=MATMUL_ROWS_MAX).contains(&n)
         || !moe_grouped_supports(k, k)
         || !crate::gpu::enabled(crate::gpu::GpuPath::Dense)
     {
         return None;
     }
-    Some(x.contiguous().and_then(|x| matmul_q4k(&x, q)))
+    Some(run(matmul_q4k))
 }

@@ -507,3 +507,148 @@ fn moe_q4k_matches_the_f32_reference() {
     let w = Tensor::zeros((many, 2), DType::F32, &dev).unwrap();
     assert!(gpu::moe_q4k_grouped(&x, &q4, &q4, &q4, &ids, &w).is_err());
 }
+
+/// f32 → f16 → f32 (the tensor-core kernels' rounding of inputs and weights).
+fn f16r(v: f32) -> f64 {
+    half::f16::from_f32(v).to_f64()
+}
+
+/// The prompt-pass kernels on tensor cores (`matmul_q4k_tc`, `moe_q4k_tc`) equal an f64
+/// reference over f16-rounded inputs and dequantized weights (the kernels' own rounding; the rest
+/// is f32 accumulation order), and a row's result does not depend on the rows beside it: a token
+/// run alone gives bit-identical outputs. The MoE cases include an expert with more than one
+/// 64-pair tile and experts no token picks.
+#[test]
+fn tensor_core_products_match_the_f16_reference_and_rows_are_independent() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let (dev, cpu) = (cuda(), Device::Cpu);
+    let mut rng = Rng(0x7c);
+    let quant = |dims: &[usize], rng: &mut Rng| {
+        let n = dims.iter().product();
+        let w = Tensor::from_vec(rng.vec(n, 1.0), dims, &cpu).unwrap();
+        let deq = QTensor::quantize(&w, GgmlDType::Q4K)
+            .unwrap()
+            .dequantize(&cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        (QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap(), deq)
+    };
+    let dot = |w: &[f32], x: &[f64]| -> f64 { w.iter().zip(x).map(|(a, b)| f16r(*a) * b).sum() };
+    for &(r, k, n) in &[(130usize, 768usize, 70usize), (64, 2048, 33), (192, 256, 1)] {
+        let (wq, w) = quant(&[r, k], &mut rng);
+        let x = rng.vec(n * k, 1.0);
+        let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
+        let got = gpu::matmul_q4k_tc(&xt, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>();
+        let got = got.unwrap();
+        let want: Vec<f32> = (0..n * r)
+            .map(|idx| {
+                let (t, o) = (idx / r, idx % r);
+                let xr: Vec<f64> = x[t * k..(t + 1) * k].iter().map(|&v| f16r(v)).collect();
+                dot(&w[o * k..(o + 1) * k], &xr) as f32
+            })
+            .collect();
+        let err = max_rel(&got, &want);
+        assert!(err < 1e-5, "matmul_q4k_tc off by {err} (R {r} K {k} n {n})");
+        let last = xt.narrow(0, n - 1, 1).unwrap().contiguous().unwrap();
+        let alone = gpu::matmul_q4k_tc(&last, &wq).unwrap().flatten_all().unwrap();
+        assert_eq!(alone.to_vec1::<f32>().unwrap(), got[(n - 1) * r..], "row alone differs");
+    }
+    // (E, H, I, n, k, skew): skew sends every third pair to expert 0 (> 64 pairs: two tiles).
+    for &(e, h, i, n, k, skew) in
+        &[(16usize, 512usize, 256usize, 70usize, 4usize, false), (8, 256, 512, 100, 2, true)]
+    {
+        let (gq, g) = quant(&[e, i, h], &mut rng);
+        let (uq, u) = quant(&[e, i, h], &mut rng);
+        let (dq, d) = quant(&[e, h, i], &mut rng);
+        let x = rng.vec(n * h, 1.0);
+        let ids: Vec<u32> = (0..n * k)
+            .map(|j| if skew && j % 3 == 0 { 0 } else { ((j * 5 + 1) % (e - 1) + 1) as u32 })
+            .collect();
+        let w = rng.vec(n * k, 1.0);
+        let xt = Tensor::from_vec(x.clone(), (n, h), &dev).unwrap();
+        let it = Tensor::from_vec(ids.clone(), (n, k), &dev).unwrap();
+        let wt = Tensor::from_vec(w.clone(), (n, k), &dev).unwrap();
+        let out = gpu::moe_q4k_tc(&xt, &gq, &uq, &dq, &it, &wt).unwrap();
+        let out = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut want = vec![0f32; n * h];
+        for t in 0..n {
+            let xr: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|&v| f16r(v)).collect();
+            let mut o = vec![0f64; h];
+            for j in 0..k {
+                let ex = ids[t * k + j] as usize;
+                let a: Vec<f64> = (0..i)
+                    .map(|r| {
+                        let base = (ex * i + r) * h;
+                        let (gv, uv) = (dot(&g[base..base + h], &xr), dot(&u[base..base + h], &xr));
+                        f16r((gv / (1.0 + (-gv).exp()) * uv) as f32)
+                    })
+                    .collect();
+                for (hh, o) in o.iter_mut().enumerate() {
+                    let base = (ex * h + hh) * i;
+                    *o += w[t * k + j] as f64 * dot(&d[base..base + i], &a);
+                }
+            }
+            for hh in 0..h {
+                want[t * h + hh] = o[hh] as f32;
+            }
+        }
+        // The down inputs are rounded to f16 from f32 sums here and from f64 sums there: an
+        // input near a rounding boundary may round the other way (one f16 step, 2^-11 relative).
+        let err = max_rel(&out, &want);
+        assert!(err < 2e-3, "moe_q4k_tc off by {err} (E {e} H {h} I {i} n {n} k {k})");
+        let t = n / 2;
+        let alone = gpu::moe_q4k_tc(
+            &xt.narrow(0, t, 1).unwrap().contiguous().unwrap(),
+            &gq,
+            &uq,
+            &dq,
+            &it.narrow(0, t, 1).unwrap().contiguous().unwrap(),
+            &wt.narrow(0, t, 1).unwrap().contiguous().unwrap(),
+        );
+        let alone = alone.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(alone, out[t * h..(t + 1) * h], "token {t} alone differs (E {e})");
+    }
+    let w8 = Tensor::zeros((4, 256, 256), DType::F32, &cpu).unwrap();
+    let q8 = QTensor::quantize_onto(&w8, GgmlDType::Q8_0, &dev).unwrap();
+    let x = Tensor::zeros((40, 256), DType::F32, &dev).unwrap();
+    let ids = Tensor::zeros((40, 2), DType::U32, &dev).unwrap();
+    let w = Tensor::zeros((40, 2), DType::F32, &dev).unwrap();
+    assert!(gpu::moe_q4k_tc(&x, &q8, &q8, &q8, &ids, &w).is_err());
+    let w2 = Tensor::zeros((4, 256), DType::F32, &cpu).unwrap();
+    assert!(gpu::matmul_q4k_tc(&x, &QTensor::quantize_onto(&w2, GgmlDType::Q8_0, &dev).unwrap())
+        .is_err());
+}
+
+/// `causal_softmax` equals the scaled, masked softmax in f64: rows of several heads, a pass after
+/// cached positions and one from the start; masked keys are exactly 0.
+#[test]
+fn causal_softmax_matches_the_masked_softmax() {
+    let dev = cuda();
+    let mut rng = Rng(0x51);
+    for &(heads, seq, past) in &[(3usize, 5usize, 0usize), (2, 40, 300), (4, 1, 7)] {
+        let total = past + seq;
+        let x = rng.vec(heads * seq * total, 4.0);
+        let t = Tensor::from_vec(x.clone(), (heads * seq, total), &dev).unwrap();
+        let got = gpu::causal_softmax(t, seq, past, 0.3).unwrap();
+        let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for r in 0..heads * seq {
+            let n = past + r % seq + 1;
+            let row = &x[r * total..(r + 1) * total];
+            let m = row[..n].iter().map(|&v| v as f64 * 0.3).fold(f64::MIN, f64::max);
+            let s: f64 = row[..n].iter().map(|&v| (v as f64 * 0.3 - m).exp()).sum();
+            for j in 0..total {
+                let want = if j < n { (row[j] as f64 * 0.3 - m).exp() / s } else { 0.0 };
+                let g = got[r * total + j] as f64;
+                assert!((g - want).abs() <= 1e-6, "row {r} key {j}: {g} vs {want}");
+                if j >= n {
+                    assert_eq!(g, 0.0);
+                }
+            }
+        }
+    }
+    let t = Tensor::zeros((6, 4), DType::F32, &dev).unwrap();
+    assert!(gpu::causal_softmax(t, 4, 1, 1.0).is_err()); // total 4 < past + seq
+}
