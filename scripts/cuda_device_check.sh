@@ -90,16 +90,33 @@ fi
 ids() { python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['input_ids'])))" "$1"; }
 F=tests/fixtures
 unxz_to() { python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$1" "$2" && chmod +x "$2"; }
+# bench_row FILE LABEL TG: "| LABEL | pp512 tok/s | tgTG tok/s |" from a `strata bench` or
+# llama-bench (-o md) output in FILE (its last such rows), FAILED where a row is missing.
+bench_row() {
+  python3 - "$1" "$2" "$3" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+pp = re.findall(r"pp512\D+([0-9.]+)", t); tg = re.findall(r"tg" + sys.argv[3] + r"\D+([0-9.]+)", t)
+print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
+PY
+}
+# With LLAMA set: builds llama.cpp CUDA from the carried sdist once per machine, in the background
+# (a new session, so it outlives this command on a machine kept warm for the next call): the
+# correctness checks do not time anything; the speed rounds wait for /tmp/llama-build.done, so no
+# timing shares the CPU with the compiler.
+start_llama_build() {
+  if [ -n "${LLAMA:-}" ] && [ ! -f /tmp/llama-build.started ]; then
+    touch /tmp/llama-build.started
+    setsid bash -c 't0=$(date +%s); bash dist/llamacpp.sh cuda dist/llamacpp-src.tar.xz /tmp/llama > /tmp/llama-build.txt 2>&1; echo "llama.cpp build: $(( $(date +%s) - t0 )) s, exit $?" >> /tmp/llama-build.txt; touch /tmp/llama-build.done' < /dev/null > /dev/null 2>&1 &
+  fi
+}
 if [ "${PART:-}" = prefill ]; then
   # Prompt passes on tensor cores (moe_q4k_tc, matmul_q4k_tc): the kernel tests, compare-devices
   # with a prompt longer than TC_ROWS_MIN on tiny-moe Q4_K (tensor-core paths on, then off), then
   # `strata bench -p 512` on the synthetic 30B (ROUTING, default local as in PART=decode) with
   # both paths on, each off, both off, alternating (VARIANTS), and llama-bench when LLAMA=1.
   D="$OUT/prefill"; mkdir -p "$D"
-  if [ -n "${LLAMA:-}" ] && [ ! -f /tmp/llama-build.started ]; then
-    touch /tmp/llama-build.started
-    setsid bash -c 't0=$(date +%s); bash dist/llamacpp.sh cuda dist/llamacpp-src.tar.xz /tmp/llama > /tmp/llama-build.txt 2>&1; echo "llama.cpp build: $(( $(date +%s) - t0 )) s, exit $?" >> /tmp/llama-build.txt; touch /tmp/llama-build.done' < /dev/null > /dev/null 2>&1 &
-  fi
+  start_llama_build
   if [ -z "${BENCH_ONLY:-}" ]; then
     unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
     /tmp/cuda-kernels-test --test-threads=1 > "$D/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee "$D/check.md"
@@ -131,21 +148,11 @@ if [ "${PART:-}" = prefill ]; then
           none) envs=(STRATA_GPU_MOE_TC=0 STRATA_GPU_DENSE_TC=0) ;;
         esac
         env "${envs[@]}" timeout 300 "$S" bench -m $M --device cuda -p 512 -n 32 -r ${REPS:-2} --stream-experts off > /tmp/bench-$v.txt 2>&1
-        python3 - /tmp/bench-$v.txt "$v-$round" <<'PY'
-import re, sys
-t = open(sys.argv[1]).read()
-pp = re.findall(r"pp512\D+([0-9.]+)", t); tg = re.findall(r"tg32\D+([0-9.]+)", t)
-print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
-PY
+        bench_row /tmp/bench-$v.txt "$v-$round" 32
       done
       if [ -x /tmp/llama/bin/llama-bench ]; then
         /tmp/llama/bin/llama-bench -m $M -ngl 99 -p 512 -n 32 -r ${REPS:-2} -o md > /tmp/llama-$round.txt 2>&1
-        python3 - /tmp/llama-$round.txt "llama.cpp-$round" <<'PY'
-import re, sys
-t = open(sys.argv[1]).read()
-pp = re.findall(r"pp512 \|\s+([0-9.]+)", t); tg = re.findall(r"tg32 \|\s+([0-9.]+)", t)
-print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
-PY
+        bench_row /tmp/llama-$round.txt "llama.cpp-$round" 32
       fi
     done
   } 2>&1 | tee "$D/bench.md"
@@ -154,13 +161,7 @@ PY
 fi
 if [ "${PART:-}" = decode ]; then
   D="$OUT/decode"; mkdir -p "$D"
-  if [ -n "${LLAMA:-}" ] && [ ! -f /tmp/llama-build.started ]; then
-    # In the background (a new session, so it outlives this command on a machine kept warm for
-    # the next call): the correctness checks below do not time anything; the speed rounds wait
-    # for it to finish, so no timing shares the CPU with the compiler.
-    touch /tmp/llama-build.started
-    setsid bash -c 't0=$(date +%s); bash dist/llamacpp.sh cuda dist/llamacpp-src.tar.xz /tmp/llama > /tmp/llama-build.txt 2>&1; echo "llama.cpp build: $(( $(date +%s) - t0 )) s, exit $?" >> /tmp/llama-build.txt; touch /tmp/llama-build.done' < /dev/null > /dev/null 2>&1 &
-  fi
+  start_llama_build
   if [ -z "${BENCH_ONLY:-}" ]; then
     echo "## kernels vs CPU references" | tee "$D/check.md"
     unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
@@ -210,12 +211,7 @@ print('$samp, $n tokens: equal prefix', same, 'of', len(b), '| identical:', a==b
   bench() { # name, binary, env... : one `strata bench` line pair (pp512, tg128)
     local n=$1 b=$2; shift 2
     env "$@" timeout 300 "$b" bench -m $M --device cuda -p 512 -n 128 -r ${REPS:-2} --stream-experts off > /tmp/bench-$n.txt 2>&1
-    python3 - /tmp/bench-$n.txt "$n" <<'PY'
-import re, sys
-t = open(sys.argv[1]).read()
-pp = re.findall(r"pp512\D+([0-9.]+)", t); tg = re.findall(r"tg128\D+([0-9.]+)", t)
-print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
-PY
+    bench_row /tmp/bench-$n.txt "$n" 128
   }
   {
     echo "| run | pp512 tok/s | tg128 tok/s |"
@@ -232,12 +228,7 @@ PY
       fi
       if [ -x /tmp/llama/bin/llama-bench ]; then
         /tmp/llama/bin/llama-bench -m $M -ngl 99 -p 512 -n 128 -r ${REPS:-2} -o md > /tmp/llama-$round.txt 2>&1
-        python3 - /tmp/llama-$round.txt "llama.cpp-$round" <<'PY'
-import re, sys
-t = open(sys.argv[1]).read()
-pp = re.findall(r"pp512 \|\s+([0-9.]+)", t); tg = re.findall(r"tg128 \|\s+([0-9.]+)", t)
-print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
-PY
+        bench_row /tmp/llama-$round.txt "llama.cpp-$round" 128
       fi
     done
   } 2>&1 | tee "$D/bench.md"

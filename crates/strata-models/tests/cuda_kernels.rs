@@ -42,6 +42,20 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
         .fold(0f32, f32::max)
 }
 
+/// Random weights of shape `dims` (values in [-1, 1)) quantized to Q4_K on `dev`, and their
+/// dequantized values (candle's CPU dequantizer: the reference's weights).
+fn random_q4k(
+    dims: &[usize],
+    rng: &mut Rng,
+    dev: &Device,
+) -> (candle_core::quantized::QTensor, Vec<f32>) {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let w = Tensor::from_vec(rng.vec(dims.iter().product(), 1.0), dims, &Device::Cpu).unwrap();
+    let deq = QTensor::quantize(&w, GgmlDType::Q4K).unwrap().dequantize(&Device::Cpu).unwrap();
+    let deq = deq.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    (QTensor::quantize_onto(&w, GgmlDType::Q4K, dev).unwrap(), deq)
+}
+
 #[test]
 fn route_topk_matches_the_host_router() {
     let dev = cuda();
@@ -277,16 +291,7 @@ fn matmul_q4k_matches_the_f32_reference_and_rows_are_independent() {
     let (dev, cpu) = (cuda(), Device::Cpu);
     let mut rng = Rng(0xd3);
     for &(r, k, n) in &[(7usize, 256usize, 1usize), (64, 2048, 16), (130, 768, 3)] {
-        let w = Tensor::from_vec(rng.vec(r * k, 1.0), (r, k), &cpu).unwrap();
-        let deq = QTensor::quantize(&w, GgmlDType::Q4K)
-            .unwrap()
-            .dequantize(&cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let wq = QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap();
+        let (wq, deq) = random_q4k(&[r, k], &mut rng, &dev);
         let x = rng.vec(n * k, 1.0);
         let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
         let got =
@@ -428,12 +433,7 @@ fn moe_q4k_matches_the_f32_reference() {
         (16, 256, 512, 9, 4),
         (128, 512, 256, 16, 8),
     ] {
-        let q = |rows: usize, cols: usize, rng: &mut Rng| {
-            let w = Tensor::from_vec(rng.vec(e * rows * cols, 1.0), (e, rows, cols), &cpu).unwrap();
-            let qt = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
-            let deq = qt.dequantize(&cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            (QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap(), deq)
-        };
+        let q = |rows: usize, cols: usize, rng: &mut Rng| random_q4k(&[e, rows, cols], rng, &dev);
         let ((gq, g), (uq, u), (dq, d)) = (q(i, h, &mut rng), q(i, h, &mut rng), q(h, i, &mut rng));
         let x = rng.vec(n * h, 1.0);
         let ids: Vec<u32> = (0..n * k).map(|j| ((j * 7 + 3) % e) as u32).collect();
@@ -523,19 +523,7 @@ fn tensor_core_products_match_the_f16_reference_and_rows_are_independent() {
     use candle_core::quantized::{GgmlDType, QTensor};
     let (dev, cpu) = (cuda(), Device::Cpu);
     let mut rng = Rng(0x7c);
-    let quant = |dims: &[usize], rng: &mut Rng| {
-        let n = dims.iter().product();
-        let w = Tensor::from_vec(rng.vec(n, 1.0), dims, &cpu).unwrap();
-        let deq = QTensor::quantize(&w, GgmlDType::Q4K)
-            .unwrap()
-            .dequantize(&cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        (QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap(), deq)
-    };
+    let quant = |dims: &[usize], rng: &mut Rng| random_q4k(dims, rng, &dev);
     let dot = |w: &[f32], x: &[f64]| -> f64 { w.iter().zip(x).map(|(a, b)| f16r(*a) * b).sum() };
     for &(r, k, n) in &[(130usize, 768usize, 70usize), (64, 2048, 33), (192, 256, 1)] {
         let (wq, w) = quant(&[r, k], &mut rng);
