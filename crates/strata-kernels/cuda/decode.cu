@@ -36,7 +36,8 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Routing. One block (ROUTE_THREADS threads) per token; scores in dynamic shared memory [E].
+// Routing. One block (ROUTE_THREADS threads, of which one warp works: no block barriers) per
+// token; scores in dynamic shared memory [E].
 // logits [n, E] f32; ids [n, keep] u32; weights [n, keep] f32; ids_all / w_all (nullable): the
 // same values also written at [n, keep] offset `all_off` (the pass's routing record).
 // scoring: 0 softmax, 1 sigmoid. norm: renormalise the top-k weights to sum 1. keep <= k: keep the
@@ -49,43 +50,32 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint
                                           float* __restrict__ w_all, int all_off, int E, int k,
                                           int keep, int scoring, int norm) {
     extern __shared__ float sc[];  // [E] scores, then removed ones as -1
-    __shared__ float red_v[ROUTE_THREADS / WARP];
-    __shared__ int red_i[ROUTE_THREADS / WARP];
     __shared__ float top_w[ROUTE_MAX_K];
     __shared__ int top_i[ROUTE_MAX_K];
-    const int t = blockIdx.x, tid = threadIdx.x, lane = tid % WARP, wid = tid / WARP;
+    // One warp does everything (no block barriers): lane l owns experts l, l + 32, ...
+    if (threadIdx.x >= WARP) return;
+    const int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (size_t)t * E;
     if (scoring == 0) {
         float m = -CUDART_INF_F;
-        for (int e = tid; e < E; e += ROUTE_THREADS) m = fmaxf(m, l[e]);
+        for (int e = lane; e < E; e += WARP) m = fmaxf(m, l[e]);
         m = warp_max(m);
-        if (lane == 0) red_v[wid] = m;
-        __syncthreads();
-        m = red_v[0];
-        for (int w = 1; w < ROUTE_THREADS / WARP; w++) m = fmaxf(m, red_v[w]);
-        __syncthreads();
         float s = 0.f;
-        for (int e = tid; e < E; e += ROUTE_THREADS) {
+        for (int e = lane; e < E; e += WARP) {
             float x = expf(l[e] - m);
             sc[e] = x;
             s += x;
         }
         s = warp_sum(s);
-        if (lane == 0) red_v[wid] = s;
-        __syncthreads();
-        s = 0.f;
-        for (int w = 0; w < ROUTE_THREADS / WARP; w++) s += red_v[w];
-        __syncthreads();
-        for (int e = tid; e < E; e += ROUTE_THREADS) sc[e] = sc[e] / s;
+        for (int e = lane; e < E; e += WARP) sc[e] = sc[e] / s;
     } else {
-        for (int e = tid; e < E; e += ROUTE_THREADS) sc[e] = 1.f / (1.f + expf(-l[e]));
+        for (int e = lane; e < E; e += WARP) sc[e] = 1.f / (1.f + expf(-l[e]));
     }
-    __syncthreads();
     for (int j = 0; j < k; j++) {
         // arg max over the scores left: highest score, then the lower id.
         float bv = -2.f;
         int bi = 0x7fffffff;
-        for (int e = tid; e < E; e += ROUTE_THREADS) {
+        for (int e = lane; e < E; e += WARP) {
             float v = sc[e];
             if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
         }
@@ -95,19 +85,12 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
         }
-        if (lane == 0) { red_v[wid] = bv; red_i[wid] = bi; }
-        __syncthreads();
-        if (tid == 0) {
-            for (int w = 1; w < ROUTE_THREADS / WARP; w++) {
-                if (red_v[w] > bv || (red_v[w] == bv && red_i[w] < bi)) { bv = red_v[w]; bi = red_i[w]; }
-            }
-            top_w[j] = bv;
-            top_i[j] = bi;
-            sc[bi] = -1.f;
-        }
-        __syncthreads();
+        // Every lane holds the winner; its owner removes it (only the owner reads that score).
+        if (lane == 0) { top_w[j] = bv; top_i[j] = bi; }
+        if (bi % WARP == lane) sc[bi] = -1.f;
     }
-    if (tid == 0) {
+    __syncwarp();
+    if (lane == 0) {
         // Router::weigh, in its order of operations.
         if (norm) {
             float s = 0.f;

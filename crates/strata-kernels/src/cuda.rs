@@ -164,9 +164,10 @@ pub fn route_topk(
             bail!("route_topk: routing record holds {} of {need} entries", r.ids.elem_count());
         }
     }
+    // One warp per token (moe_route_topk works in one warp, no block barriers).
     let cfg = LaunchConfig {
         grid_dim: (n as u32, 1, 1),
-        block_dim: (128, 1, 1),
+        block_dim: (32, 1, 1),
         shared_mem_bytes: (e * 4) as u32,
     };
     let (rec_ids, rec_w, off) = match &record {
