@@ -201,35 +201,46 @@ impl Attention {
                 .ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
             return Ok(Tensor::from_vec(out, (seq, nh * hd), q.device())?);
         }
-        let total = k_all.dim(2)?;
         // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
         let n_rep = nh / nkv;
         let q = q.reshape((1, nkv, n_rep * seq, hd))?;
-        #[cfg(feature = "cuda")]
-        if q.device().is_cuda() && crate::gpu::enabled(crate::gpu::GpuPath::Attention) {
-            // Scale, causal mask and softmax in one launch of our kernel (no mask tensor).
-            let rows = nkv * n_rep * seq;
-            let att = q.matmul(&k_all.t()?)?.reshape((rows, total))?;
-            let att = strata_kernels::cuda::causal_softmax(att, seq, pos, self.scale as f32)?;
-            let out = att.reshape((1, nkv, n_rep * seq, total))?.matmul(&v_all)?;
-            return Ok(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?);
-        }
-        let att = (q.matmul(&k_all.t()?)? * self.scale)?;
-        let att =
-            match mask {
-                Some(m) => att
-                    .reshape((1, nkv, n_rep, seq, total))?
-                    .broadcast_add(m)?
-                    .reshape((1, nkv, n_rep * seq, total))?,
-                None => att,
-            };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let att = self.causal_probs(q.matmul(&k_all.t()?)?, mask, seq, pos)?;
         let out = att.matmul(&v_all)?; // [1, nkv, n_rep·seq, hd]
         Ok(out.reshape((nh, seq, hd))?.transpose(0, 1)?.reshape((seq, nh * hd))?)
     }
 }
 
 impl Attention {
+    /// `softmax(scale · scores)` under the causal mask for `scores: [1, nkv, n_rep·seq, total]` of
+    /// a pass of `seq` rows after `past` cached positions: one launch of our kernel on a GPU with
+    /// our attention kernels on (`strata_kernels::cuda::causal_softmax`, no mask tensor), else
+    /// candle's scale, additive `mask` (`[seq, total]`, when given) and softmax.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))] // `past`: the kernel's
+    fn causal_probs(
+        &self,
+        scores: Tensor,
+        mask: Option<&Tensor>,
+        seq: usize,
+        past: usize,
+    ) -> candle_core::Result<Tensor> {
+        let (_, nkv, rows, total) = scores.dims4()?;
+        #[cfg(feature = "cuda")]
+        if scores.device().is_cuda() && crate::gpu::enabled(crate::gpu::GpuPath::Attention) {
+            let flat = scores.reshape((nkv * rows, total))?;
+            let probs = strata_kernels::cuda::causal_softmax(flat, seq, past, self.scale as f32)?;
+            return probs.reshape((1, nkv, rows, total));
+        }
+        let att = (scores * self.scale)?;
+        let att = match mask {
+            Some(m) => att
+                .reshape((1, nkv, rows / seq, seq, total))?
+                .broadcast_add(m)?
+                .reshape((1, nkv, rows, total))?,
+            None => att,
+        };
+        candle_nn::ops::softmax_last_dim(&att)
+    }
+
     /// A projection `t: [seq, n · hd]` → `[seq, n, hd]` with its norm and clipping, in
     /// transformers' order: norm over the whole projection (OLMoE) → clip → split heads → norm
     /// per head (Qwen3).
