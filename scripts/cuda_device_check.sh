@@ -20,7 +20,8 @@
 #     on tiny-moe synthetics (head dim 64: our attention; Q4_K: device routing into the fused
 #     experts; Q8_0: host routing) with the GPU paths on and off; then the synthetic
 #     qwen3-30b-a3b Q4_K (`--routing local`: the random routers decide, as in llama.cpp) resident
-#     in VRAM, `strata bench` in alternating rounds: this build, each GPU path turned off, and
+#     in VRAM, `strata bench` in alternating rounds: this build and the GPU paths turned off
+#     (VARIANTS, default: new, candle-moe, candle-matvec, candle; also no-graphs*), and
 #     dist/strata-cuda-base.xz (the build before them) when carried. LLAMA=1 also builds
 #     llama.cpp CUDA from dist/llamacpp-src.tar.xz (dist/llamacpp.sh, ~6 min) and runs
 #     llama-bench on the same file in the same rounds.
@@ -165,17 +166,17 @@ if [ "${PART:-}" = decode ]; then
   if [ -z "${BENCH_ONLY:-}" ]; then
     echo "## kernels vs CPU references" | tee "$D/check.md"
     unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
-    /tmp/cuda-kernels-test --test-threads=1 > "$D/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$D/check.md"
-    grep -E "^test |test result" "$D/kernels.txt" | tee -a "$D/check.md"
+    timeout 300 /tmp/cuda-kernels-test --test-threads=1 > "$D/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$D/check.md"
+    grep -E "^test |test result|panicked|off by" "$D/kernels.txt" | tee -a "$D/check.md"
     echo "## compare-devices (cuda vs cpu): GPU paths on, then off" | tee -a "$D/check.md"
     for q in Q4_K Q8_0; do
       "$S" synth --preset tiny-moe --quant $q --routing local --out /tmp/tiny-$q.gguf >/dev/null 2>&1
       for v in on off; do
-        envs=(STRATA_GPU_MOE=1); [ $v = off ] && envs=(STRATA_GPU_ROUTING=0 STRATA_GPU_ATTENTION=0 STRATA_GPU_GRAPHS=0)
-        # STRATA_CPU_DEQUANTIZE=1: the CPU side in f32 (the reference of the DMMV kernels); the fused
-        # Q4_K experts quantize activations to Q8_1 (documented 6.9e-3): tolerance 5e-2 there.
-        # Q4_K with the GPU paths off: candle's fused experts quantize activations to Q8_1 (and so
-        # does the prompt pass, over MOE_ROWS_MAX tokens, with them on).
+        envs=(X=1); [ $v = off ] && envs=(STRATA_GPU_ROUTING=0 STRATA_GPU_ATTENTION=0 STRATA_GPU_GRAPHS=0 STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0)
+        # STRATA_CPU_DEQUANTIZE=1: the CPU side in f32 (the reference of the f32-activation
+        # kernels). Q4_K: the prompt pass (>= TC_ROWS_MIN tokens) rounds activations to f16 on
+        # tensor cores, and with the GPU paths off candle's fused experts round them to Q8_1
+        # (documented 6.9e-3): tolerance 5e-2 there.
         tol=1e-4; [ $q = Q4_K ] && tol=5e-2
         echo "tiny-moe $q, GPU paths $v:" | tee -a "$D/check.md"
         env "${envs[@]}" STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-$q.gguf -p "The quick brown fox" -n 32 --tolerance $tol 2>>"$D/compare.err" | tail -2 | tee -a "$D/check.md"
@@ -217,15 +218,21 @@ print('$samp, $n tokens: equal prefix', same, 'of', len(b), '| identical:', a==b
     echo "| run | pp512 tok/s | tg128 tok/s |"
     echo "|---|---|---|"
     for round in 1 2; do
-      bench "new-$round" "$S"
+      for v in ${VARIANTS:-new candle-moe candle-matvec candle}; do
+        case $v in
+          candle-moe) envs=(STRATA_GPU_MOE=0) ;;
+          candle-matvec) envs=(STRATA_GPU_MATVEC=0) ;;
+          candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
+          no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
+          no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
+          no-graphs-no-gpu-routing) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0) ;;
+          no-graphs-no-gpu-attention) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0) ;;
+          no-graphs-event-tracking) envs=(STRATA_GPU_GRAPHS=0 STRATA_CUDA_EVENT_TRACKING=1) ;;
+          *) envs=(X=1) ;;
+        esac
+        bench "$v-$round" "$S" "${envs[@]}"
+      done
       [ -x /tmp/strata-base ] && bench "base-$round" /tmp/strata-base
-      bench "gpu-moe-$round" "$S" STRATA_GPU_MOE=1
-      if [ -z "${FEW:-}" ]; then
-        bench "no-graphs-$round" "$S" STRATA_GPU_GRAPHS=0
-        bench "no-graphs-no-gpu-routing-$round" "$S" STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0
-        bench "no-graphs-no-gpu-attention-$round" "$S" STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0
-        bench "no-graphs-event-tracking-$round" "$S" STRATA_GPU_GRAPHS=0 STRATA_CUDA_EVENT_TRACKING=1
-      fi
       if [ -x /tmp/llama/bin/llama-bench ]; then
         /tmp/llama/bin/llama-bench -m $M -ngl 99 -p 512 -n 128 -r ${REPS:-2} -o md > /tmp/llama-$round.txt 2>&1
         bench_row /tmp/llama-$round.txt "llama.cpp-$round" 128

@@ -7,12 +7,14 @@
 //                   renormalised -> optional --moe-top-k cut; ids and weights stay on the device.
 //  silu_mul         SwiGLU's silu(gate) * up in one pass.
 //  moe_combine      sum_j w[t,j] * y[t,j,:] over the top-k expert outputs.
-//  rope_kv_append   RoPE (NeoX or interleaved pairs, rotary dims <= head dim) on q and k, k and v
+//  rope_kv_append   [per-head q/k RMSNorm +] RoPE (NeoX or interleaved pairs, rotary dims <= head dim) on q and k, k and v
 //                   written into the KV cache at their positions, q returned rotated.
 //  attn_decode      attention of a few query rows over the KV cache (split-K online softmax,
 //                   FlashDecoding: Dao et al. 2023), row i over positions [0, pos + i].
 //  attn_combine     merges the split-K partial results.
 //  causal_softmax   softmax(scale · scores) under the causal mask, in place (prompt passes).
+//  add_rms_norm     residual add + RMSNorm in one pass.
+//  mv_f32           f32 mat-vec (router logits of a decode step).
 //  moe_gate_up_q4k, moe_down_q4k (moe_q4k.cuh): the MoE block over Q4_K experts for a few tokens;
 //                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
 //  moe_tc_sort, q4k_mm_tc (moe_tc.cuh): prompt passes' Q4_K products on tensor cores, MoE pairs
@@ -136,6 +138,49 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 }
 
 // ---------------------------------------------------------------------------------------------
+// Residual add + RMSNorm in one pass (Zhang & Sennrich 2019; candle's `rms_norm` after an add):
+// sum = a + b; out = sum / sqrt(mean(sum²) + eps) · w. a, b, sum, out [n, H]; w [H].
+// grid n, ADD_NORM_THREADS threads.
+#define ADD_NORM_THREADS 256
+extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float* __restrict__ b,
+                                        const float* __restrict__ w, float* __restrict__ sum,
+                                        float* __restrict__ out, int H, float eps) {
+    __shared__ float red[ADD_NORM_THREADS / WARP];
+    const size_t base = (size_t)blockIdx.x * H;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < H; j += ADD_NORM_THREADS) {
+        const float v = a[base + j] + b[base + j];
+        sum[base + j] = v;
+        ss = fmaf(v, v, ss);
+    }
+    ss = warp_sum(ss);
+    if (threadIdx.x % WARP == 0) red[threadIdx.x / WARP] = ss;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < ADD_NORM_THREADS / WARP; i++) t += red[i];
+    const float inv = rsqrtf(t / (float)H + eps);
+    for (int j = threadIdx.x; j < H; j += ADD_NORM_THREADS) out[base + j] = sum[base + j] * inv * w[j];
+}
+
+// f32 mat-vec (a MoE router's logits in a decode step): x [n, cols]; w [rows, cols]; y [n, rows]
+// = x · wᵀ. cols a multiple of 4, x and w 16-byte aligned. grid (ceil(rows / 4), n), 128 threads:
+// a warp per row, float4 loads.
+extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                  float* __restrict__ y, int rows, int cols) {
+    const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
+    if (r >= rows) return;
+    const float4* wr = (const float4*)(w + (size_t)r * cols);
+    const float4* xr = (const float4*)(x + (size_t)t * cols);
+    float acc = 0.f;
+    for (int i = lane; i < cols / 4; i += WARP) {
+        const float4 a = __ldg(wr + i), b = xr[i];
+        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) y[(size_t)t * rows + r] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Causal softmax of attention scores, in place: x [R, total] with row r the query i = r % seq of
 // a pass of seq rows after `past` cached positions; y = softmax(scale · x) over keys j <= past + i
 // (the others 0). Replaces candle's scale, additive-mask broadcast and softmax (three launches and
@@ -175,21 +220,43 @@ extern "C" __global__ void causal_softmax(float* __restrict__ x, int total, int 
 // cache_k, cache_v [nkv, cap, hd] (one layer's cache, batch 1); q_out [seq, nh, hd]. pos_dev
 // (nullable): the position read from the device instead of `pos` (a captured CUDA graph).
 // style 0: NeoX (pairs i, i + rd/2), 1: interleaved (pairs 2i, 2i + 1). Dimensions >= rd pass
-// unrotated. grid (seq, nh + nkv), block hd/2 threads (one per rotated pair / two tail dims).
+// unrotated. q_norm, k_norm (nullable, both or neither): per-head RMSNorm weights [hd] applied to
+// q and k before the rotation (Qwen3's q_norm / k_norm), epsilon eps.
+// grid (seq, nh + nkv), block hd/2 threads rounded up to a multiple of 32 (one per rotated pair /
+// two tail dims).
+// The RMSNorm scale 1 / sqrt(mean(x²) + eps) of one head's hd values, over the block (every
+// thread of the block calls it; blockDim a multiple of 32, at most 1024).
+__device__ __forceinline__ float head_rms_inv(const float* x, int hd, float eps) {
+    __shared__ float red[32];
+    float ss = 0.f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) ss = fmaf(x[d], x[d], ss);
+    ss = warp_sum(ss);
+    if (threadIdx.x % WARP == 0) red[threadIdx.x / WARP] = ss;
+    __syncthreads();
+    float t = 0.f;
+    for (int w = 0; w < (int)blockDim.x / WARP; w++) t += red[w];
+    return rsqrtf(t / (float)hd + eps);
+}
+
+// nw (nullable): the head's RMSNorm weight [hd], applied (x · inv · nw) before the rotation.
 __device__ __forceinline__ void rope_row(const float* x, float* o, const float* c, const float* s,
-                                         int hd, int rd, int style) {
+                                         int hd, int rd, int style, const float* nw, float inv) {
     int half = rd / 2;
     for (int p = threadIdx.x; p < hd / 2; p += blockDim.x) {
         if (p < half) {
             int a = style == 0 ? p : 2 * p, b = style == 0 ? p + half : 2 * p + 1;
             float x0 = x[a], x1 = x[b], cs = c[p], sn = s[p];
+            if (nw) {
+                x0 = x0 * inv * nw[a];
+                x1 = x1 * inv * nw[b];
+            }
             o[a] = x0 * cs - x1 * sn;
             o[b] = x0 * sn + x1 * cs;
         } else {
             // tail: dims rd + 2(p - half) and the next one
             int d = rd + 2 * (p - half);
-            o[d] = x[d];
-            o[d + 1] = x[d + 1];
+            o[d] = nw ? x[d] * inv * nw[d] : x[d];
+            o[d + 1] = nw ? x[d + 1] * inv * nw[d + 1] : x[d + 1];
         }
     }
 }
@@ -218,7 +285,9 @@ extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const flo
                                           float* __restrict__ cache_k, float* __restrict__ cache_v,
                                           int nh, int nkv, int hd, int rd, int style, int pos, int cap,
                                           const uint32_t* __restrict__ pos_dev,
-                                          const uint32_t* __restrict__ rows_tab) {
+                                          const uint32_t* __restrict__ rows_tab,
+                                          const float* __restrict__ q_norm,
+                                          const float* __restrict__ k_norm, float eps) {
     if (pos_dev) pos = (int)*pos_dev;
     const int i = blockIdx.x, h = blockIdx.y;
     int p = pos + i;
@@ -232,11 +301,13 @@ extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const flo
     const float* s = sin_t + (size_t)p * (rd / 2);
     if (h < nh) {
         size_t off = ((size_t)i * nh + h) * hd;
-        rope_row(q + off, q_out + off, c, s, hd, rd, style);
+        const float inv = q_norm ? head_rms_inv(q + off, hd, eps) : 1.f;
+        rope_row(q + off, q_out + off, c, s, hd, rd, style, q_norm, inv);
     } else {
         int g = h - nh;
         size_t src = ((size_t)i * nkv + g) * hd, dst = ((size_t)g * cap + p) * hd;
-        rope_row(k + src, cache_k + dst, c, s, hd, rd, style);
+        const float inv = k_norm ? head_rms_inv(k + src, hd, eps) : 1.f;
+        rope_row(k + src, cache_k + dst, c, s, hd, rd, style, k_norm, inv);
         for (int d = threadIdx.x; d < hd; d += blockDim.x) cache_v[dst + d] = v[src + d];
     }
 }

@@ -10,6 +10,7 @@
 //
 //  moe_gate_up_q4k  a[t, j, :] = silu(gate_e · x_t) * (up_e · x_t), e = ids[t, j]
 //  moe_down_q4k     out[t, :] = residual[t, :] + sum_j w[t, j] * (down_{ids[t, j]} · a[t, j, :])
+//  mv_q4k           y_m[t, :] = W_m · x_t, m < 3 (dense decode products: a row per warp)
 
 #include <cuda_fp16.h>
 
@@ -25,29 +26,53 @@ __device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float& s
     }
 }
 
-// One lane's share of a Q4_K row times x (lane l takes weight l of every 32-weight sub-block);
-// the caller sums over the warp. row: the row's first super-block; x: the row's `cols` inputs.
-__device__ __forceinline__ float q4k_row_dot(const uint8_t* __restrict__ row,
-                                             const float* __restrict__ x, int cols, int lane) {
-    float acc = 0.f;
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t* blk = row + (size_t)b * Q4K_BYTES;
-        const float d = __half2float(*(const __half*)blk);
-        const float dmin = __half2float(*(const __half*)(blk + 2));
-        const uint8_t* sc = blk + 4;
-        const uint8_t* qs = blk + 16;
-        const float* xb = x + b * 256;
+// One lane's share of a Q4_K super-block times x (xb: the super-block's 256 inputs), in one
+// 16-byte load of quants: lane slot j (0..7) takes quant bytes 16j .. 16j + 15, i.e. chunk
+// c = j / 2 of 64 weights — its low nibbles are sub-block 2c, its high nibbles sub-block 2c + 1 —
+// at positions 16·(j % 2) .. + 15 of each. ggml's weight d·scale·q − dmin·min is applied as
+// d·scale·Σ q·x − dmin·min·Σ x over the slot's 16 positions (the same sum, regrouped).
+__device__ __forceinline__ float q4k_sb_lane(const uint8_t* __restrict__ blk,
+                                             const float* __restrict__ xb, int j) {
+    const int c = j >> 1, l0 = (j & 1) * 16;
+    const uint4 q = __ldg((const uint4*)(blk + 16 + 32 * c + l0));
+    const uint32_t dm = __ldg((const unsigned int*)blk);
+    __half_raw dr, mr;
+    dr.x = (unsigned short)(dm & 0xFFFF);
+    mr.x = (unsigned short)(dm >> 16);
+    const float d = __half2float(__half(dr)), dmin = __half2float(__half(mr));
+    float s0, m0, s1, m1;
+    q4k_scale_min(blk + 4, 2 * c, s0, m0);
+    q4k_scale_min(blk + 4, 2 * c + 1, s1, m1);
+    const float4* xl = (const float4*)(xb + 64 * c + l0);
+    const float4* xh = (const float4*)(xb + 64 * c + 32 + l0);
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    float dl = 0.f, sl = 0.f, dh = 0.f, sh = 0.f;
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const uint8_t q = qs[32 * c + lane];
-            const float x0 = xb[64 * c + lane], x1 = xb[64 * c + 32 + lane];
-            float s0, m0, s1, m1;
-            q4k_scale_min(sc, 2 * c, s0, m0);
-            q4k_scale_min(sc, 2 * c + 1, s1, m1);
-            acc += d * s0 * (float)(q & 0xF) * x0 - dmin * m0 * x0;
-            acc += d * s1 * (float)(q >> 4) * x1 - dmin * m1 * x1;
-        }
+    for (int i = 0; i < 4; i++) {
+        const float4 a = xl[i], b = xh[i];
+        const uint32_t v = words[i];
+        dl = fmaf((float)(v & 0xF), a.x, dl);
+        dl = fmaf((float)((v >> 8) & 0xF), a.y, dl);
+        dl = fmaf((float)((v >> 16) & 0xF), a.z, dl);
+        dl = fmaf((float)((v >> 24) & 0xF), a.w, dl);
+        dh = fmaf((float)((v >> 4) & 0xF), b.x, dh);
+        dh = fmaf((float)((v >> 12) & 0xF), b.y, dh);
+        dh = fmaf((float)((v >> 20) & 0xF), b.z, dh);
+        dh = fmaf((float)(v >> 28), b.w, dh);
+        sl += (a.x + a.y) + (a.z + a.w);
+        sh += (b.x + b.y) + (b.z + b.w);
     }
+    return d * (s0 * dl + s1 * dh) - dmin * (m0 * sl + m1 * sh);
+}
+
+// One lane's share of a Q4_K row of nb super-blocks times x; the caller sums over the warp. The
+// warp takes 4 super-blocks per step (8 lanes each, q4k_sb_lane), so a row's quants are read in
+// 16-byte loads. x must be 16-byte aligned.
+__device__ __forceinline__ float q4k_row_dot(const uint8_t* __restrict__ row,
+                                             const float* __restrict__ x, int nb, int lane) {
+    float acc = 0.f;
+    for (int sb = lane >> 3; sb < nb; sb += 4)
+        acc += q4k_sb_lane(row + (size_t)sb * Q4K_BYTES, x + sb * 256, lane & 7);
     return acc;
 }
 
@@ -59,30 +84,64 @@ extern "C" __global__ void moe_gate_up_q4k(const float* __restrict__ x, const ui
     const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
     const int tj = blockIdx.y, t = tj / k;
     if (r >= I) return;
-    const size_t row_bytes = (size_t)(H / 256) * Q4K_BYTES;
-    const size_t off = ((size_t)ids[tj] * I + r) * row_bytes;
+    const int nb = H / 256;
+    const size_t off = ((size_t)ids[tj] * I + r) * nb * Q4K_BYTES;
     const float* xt = x + (size_t)t * H;
-    float g = warp_sum(q4k_row_dot(gate + off, xt, H, lane));
-    float u = warp_sum(q4k_row_dot(up + off, xt, H, lane));
+    float g = warp_sum(q4k_row_dot(gate + off, xt, nb, lane));
+    float u = warp_sum(q4k_row_dot(up + off, xt, nb, lane));
     if (lane == 0) a[(size_t)tj * I + r] = g / (1.f + expf(-g)) * u;
 }
 
 // a [n, k, I]; down [E, H, I] Q4_K; ids, w [n, k]; residual (nullable) and out [n, H].
-// grid (ceil(H / 4), n), 128 threads: warp w computes output h = 4·blockIdx.x + w.
+// grid (ceil(H / 4), n), 128 threads: warp w computes output h = 4·blockIdx.x + w, its lanes
+// spread over the k experts' super-blocks (k · I / 256 of them, 4 per step).
 extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8_t* __restrict__ down,
                                         const uint32_t* __restrict__ ids, const float* __restrict__ w,
                                         const float* __restrict__ residual, float* __restrict__ out,
                                         int H, int I, int k) {
     const int lane = threadIdx.x % WARP, h = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
     if (h >= H) return;
-    const size_t row_bytes = (size_t)(I / 256) * Q4K_BYTES;
+    const int nb = I / 256;
     float acc = 0.f;
-    for (int j = 0; j < k; j++) {
-        const size_t off = ((size_t)ids[t * k + j] * H + h) * row_bytes;
-        float y = warp_sum(q4k_row_dot(down + off, a + ((size_t)t * k + j) * I, I, lane));
-        acc += w[t * k + j] * y;
+    for (int item = lane >> 3; item < k * nb; item += 4) {
+        const int j = item / nb, sb = item - j * nb;
+        const size_t off = (((size_t)ids[t * k + j] * H + h) * nb + sb) * Q4K_BYTES;
+        const float* at = a + ((size_t)t * k + j) * I + sb * 256;
+        acc += w[t * k + j] * q4k_sb_lane(down + off, at, lane & 7);
     }
+    acc = warp_sum(acc);
     if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
+}
+
+// Dense Q4_K mat-vecs over one input, up to three matrices in one launch (a layer's q, k and v
+// projections): x [n, cols]; w0, w1, w2 [r0|r1|r2, cols] Q4_K (r1 = r2 = 0 for fewer);
+// y_m [n, r_m] = x · w_mᵀ. grid (ceil((r0 + r1 + r2) / 4), n), 128 threads: warp w takes row
+// 4·blockIdx.x + w of the three matrices' rows end to end, for token blockIdx.y.
+extern "C" __global__ void mv_q4k(const float* __restrict__ x, const uint8_t* __restrict__ w0,
+                                  const uint8_t* __restrict__ w1, const uint8_t* __restrict__ w2,
+                                  float* __restrict__ y0, float* __restrict__ y1,
+                                  float* __restrict__ y2, int r0, int r1, int r2, int cols) {
+    const int lane = threadIdx.x % WARP, t = blockIdx.y;
+    int r = blockIdx.x * 4 + threadIdx.x / WARP, rows = r0;
+    const uint8_t* w = w0;
+    float* y = y0;
+    if (r >= r0) {
+        r -= r0;
+        w = w1;
+        y = y1;
+        rows = r1;
+        if (r >= r1) {
+            r -= r1;
+            w = w2;
+            y = y2;
+            rows = r2;
+            if (r >= r2) return;
+        }
+    }
+    const int nb = cols / 256;
+    const float acc =
+        warp_sum(q4k_row_dot(w + (size_t)r * nb * Q4K_BYTES, x + (size_t)t * cols, nb, lane));
+    if (lane == 0) y[(size_t)t * rows + r] = acc;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -375,10 +375,11 @@ pub struct LayerKv<'a> {
 /// `k`, `v: [seq, nkv, hd]`; `cos`, `sin: [max_positions, rope_dim / 2]` (the model's tables,
 /// attention factor included). Rotates the first `rope_dim` dimensions of every head of q and k
 /// (RoFormer, Su et al. 2021), writes the rotated k and v into `cache` at those positions and
-/// returns the rotated q `[seq, nh, hd]`.
+/// returns the rotated q `[seq, nh, hd]`. With `norms`, every head of q and k is first
+/// RMSNorm-ed with its weight (Qwen3's per-head q/k norm), in the same launch.
 ///
 /// Errors: shapes disagree, `rope_dim` is odd or above `hd`, positions past the cache or the
-/// tables.
+/// tables, norm weights not contiguous f32 `[hd]`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_kv_append(
     q: &Tensor,
@@ -389,6 +390,7 @@ pub fn rope_kv_append(
     style: RopeStyle,
     pos: Position<'_>,
     cache: LayerKv<'_>,
+    norms: Option<HeadNorms<'_>>,
 ) -> Result<Tensor> {
     pos.check(q.dim(0)?, &cache)?;
     for (t, w) in [(q, "q"), (k, "k"), (v, "v"), (cos, "cos"), (sin, "sin")] {
@@ -419,6 +421,13 @@ pub fn rope_kv_append(
              (cache {cap}, table {max_pos})"
         );
     }
+    if let Some(n) = &norms {
+        check_f32(n.q, "q norm")?;
+        check_f32(n.k, "k norm")?;
+        if n.q.dims() != [hd] || n.k.dims() != [hd] || hd > 2048 {
+            bail!("rope_kv_append: norms {:?} {:?} for head dim {hd}", n.q.dims(), n.k.dims());
+        }
+    }
     let dev = cuda_device(q)?;
     let q_out = alloc::<f32>(dev, (seq, nh, hd))?;
     if seq == 0 {
@@ -426,7 +435,7 @@ pub fn rope_kv_append(
     }
     let cfg = LaunchConfig {
         grid_dim: (seq as u32, (nh + nkv) as u32, 1),
-        block_dim: ((hd / 2).max(32) as u32, 1, 1),
+        block_dim: ((hd / 2).max(32).next_multiple_of(32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut args: Vec<Arg> = [q, k, v, cos, sin, &q_out, cache.k, cache.v]
@@ -439,12 +448,24 @@ pub fn rope_kv_append(
     args.push(Arg::I32(cap as i32));
     args.push(Arg::Ptr(pos.device_addr()?));
     args.push(Arg::Ptr(pos.rows_addr()?));
+    let norm_w = |t: Option<&Tensor>| t.map(addr).transpose();
+    args.push(Arg::Ptr(norm_w(norms.as_ref().map(|n| n.q))?.unwrap_or(0)));
+    args.push(Arg::Ptr(norm_w(norms.as_ref().map(|n| n.k))?.unwrap_or(0)));
+    args.push(Arg::F32(norms.as_ref().map_or(0.0, |n| n.eps)));
     // SAFETY: arguments in `rope_kv_append`'s order; shapes and positions checked above (a row
     // table's caches by its builder and caller: contiguous f32 caches of this shape). The caches
     // are written in place: their tensors belong to KvCaches used by one pass at a time on this
     // stream.
     unsafe { launch(dev, "rope_kv_append", cfg, &args) }?;
     Ok(q_out)
+}
+
+/// Per-head RMSNorm weights of q and k (`[hd]` f32 each, Qwen3's `q_norm` / `k_norm`) and their
+/// epsilon, applied by [`rope_kv_append`] before the rotation.
+pub struct HeadNorms<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub eps: f32,
 }
 
 /// Whether [`attend_decode`] takes a head dimension (a multiple of 32, at most 256).
@@ -700,6 +721,146 @@ pub fn matmul_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
     rows_q4k(dev, x, w, None, shape)
 }
 
+/// `t` itself when its first element is 16-byte aligned (the 16-byte loads of `mv_q4k`,
+/// `moe_gate_up_q4k`, `moe_down_q4k`), else a copy in a new allocation (aligned). A misaligned
+/// 16-byte load is a sticky CUDA error that leaves the context unusable, so this is never skipped.
+fn aligned16(t: &Tensor) -> Result<Tensor> {
+    if addr(t)?.is_multiple_of(16) {
+        Ok(t.clone())
+    } else {
+        // `Tensor::copy` keeps the storage's start offset; this allocates afresh.
+        t.force_contiguous()
+    }
+}
+
+/// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`), the mat-vec of a
+/// decode step: [`matvec_q4k_many`] with one matrix.
+pub fn matvec_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    Ok(matvec_q4k_many(x, &[w])?.remove(0))
+}
+
+/// `x: [n, K]` f32 times one to three Q4_K matrices `w_m: [R_m, K]` (a layer's q, k and v
+/// projections) → `[n, R_m]` each, in one launch (`mv_q4k`: a warp per weight row reading its
+/// quants in 16-byte loads, 8 lanes per super-block, f32 activations — ggml's
+/// `dequantize_row_q4_K` values, so the f32 reference's result up to summation order, unlike
+/// llama.cpp's MMVQ which rounds x to Q8_1). Each row of `x` is its own launch row (`grid.y`):
+/// meant for one to a few rows. A matrix's result does not depend on the others passed with it.
+///
+/// Errors: no matrix or more than three, a matrix not Q4_K `[R, K]` with `K` a multiple of 256,
+/// `x` not f32 `[n, K]` contiguous on the same CUDA device.
+pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
+    check_f32(x, "x")?;
+    let (n, k) = x.dims2()?;
+    let mut rows = [0usize; 3];
+    if ws.is_empty() || ws.len() > 3 || !k.is_multiple_of(256) || n > 65535 {
+        bail!("matvec_q4k: x {:?} with {} matrices", x.dims(), ws.len());
+    }
+    for (m, w) in ws.iter().enumerate() {
+        let (r, wk) = w.shape().dims2()?;
+        if w.dtype() != GgmlDType::Q4K || wk != k {
+            bail!("matvec_q4k: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
+        }
+        rows[m] = r;
+    }
+    let dev = cuda_device(x)?;
+    let ys = (0..ws.len()).map(|m| alloc::<f32>(dev, (n, rows[m]))).collect::<Result<Vec<_>>>()?;
+    let total: usize = rows.iter().sum();
+    if n == 0 || total == 0 {
+        return Ok(ys);
+    }
+    let x = aligned16(x)?;
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(4) as u32, n as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = vec![Arg::Ptr(addr(&x)?)];
+    for m in 0..3 {
+        let p = ws.get(m).map(|w| w.device_ptr()).transpose()?;
+        args.push(Arg::Ptr(p.map_or(0, |p| p as u64)));
+    }
+    for m in 0..3 {
+        args.push(Arg::Ptr(ys.get(m).map(addr).transpose()?.unwrap_or(0)));
+    }
+    args.extend(i32s(&[rows[0], rows[1], rows[2], k]));
+    // SAFETY: arguments in `mv_q4k`'s order; each w_m is [R_m, K] Q4_K (absent ones have 0
+    // rows and are never read), x [n, K] f32 16-byte aligned, y_m [n, R_m].
+    unsafe { launch(dev, "mv_q4k", cfg, &args) }?;
+    Ok(ys)
+}
+
+/// `x: [n, K]` times an f32 matrix `w: [R, K]` → `[n, R]` (`mv_f32`: a warp per row, 16-byte
+/// loads; a MoE router's logits in a decode step, one launch instead of cuBLAS's two). Summation
+/// order differs from cuBLAS (f32 rounding).
+///
+/// Errors: not f32, `K` not a multiple of 4, shapes that disagree, not on one CUDA device.
+pub fn matvec_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    check_f32(x, "x")?;
+    check_f32(w, "w")?;
+    let (n, k) = x.dims2()?;
+    let (r, wk) = w.dims2()?;
+    if wk != k || !k.is_multiple_of(4) || n > 65535 {
+        bail!("matvec_f32: x {:?}, w {:?}", x.dims(), w.dims());
+    }
+    let dev = cuda_device(x)?;
+    let y = alloc::<f32>(dev, (n, r))?;
+    if n == 0 || r == 0 {
+        return Ok(y);
+    }
+    let (x, w) = (aligned16(x)?, aligned16(&w.contiguous()?)?);
+    let cfg = LaunchConfig {
+        grid_dim: (r.div_ceil(4) as u32, n as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::Ptr(addr(&x)?),
+        Arg::Ptr(addr(&w)?),
+        Arg::Ptr(addr(&y)?),
+        Arg::I32(r as i32),
+        Arg::I32(k as i32),
+    ];
+    // SAFETY: arguments in `mv_f32`'s order; x [n, K], w [R, K] f32 16-byte aligned, K % 4 == 0.
+    unsafe { launch(dev, "mv_f32", cfg, &args) }?;
+    Ok(y)
+}
+
+/// The residual add and the next RMSNorm in one launch (`add_rms_norm`): `a, b: [n, H]` f32,
+/// `w: [H]` → `(a + b, rms_norm(a + b) · w)` with `rms_norm(s) = s / sqrt(mean(s²) + eps)`
+/// (Zhang & Sennrich 2019), as candle's add then `rms_norm` up to summation order.
+///
+/// Errors: not f32, shapes that disagree, not on one CUDA device.
+pub fn add_rms_norm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    for (t, what) in [(a, "a"), (b, "b"), (w, "norm weight")] {
+        check_f32(t, what)?;
+    }
+    let (n, h) = a.dims2()?;
+    if b.dims() != [n, h] || w.dims() != [h] {
+        bail!("add_rms_norm: a {:?}, b {:?}, w {:?}", a.dims(), b.dims(), w.dims());
+    }
+    let dev = cuda_device(a)?;
+    let sum = alloc::<f32>(dev, (n, h))?;
+    let out = alloc::<f32>(dev, (n, h))?;
+    if n == 0 || h == 0 {
+        return Ok((sum, out));
+    }
+    let (a, b, w) = (a.contiguous()?, b.contiguous()?, w.contiguous()?);
+    let cfg =
+        LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let args = [
+        Arg::Ptr(addr(&a)?),
+        Arg::Ptr(addr(&b)?),
+        Arg::Ptr(addr(&w)?),
+        Arg::Ptr(addr(&sum)?),
+        Arg::Ptr(addr(&out)?),
+        Arg::I32(h as i32),
+        Arg::F32(eps),
+    ];
+    // SAFETY: arguments in `add_rms_norm`'s order; a, b, sum, out [n, H], w [H], f32 contiguous.
+    unsafe { launch(dev, "add_rms_norm", cfg, &args) }?;
+    Ok((sum, out))
+}
+
 /// Tokens a pass may have for [`moe_q4k`] (decode and speculative verification; longer passes
 /// read every expert once per token, so prefill keeps candle's kernels).
 pub const MOE_ROWS_MAX: usize = 16;
@@ -709,8 +870,9 @@ pub const MOE_ROWS_MAX: usize = 16;
 /// `ids: [n, k]` u32 rows of those tensors, `weights: [n, k]` f32, optional `residual: [n, H]` →
 /// `[n, H]` = `residual + Σⱼ weights[t, j] · down(silu(gate · x) ⊙ (up · x))` of expert
 /// `ids[t, j]`.
-/// Activations stay f32 (weights dequantized in registers, ggml's `dequantize_row_q4_K`), so the
-/// result is the f32 reference's up to summation order — unlike candle's `indexed_moe_forward`,
+/// Activations stay f32 (quants read in 16-byte loads, ggml's `dequantize_row_q4_K` values
+/// applied as `d·scale·Σ q·x − dmin·min·Σ x` per 16 weights), so the result is the f32 reference's
+/// up to summation order — unlike candle's `indexed_moe_forward`,
 /// which quantizes activations to Q8_1.
 ///
 /// Errors: a format other than Q4_K, `H` or `I` not a multiple of 256, shapes that disagree,
@@ -730,6 +892,7 @@ pub fn moe_q4k(
         bail!("moe_q4k: residual {:?} for x {:?}", residual.map(|r| r.dims()), x.dims());
     }
     let dev = cuda_device(x)?;
+    let x = &aligned16(x)?;
     let a = alloc::<f32>(dev, (n, k, i))?;
     let out = alloc::<f32>(dev, (n, h))?;
     if n == 0 || k == 0 {

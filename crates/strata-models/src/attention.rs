@@ -114,7 +114,16 @@ impl Attention {
                     y.narrow(1, qw + nkv * hd, nkv * hd)?,
                 )
             }
-            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+            Qkv::Separate { q, k, v } => {
+                #[cfg(feature = "cuda")]
+                let fused = crate::layers::matvec_q4k_fused(&[q, k, v], x).transpose()?;
+                #[cfg(not(feature = "cuda"))]
+                let fused: Option<Vec<Tensor>> = None;
+                match fused.map(<[Tensor; 3]>::try_from) {
+                    Some(Ok([q, k, v])) => (q, k, v),
+                    _ => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+                }
+            }
         };
         // Gated attention: each head's projection is [query, gate] (transformers
         // `Qwen3NextAttention`: `torch.chunk(q_proj(x).view(.., heads, 2·head_dim), 2, -1)`).
@@ -326,12 +335,25 @@ impl Attention {
         cache: strata_kernels::cuda::LayerKv<'_>,
     ) -> Result<Tensor> {
         use strata_kernels::cuda as gpu;
-        let q = self.split_heads(q, self.num_heads, &self.q_norm)?;
-        let k = self.split_heads(k, self.num_kv_heads, &self.k_norm)?;
+        // Per-head q/k norms inside the RoPE kernel (Qwen3), unless STRATA_GPU_FUSE=0.
+        let norms = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn))
+                if self.qk_norm == QkNorm::PerHead
+                    && crate::gpu::enabled(crate::gpu::GpuPath::Fuse) =>
+            {
+                let ((qw, eps), (kw, _)) = (qn.weight_eps(), kn.weight_eps());
+                Some(gpu::HeadNorms { q: qw, k: kw, eps })
+            }
+            _ => None,
+        };
+        let (qn, kn) = if norms.is_some() { (&None, &None) } else { (&self.q_norm, &self.k_norm) };
+        let q = self.split_heads(q, self.num_heads, qn)?;
+        let k = self.split_heads(k, self.num_kv_heads, kn)?;
         let v = self.split_heads(v, self.num_kv_heads, &None)?;
         let (cos, sin, style) = rope.tables();
         let kv = || gpu::LayerKv { k: cache.k, v: cache.v };
-        let q = gpu::rope_kv_append(&q, &k, &v, cos, sin, gpu_rope_style(style), pos, kv())?;
+        let style = gpu_rope_style(style);
+        let q = gpu::rope_kv_append(&q, &k, &v, cos, sin, style, pos, kv(), norms)?;
         Ok(gpu::attend_decode(&q, pos, self.scale as f32, kv())?)
     }
 

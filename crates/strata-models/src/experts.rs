@@ -87,9 +87,10 @@ impl FusedExperts {
     /// (`strata_kernels::cuda::moe_q4k_tc`: f16 inputs, f32 sums; `STRATA_GPU_MOE_TC=0` turns it
     /// off); of the rest (f32 activations), with `STRATA_GPU_MOE_GROUPED=1`, passes of 2 to `MOE_GROUPED_ROWS_MAX` tokens (batched
     /// decode, verify) grouped by expert (`strata_kernels::cuda::moe_q4k_grouped`: each selected
-    /// expert's weights read once for all of its tokens); with `STRATA_GPU_MOE=1`, passes of up
-    /// to `MOE_ROWS_MAX` tokens by `strata_kernels::cuda::moe_q4k`. `None`: another device, format or
-    /// length, or the kernels not asked for (then [`Self::forward`] and a weighted sum).
+    /// expert's weights read once for all of its tokens); passes of up to `MOE_ROWS_MAX` tokens
+    /// (decode, verify) by `strata_kernels::cuda::moe_q4k` (two launches, f32 activations) unless
+    /// `STRATA_GPU_MOE=0`. `None`: another device, format or
+    /// length, or the kernels turned off (then [`Self::forward`] and a weighted sum).
     #[cfg(feature = "cuda")]
     pub fn forward_combined(
         &self,

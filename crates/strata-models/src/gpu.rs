@@ -6,15 +6,17 @@
 //! replayed from a captured CUDA graph), `STRATA_GPU_DENSE=0` (dense Q4_K products of 2 to
 //! `MATMUL_ROWS_MAX` rows through candle: the whole matrix dequantized to f32, then cuBLAS),
 //! `STRATA_GPU_MOE_TC=0` / `STRATA_GPU_DENSE_TC=0` (the Q4_K experts / dense Q4_K products of
-//! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums).
+//! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums),
+//! `STRATA_GPU_MATVEC=0` (one-row dense Q4_K products through candle's DMMV kernel instead of
+//! ours, q/k/v as three launches instead of one, router logits through cuBLAS),
+//! `STRATA_GPU_FUSE=0` (residual add and RMSNorm as two launches, per-head q/k norms through
+//! candle instead of inside the RoPE kernel), `STRATA_GPU_MOE=0` (the Q4_K experts of short passes through candle's
+//! `indexed_moe_forward`, Q8_1 activations, instead of our f32-activation kernels).
 //!
-//! Off by default, both measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
+//! Off by default, measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
 //! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by
-//! expert instead of candle's `indexed_moe_forward` (docs/performance.md, "Batched decode on the
-//! H100: where a 16-sequence step goes"); `STRATA_GPU_MOE=1` runs the Q4_K experts of short
-//! passes on our f32-activation kernels instead of candle's `indexed_moe_forward` (Q8_1
-//! activations, as llama.cpp's): exact to the f32 reference (docs/performance.md, "GPU decode
-//! step").
+//! expert instead (docs/performance.md, "Batched decode on the H100: where a 16-sequence step
+//! goes").
 
 use std::sync::OnceLock;
 
@@ -28,15 +30,22 @@ pub enum GpuPath {
     /// [`crate::attention::GPU_ATTEND_ROWS_MAX`] tokens; the causal softmax kernel for longer
     /// ones.
     Attention,
-    /// Our Q4_K MoE kernels for passes of a few tokens ([`crate::FusedExperts`]); off unless
-    /// asked for.
+    /// Our Q4_K MoE kernels for passes of a few tokens ([`crate::FusedExperts`]): gate + up +
+    /// SiLU in one launch, down + the weighted sum in another.
     Moe,
     /// Our Q4_K MoE kernels grouped by expert for passes of 2 to
     /// `strata_kernels::cuda::MOE_GROUPED_ROWS_MAX` tokens ([`crate::FusedExperts`]); off unless
     /// asked for.
     MoeGrouped,
-    /// Dense Q4_K products of a few rows on our kernel ([`crate::layers::Linear`]).
+    /// Dense Q4_K products of 2 to `MATMUL_ROWS_MAX` rows on our kernel
+    /// ([`crate::layers::Linear`]).
     Dense,
+    /// One-row dense Q4_K products (decode steps) on our mat-vec kernel, a layer's q/k/v in one
+    /// launch, one-row f32 products (router logits) on ours ([`crate::layers::Linear`]).
+    MatVec,
+    /// Launch fusions: residual add + RMSNorm ([`crate::layers::RmsNorm::add_forward`]),
+    /// per-head q/k RMSNorm inside the RoPE kernel.
+    Fuse,
     /// Q4_K experts of prompt passes (at least `strata_kernels::cuda::TC_ROWS_MIN` tokens) on
     /// our tensor-core kernels, grouped by expert ([`crate::FusedExperts`]).
     MoeTc,
@@ -47,8 +56,7 @@ pub enum GpuPath {
     Graphs,
 }
 
-/// Whether `path` is on: its variable is not `0` ([`GpuPath::Moe`], [`GpuPath::MoeGrouped`]:
-/// is `1`).
+/// Whether `path` is on: its variable is not `0` ([`GpuPath::MoeGrouped`]: is `1`).
 pub fn enabled(path: GpuPath) -> bool {
     static ROUTING: OnceLock<bool> = OnceLock::new();
     static ATTENTION: OnceLock<bool> = OnceLock::new();
@@ -56,6 +64,8 @@ pub fn enabled(path: GpuPath) -> bool {
     static MOE: OnceLock<bool> = OnceLock::new();
     static MOE_GROUPED: OnceLock<bool> = OnceLock::new();
     static DENSE: OnceLock<bool> = OnceLock::new();
+    static MATVEC: OnceLock<bool> = OnceLock::new();
+    static FUSE: OnceLock<bool> = OnceLock::new();
     static MOE_TC: OnceLock<bool> = OnceLock::new();
     static DENSE_TC: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
@@ -65,11 +75,13 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::Moe => (&MOE, "STRATA_GPU_MOE"),
         GpuPath::MoeGrouped => (&MOE_GROUPED, "STRATA_GPU_MOE_GROUPED"),
         GpuPath::Dense => (&DENSE, "STRATA_GPU_DENSE"),
+        GpuPath::MatVec => (&MATVEC, "STRATA_GPU_MATVEC"),
+        GpuPath::Fuse => (&FUSE, "STRATA_GPU_FUSE"),
         GpuPath::MoeTc => (&MOE_TC, "STRATA_GPU_MOE_TC"),
         GpuPath::DenseTc => (&DENSE_TC, "STRATA_GPU_DENSE_TC"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
-        (GpuPath::Moe | GpuPath::MoeGrouped, v) => v.is_ok_and(|v| v == "1"),
+        (GpuPath::MoeGrouped, v) => v.is_ok_and(|v| v == "1"),
         (_, v) => !v.is_ok_and(|v| v == "0"),
     })
 }

@@ -256,7 +256,7 @@ impl Linear {
             Tensor::cat(&parts, 0)
         } else {
             #[cfg(feature = "cuda")]
-            if let Some(y) = dense_q4k_gpu(w, x) {
+            if let Some(y) = dense_q4k_gpu(w, x).or_else(|| dense_f32_gpu(w, x)) {
                 return y;
             }
             w.forward(x)
@@ -320,6 +320,28 @@ impl RmsNorm {
         Ok(Self { w, w_host, eps: eps as f32 })
     }
 
+    /// The weight `[dim]` (on the model's device) and epsilon, for kernels that fuse the norm.
+    pub fn weight_eps(&self) -> (&Tensor, f32) {
+        (&self.w, self.eps)
+    }
+
+    /// `(x + h, self.forward(x + h))`: a residual add and this norm, in one launch on a GPU
+    /// (`strata_kernels::cuda::add_rms_norm`) unless `STRATA_GPU_FUSE=0`; elsewhere the add and
+    /// [`Self::forward`].
+    pub fn add_forward(&self, x: &Tensor, h: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda()
+            && x.rank() == 2
+            && x.dtype() == candle_core::DType::F32
+            && crate::gpu::enabled(crate::gpu::GpuPath::Fuse)
+        {
+            return strata_kernels::cuda::add_rms_norm(x, h, &self.w, self.eps);
+        }
+        let sum = (x + h)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
+
     /// Over the last dim of `x`. On CPU this follows ggml's `ggml_compute_forward_rms_norm_f32`
     /// operation for operation (sum of squares in f64, scale in f32, then the weight), so that
     /// activations quantized downstream round like llama.cpp's.
@@ -343,17 +365,71 @@ impl RmsNorm {
     }
 }
 
+/// One-row products `x: [1, in]` of several Q4_K projections without biases (a layer's q, k and
+/// v) in one launch on a GPU (`strata_kernels::cuda::matvec_q4k_many`, the kernel of a one-row
+/// [`Linear::forward`], so each result equals that projection's own forward) → `[1, out_m]` each.
+/// `None`: another device, format or row count, a bias, or `STRATA_GPU_MATVEC=0`.
+#[cfg(feature = "cuda")]
+pub fn matvec_q4k_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Result<Vec<Tensor>>> {
+    if !x.device().is_cuda()
+        || x.dims().first() != Some(&1)
+        || x.rank() != 2
+        || !crate::gpu::enabled(crate::gpu::GpuPath::MatVec)
+    {
+        return None;
+    }
+    let ws = ls
+        .iter()
+        .map(|l| match (&l.w, &l.b) {
+            (LinearWeight::Candle(QMatMul::QTensor(q)), None) if q.dtype() == GgmlDType::Q4K => {
+                Some(q.as_ref())
+            }
+            _ => None,
+        })
+        .collect::<Option<Vec<&QTensor>>>()?;
+    Some(x.contiguous().and_then(|x| strata_kernels::cuda::matvec_q4k_many(&x, &ws)))
+}
+
+/// A one-row f32 product `x: [1, in]` (a MoE router's logits in a decode step) on our mat-vec
+/// kernel (`strata_kernels::cuda::matvec_f32`, one launch instead of cuBLAS's GEMV pair) unless
+/// `STRATA_GPU_MATVEC=0`. `None`: another device, dtype, row count or a width not a multiple of 4.
+#[cfg(feature = "cuda")]
+fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
+    let QMatMul::Tensor(t) = w else { return None };
+    let k = *x.dims().last()?;
+    if !x.device().is_cuda()
+        || t.dtype() != candle_core::DType::F32
+        || x.dtype() != candle_core::DType::F32
+        || x.elem_count() != k
+        || !k.is_multiple_of(4)
+        || t.rank() != 2
+        || !crate::gpu::enabled(crate::gpu::GpuPath::MatVec)
+    {
+        return None;
+    }
+    let run = || {
+        let mut dims = x.dims().to_vec();
+        let y = strata_kernels::cuda::matvec_f32(&x.reshape((1, k))?.contiguous()?, t)?;
+        *dims.last_mut().expect("rank ≥ 1") = y.dim(1)?;
+        y.reshape(dims)
+    };
+    Some(run())
+}
+
 /// A dense Q4_K product of 2 to `MATMUL_ROWS_MAX` rows `x: [.., in]` on a GPU through our kernel
 /// (`strata_kernels::cuda::matmul_q4k`: each weight row dequantized once for all rows, f32
 /// activations; every row's result independent of the others), unless `STRATA_GPU_DENSE=0`:
 /// candle's path (with `STRATA_CUDA_MMVQ` unset) dequantizes the whole matrix to f32 and runs
-/// cuBLAS for more than one row. One row keeps candle's DMMV kernel (measured faster for a
-/// single decode step). Passes of `TC_ROWS_MIN` rows or more (prompts) run on tensor cores
+/// cuBLAS for more than one row. One row (a decode step) runs on our mat-vec kernel
+/// (`strata_kernels::cuda::matvec_q4k`: 16-byte loads, f32 activations) unless
+/// `STRATA_GPU_MATVEC=0` (candle's DMMV kernel). Passes of `TC_ROWS_MIN` rows or more (prompts) run on tensor cores
 /// (`strata_kernels::cuda::matmul_q4k_tc`: f16 inputs, f32 sums) unless
 /// `STRATA_GPU_DENSE_TC=0`. `None`: another device, format, rank or size.
 #[cfg(feature = "cuda")]
 fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
-    use strata_kernels::cuda::{matmul_q4k, matmul_q4k_tc, moe_grouped_supports, MATMUL_ROWS_MAX};
+    use strata_kernels::cuda::{
+        matmul_q4k, matmul_q4k_tc, matvec_q4k, moe_grouped_supports, MATMUL_ROWS_MAX,
+    };
     let QMatMul::QTensor(q) = w else { return None };
     let k = *x.dims().last()?;
     let n = x.elem_count() / k.max(1);
@@ -372,6 +448,9 @@ fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
         && crate::gpu::enabled(crate::gpu::GpuPath::DenseTc)
     {
         return Some(run(matmul_q4k_tc));
+    }
+    if n == 1 && k.is_multiple_of(256) && crate::gpu::enabled(crate::gpu::GpuPath::MatVec) {
+        return Some(run(matvec_q4k));
     }
     if !(2..=MATMUL_ROWS_MAX).contains(&n)
         || !moe_grouped_supports(k, k)

@@ -193,6 +193,7 @@ fn check_attention(c: &Case, rng: &mut Rng) {
         style,
         gpu::Position::Host(c.pos),
         gpu::LayerKv { k: &ck, v: &cv },
+        None,
     )
     .unwrap();
     let out = gpu::attend_decode(
@@ -286,7 +287,7 @@ fn rope_append_and_decode_attention_match_the_reference() {
 /// The dense Q4_K product of a few rows equals the f64 product over the dequantized weights
 /// (within f32 rounding), and each row's result is bit for bit the same whatever the other rows.
 #[test]
-fn matmul_q4k_matches_the_f32_reference_and_rows_are_independent() {
+fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     use candle_core::quantized::{GgmlDType, QTensor};
     let (dev, cpu) = (cuda(), Device::Cpu);
     let mut rng = Rng(0xd3);
@@ -304,6 +305,23 @@ fn matmul_q4k_matches_the_f32_reference_and_rows_are_independent() {
             .collect();
         let err = max_rel(&got, &want);
         assert!(err < 1e-5, "matmul_q4k off by {err} (R {r} K {k} n {n})");
+        // The decode mat-vec, from an aligned tensor and from one starting 4 bytes in (copied).
+        let mv = gpu::matvec_q4k(&xt, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>();
+        let err = max_rel(&mv.unwrap(), &want);
+        assert!(err < 1e-5, "matvec_q4k off by {err} (R {r} K {k} n {n})");
+        let padded: Vec<f32> = std::iter::once(0.0).chain(x.iter().copied()).collect();
+        let shifted = Tensor::from_vec(padded, n * k + 1, &dev).unwrap().narrow(0, 1, n * k);
+        let shifted = shifted.unwrap().reshape((n, k)).unwrap();
+        let mv = gpu::matvec_q4k(&shifted, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>();
+        assert!(max_rel(&mv.unwrap(), &want) < 1e-5, "matvec_q4k of an unaligned x");
+        // Three matrices in one launch: each result bit for bit its own launch's.
+        let (w2, _) = random_q4k(&[r + 5, k], &mut rng, &dev);
+        let (w3, _) = random_q4k(&[3, k], &mut rng, &dev);
+        let many = gpu::matvec_q4k_many(&xt, &[&wq, &w2, &w3]).unwrap();
+        for (y, w) in many.iter().zip([&wq, &w2, &w3]) {
+            let alone = gpu::matvec_q4k(&xt, w).unwrap();
+            assert_eq!(flat(y), flat(&alone), "matvec_q4k_many vs alone (R {r} K {k} n {n})");
+        }
         let last = xt.narrow(0, n - 1, 1).unwrap().contiguous().unwrap();
         let alone =
             gpu::matmul_q4k(&last, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -313,6 +331,96 @@ fn matmul_q4k_matches_the_f32_reference_and_rows_are_independent() {
     let w = Tensor::zeros((4, 256), DType::F32, &cpu).unwrap();
     let wq = QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap();
     assert!(gpu::matmul_q4k(&x, &wq).is_err());
+    let x = Tensor::zeros((1, 512), DType::F32, &dev).unwrap();
+    assert!(gpu::matvec_q4k(&x, &wq).is_err(), "K 512 against a matrix of 256 columns");
+    assert!(gpu::matvec_q4k_many(&x, &[]).is_err());
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+/// The f32 mat-vec (router logits) and the fused residual add + RMSNorm against f64 references.
+#[test]
+fn matvec_f32_and_add_rms_norm_match_the_reference() {
+    let dev = cuda();
+    let mut rng = Rng(0xf32);
+    for &(r, k, n) in &[(128usize, 2048usize, 1usize), (7, 12, 3), (64, 4, 1)] {
+        let (w, x) = (rng.vec(r * k, 1.0), rng.vec(n * k, 1.0));
+        let wt = Tensor::from_vec(w.clone(), (r, k), &dev).unwrap();
+        let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
+        let got = flat(&gpu::matvec_f32(&xt, &wt).unwrap());
+        let want: Vec<f32> = (0..n * r)
+            .map(|i| {
+                let (t, o) = (i / r, i % r);
+                (0..k).map(|j| w[o * k + j] as f64 * x[t * k + j] as f64).sum::<f64>() as f32
+            })
+            .collect();
+        let err = max_rel(&got, &want);
+        assert!(err < 1e-5, "matvec_f32 off by {err} (R {r} K {k} n {n})");
+    }
+    let odd = Tensor::zeros((1, 6), DType::F32, &dev).unwrap();
+    assert!(gpu::matvec_f32(&odd, &Tensor::zeros((2, 6), DType::F32, &dev).unwrap()).is_err());
+    for &(n, h) in &[(1usize, 2048usize), (3, 100), (2, 4096)] {
+        let (a, b, w) = (rng.vec(n * h, 2.0), rng.vec(n * h, 2.0), rng.vec(h, 1.0));
+        let up = |v: &Vec<f32>, s: (usize, usize)| Tensor::from_vec(v.clone(), s, &dev).unwrap();
+        let wt = Tensor::from_vec(w.clone(), h, &dev).unwrap();
+        let (sum, out) = gpu::add_rms_norm(&up(&a, (n, h)), &up(&b, (n, h)), &wt, 1e-6).unwrap();
+        let (sum, out) = (flat(&sum), flat(&out));
+        let mut want = vec![0f32; n * h];
+        for t in 0..n {
+            let s: Vec<f64> = (0..h).map(|j| a[t * h + j] as f64 + b[t * h + j] as f64).collect();
+            let inv = 1.0 / (s.iter().map(|v| v * v).sum::<f64>() / h as f64 + 1e-6).sqrt();
+            for j in 0..h {
+                assert_eq!(sum[t * h + j], a[t * h + j] + b[t * h + j], "the sum is f32's");
+                want[t * h + j] = (s[j] * inv * w[j] as f64) as f32;
+            }
+        }
+        let err = max_rel(&out, &want);
+        assert!(err < 1e-5, "add_rms_norm off by {err} (n {n} H {h})");
+    }
+    let (a, w) = (Tensor::zeros((2, 8), DType::F32, &dev).unwrap(), rng.vec(4, 1.0));
+    let w = Tensor::from_vec(w, 4, &dev).unwrap();
+    assert!(gpu::add_rms_norm(&a, &a, &w, 1e-6).is_err(), "weight of another width");
+}
+
+/// RoPE with the per-head q/k RMSNorm inside the kernel equals candle's `rms_norm` on each head
+/// followed by the plain kernel: the same rotated q and cache keys (values untouched by the norm).
+#[test]
+fn rope_with_head_norms_equals_norm_then_rope() {
+    let dev = cuda();
+    let mut rng = Rng(0x9e);
+    for &(nh, nkv, hd, rd, seq) in
+        &[(8usize, 2usize, 128usize, 128usize, 1usize), (4, 4, 64, 32, 3)]
+    {
+        let cap = seq + 4;
+        let rope = RotaryEmbedding::new(1e6, rd, &RopeScaling::None, RopeStyle::Neox, cap, &dev);
+        let rope = rope.unwrap();
+        let (cos, sin, _) = rope.tables();
+        let up = |n: usize, rng: &mut Rng| {
+            Tensor::from_vec(rng.vec(seq * n * hd, 3.0), (seq, n, hd), &dev).unwrap()
+        };
+        let (q, k, v) = (up(nh, &mut rng), up(nkv, &mut rng), up(nkv, &mut rng));
+        let qw = Tensor::from_vec(rng.vec(hd, 1.0), hd, &dev).unwrap();
+        let kw = Tensor::from_vec(rng.vec(hd, 1.0), hd, &dev).unwrap();
+        let cache = || Tensor::zeros((1, nkv, cap, hd), DType::F32, &dev).unwrap();
+        let (ck1, cv1, ck2, cv2) = (cache(), cache(), cache(), cache());
+        let norms = gpu::HeadNorms { q: &qw, k: &kw, eps: 1e-6 };
+        let at = gpu::Position::Host(1);
+        let kv1 = gpu::LayerKv { k: &ck1, v: &cv1 };
+        let fused =
+            gpu::rope_kv_append(&q, &k, &v, cos, sin, gpu::RopeStyle::Neox, at, kv1, Some(norms));
+        let qn = candle_nn::ops::rms_norm(&q, &qw, 1e-6).unwrap();
+        let kn = candle_nn::ops::rms_norm(&k, &kw, 1e-6).unwrap();
+        let kv2 = gpu::LayerKv { k: &ck2, v: &cv2 };
+        let plain =
+            gpu::rope_kv_append(&qn, &kn, &v, cos, sin, gpu::RopeStyle::Neox, at, kv2, None);
+        let err = max_rel(&flat(&fused.unwrap()), &flat(&plain.unwrap()));
+        assert!(err < 1e-5, "rotated q off by {err} (hd {hd})");
+        let err = max_rel(&flat(&ck1), &flat(&ck2));
+        assert!(err < 1e-5, "cache keys off by {err} (hd {hd})");
+        assert_eq!(flat(&cv1), flat(&cv2), "cache values");
+    }
 }
 
 /// A batched pass over several sequences' caches through a row table (one launch each for RoPE
@@ -356,6 +464,7 @@ fn row_table_batch_equals_each_sequence_alone() {
             gpu::RopeStyle::Neox,
             gpu::Position::Host(pos),
             kv,
+            None,
         )
         .unwrap();
         let kv = gpu::LayerKv { k: ck, v: cv };
@@ -373,7 +482,8 @@ fn row_table_batch_equals_each_sequence_alone() {
     let rows_table = table.upload(&dev).unwrap();
     let at = gpu::Position::Rows(&rows_table);
     let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
-    let qr = gpu::rope_kv_append(&qt, &kt, &vt, cos, sin, gpu::RopeStyle::Neox, at, kv).unwrap();
+    let qr =
+        gpu::rope_kv_append(&qt, &kt, &vt, cos, sin, gpu::RopeStyle::Neox, at, kv, None).unwrap();
     let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
     let out = flat(&gpu::attend_decode(&qr, at, scale, kv).unwrap());
     assert!(max_rel(&flat(&qr), &q_alone) < 1e-6, "rotated q");

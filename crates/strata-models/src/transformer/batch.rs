@@ -179,8 +179,10 @@ impl Transformer {
                     cat_rows(outs)?
                 }
             };
-            x = (x + residual_scaled(h, scales.residual)?)?;
-            let xn = layer.ffn_norm.forward(&x)?;
+            // The residual add and the FFN norm: one launch on a GPU.
+            let (sum, xn) =
+                layer.ffn_norm.add_forward(&x, &residual_scaled(h, scales.residual)?)?;
+            x = sum;
             // With device routing (`cuda` build) a fused MoE layer runs without the host.
             #[cfg(feature = "cuda")]
             let on_gpu = match (&layer.ffn, on_device.as_mut()) {

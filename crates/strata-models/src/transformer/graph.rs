@@ -200,8 +200,10 @@ impl Transformer {
                 return Err(not_graphable("a recurrent layer"));
             };
             let h = a.forward(&xn, i, cache, &self.rope)?;
-            x = (x + residual_scaled(h, scales.residual)?)?;
-            let xn = layer.ffn_norm.forward(&x)?;
+            // The residual add and the FFN norm: one launch on a GPU.
+            let (sum, xn) =
+                layer.ffn_norm.add_forward(&x, &residual_scaled(h, scales.residual)?)?;
+            x = sum;
             let h = match (&layer.ffn, routing.as_mut()) {
                 (FeedForward::Dense(m), _) => m.forward(&xn)?,
                 (FeedForward::Moe(moe), Some(r)) => r
