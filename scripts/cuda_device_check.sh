@@ -36,6 +36,8 @@
 #  7. PART=prefill (instead of 2-6): prompt passes on tensor cores (issue 24): kernel tests,
 #     compare-devices with a long prompt, pp512 with the tensor-core paths on and off (VARIANTS),
 #     LLAMA=1 as in PART=decode.
+#  8. PART=profile (instead of 2-7): ncu per-kernel times of the decode step, a 4-token pass
+#     against a decode step, batched decode with the short-pass MoE kernels on and off.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -158,6 +160,62 @@ if [ "${PART:-}" = prefill ]; then
     done
   } 2>&1 | tee "$D/bench.md"
   cp /tmp/bench-tc.txt "$D/" 2>/dev/null
+  exit 0
+fi
+if [ "${PART:-}" = profile ]; then
+  # Where the decode step's time goes, and what a short pass costs: (1) ncu per-kernel GPU times of
+  # op-by-op decode steps (STRATA_GPU_GRAPHS=0) on a 12-layer cut of the synthetic 30B, kernels
+  # serialized with caches flushed (upper bounds, not step times); (2) on the 48-layer file, a
+  # 4-token pass (`-p 4`, op by op: what a 4-token verify pass costs) against the decode step
+  # (tg32, graph-replayed), VARIANTS (default: new, candle), alternating; (3) batched decode
+  # (`--batch 2,4,8,16`) with our short-pass MoE kernels on and off (STRATA_GPU_MOE).
+  D="$OUT/profile"; mkdir -p "$D"
+  M12=/tmp/q3-30b-12l.gguf; M=/tmp/q3-30b-local.gguf
+  [ -f $M12 ] || "$S" synth --preset qwen3-30b-a3b --routing local --layers 12 --out $M12 > /dev/null 2>&1
+  [ -f $M ] || "$S" synth --preset qwen3-30b-a3b --routing local --out $M > /dev/null 2>&1
+  STRATA_GPU_GRAPHS=0 timeout 300 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv \
+    --launch-skip 3000 --launch-count 1500 "$S" bench -m $M12 --device cuda --stream-experts off \
+    -p 8 -n 64 -r 1 > "$D/ncu.csv" 2> "$D/ncu.err"
+  python3 - "$D/ncu.csv" <<'PY' | tee "$D/kernels.md"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14]
+hdr = rows[0]; k, u, v = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+t = collections.defaultdict(list)
+for r in rows[1:]:
+    t[r[k].split("(")[0][:60]].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
+total = sum(sum(x) for x in t.values())
+print("| kernel | launches | mean µs | share |\n|---|---|---|---|")
+for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
+    print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
+PY
+  {
+    echo "| run | pp4 tok/s | tg32 tok/s | 4-token pass ÷ decode step |"
+    echo "|---|---|---|---|"
+    for round in 1 2; do
+      for v in ${VARIANTS:-new candle}; do
+        case $v in
+          candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
+          no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
+          *) envs=(X=1) ;;
+        esac
+        env "${envs[@]}" timeout 200 "$S" bench -m $M --device cuda --stream-experts off -p 4 -n 32 -r 3 > /tmp/p4.txt 2>&1
+        python3 - /tmp/p4.txt "$v-$round" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+pp = re.findall(r"pp4\D+([0-9.]+)", t); tg = re.findall(r"tg32\D+([0-9.]+)", t)
+if pp and tg:
+    print(f"| {sys.argv[2]} | {pp[-1]} | {tg[-1]} | {(4/float(pp[-1]))/(1/float(tg[-1])):.2f} |")
+else:
+    print(f"| {sys.argv[2]} | FAILED | FAILED | |")
+PY
+      done
+    done
+    for g in ${BATCH_MOE:-1 0}; do
+      echo "batched decode, STRATA_GPU_MOE=$g:"
+      STRATA_GPU_MOE=$g timeout 300 "$S" bench -m $M --device cuda --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep '^|'
+    done
+  } 2>&1 | tee "$D/bench.md"
   exit 0
 fi
 if [ "${PART:-}" = decode ]; then

@@ -172,6 +172,7 @@ extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __re
     const float4* wr = (const float4*)(w + (size_t)r * cols);
     const float4* xr = (const float4*)(x + (size_t)t * cols);
     float acc = 0.f;
+#pragma unroll 4
     for (int i = lane; i < cols / 4; i += WARP) {
         const float4 a = __ldg(wr + i), b = xr[i];
         acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));

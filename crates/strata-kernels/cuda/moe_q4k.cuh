@@ -71,6 +71,7 @@ __device__ __forceinline__ float q4k_sb_lane(const uint8_t* __restrict__ blk,
 __device__ __forceinline__ float q4k_row_dot(const uint8_t* __restrict__ row,
                                              const float* __restrict__ x, int nb, int lane) {
     float acc = 0.f;
+#pragma unroll 2
     for (int sb = lane >> 3; sb < nb; sb += 4)
         acc += q4k_sb_lane(row + (size_t)sb * Q4K_BYTES, x + sb * 256, lane & 7);
     return acc;
@@ -87,8 +88,16 @@ extern "C" __global__ void moe_gate_up_q4k(const float* __restrict__ x, const ui
     const int nb = H / 256;
     const size_t off = ((size_t)ids[tj] * I + r) * nb * Q4K_BYTES;
     const float* xt = x + (size_t)t * H;
-    float g = warp_sum(q4k_row_dot(gate + off, xt, nb, lane));
-    float u = warp_sum(q4k_row_dot(up + off, xt, nb, lane));
+    // gate and up rows in one loop: both rows' loads in flight together.
+    float g = 0.f, u = 0.f;
+#pragma unroll 2
+    for (int sb = lane >> 3; sb < nb; sb += 4) {
+        const size_t o = off + (size_t)sb * Q4K_BYTES;
+        g += q4k_sb_lane(gate + o, xt + sb * 256, lane & 7);
+        u += q4k_sb_lane(up + o, xt + sb * 256, lane & 7);
+    }
+    g = warp_sum(g);
+    u = warp_sum(u);
     if (lane == 0) a[(size_t)tj * I + r] = g / (1.f + expf(-g)) * u;
 }
 
@@ -103,6 +112,7 @@ extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8
     if (h >= H) return;
     const int nb = I / 256;
     float acc = 0.f;
+#pragma unroll 2
     for (int item = lane >> 3; item < k * nb; item += 4) {
         const int j = item / nb, sb = item - j * nb;
         const size_t off = (((size_t)ids[t * k + j] * H + h) * nb + sb) * Q4K_BYTES;

@@ -156,11 +156,16 @@ impl Transformer {
         if let (Some(p), Some(j)) = (&self.prefetcher, self.next_moe_layer(0, end)) {
             self.prefetch_batch(p, j, &x, &ctx, &mut caches)?;
         }
+        // The next layer's attention norm, computed with the residual add that ends a layer.
+        let mut next_xn: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().take(end).enumerate() {
             if opts.stop.is_some_and(|s| s()) {
                 return Err(ModelError::Interrupted);
             }
-            let xn = layer.attn_norm.forward(&x)?;
+            let xn = match next_xn.take() {
+                Some(xn) => xn,
+                None => layer.attn_norm.forward(&x)?,
+            };
             let h = match &layer.mixer {
                 Mixer::Attention(a) => {
                     let mut parts: Vec<SeqPart<'_>> = caches
@@ -214,7 +219,15 @@ impl Transformer {
                     h
                 }
             };
-            x = (x + residual_scaled(h, scales.residual)?)?;
+            let h = residual_scaled(h, scales.residual)?;
+            match self.layers.get(i + 1).filter(|_| i + 1 < end) {
+                Some(next) => {
+                    // The residual add and the next attention norm: one launch on a GPU.
+                    let (sum, xn) = next.attn_norm.add_forward(&x, &h)?;
+                    (x, next_xn) = (sum, Some(xn));
+                }
+                None => x = (x + h)?,
+            }
             if opts.hidden_layers.contains(&i) {
                 for (k, r) in ranges.iter().enumerate() {
                     hidden_states[k].push(x.narrow(0, r.start, r.len())?);

@@ -194,8 +194,13 @@ impl Transformer {
             x = (x * scales.embedding)?;
         }
         let mut routing = DeviceRouting::for_pass(self, &[], 1, self.layers.len())?;
+        // As `forward_batch`: the next layer's attention norm comes with the residual add.
+        let mut next_xn: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            let xn = layer.attn_norm.forward(&x)?;
+            let xn = match next_xn.take() {
+                Some(xn) => xn,
+                None => layer.attn_norm.forward(&x)?,
+            };
             let Mixer::Attention(a) = &layer.mixer else {
                 return Err(not_graphable("a recurrent layer"));
             };
@@ -211,7 +216,14 @@ impl Transformer {
                     .ok_or_else(|| not_graphable("a MoE layer without fused experts"))??,
                 (FeedForward::Moe(_), None) => return Err(not_graphable("host routing")),
             };
-            x = (x + residual_scaled(h, scales.residual)?)?;
+            let h = residual_scaled(h, scales.residual)?;
+            match self.layers.get(i + 1) {
+                Some(next) => {
+                    let (sum, xn) = next.attn_norm.add_forward(&x, &h)?;
+                    (x, next_xn) = (sum, Some(xn));
+                }
+                None => x = (x + h)?,
+            }
         }
         let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
         if scales.logits != 1.0 {
