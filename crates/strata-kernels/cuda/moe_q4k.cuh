@@ -10,7 +10,7 @@
 //
 //  moe_gate_up_q4k  a[t, j, :] = silu(gate_e · x_t) * (up_e · x_t), e = ids[t, j]
 //  moe_down_q4k     out[t, :] = residual[t, :] + sum_j w[t, j] * (down_{ids[t, j]} · a[t, j, :])
-//  mv_q4k           y_m[t, :] = W_m · x_t, m < 3 (dense decode products: a row per warp)
+//  mv_q4k_r{R}      y_m[t, :] = W_m · x_t, m < 3 (dense decode products: R rows per warp)
 
 #include <cuda_fp16.h>
 
@@ -26,13 +26,37 @@ __device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float& s
     }
 }
 
-// One lane's share of a Q4_K super-block times x (xb: the super-block's 256 inputs), in one
-// 16-byte load of quants: lane slot j (0..7) takes quant bytes 16j .. 16j + 15, i.e. chunk
-// c = j / 2 of 64 weights — its low nibbles are sub-block 2c, its high nibbles sub-block 2c + 1 —
-// at positions 16·(j % 2) .. + 15 of each. ggml's weight d·scale·q − dmin·min is applied as
+// A lane's 32 inputs of a super-block and their sums: lane slot j (0..7) takes chunk c = j / 2
+// of 64 weights at positions 16·(j % 2) .. + 15 of its low half (sub-block 2c: lo, sum sl) and
+// of its high half (sub-block 2c + 1: hi, sum sh). Loaded once and used for every weight row
+// that multiplies the same x (rows per warp, gate and up): x is read from L1 once per row group.
+struct Q4kX {
+    float4 lo[4], hi[4];
+    float sl, sh;
+};
+
+__device__ __forceinline__ Q4kX q4k_x_lane(const float* __restrict__ xb, int j) {
+    const int c = j >> 1, l0 = (j & 1) * 16;
+    const float4* xl = (const float4*)(xb + 64 * c + l0);
+    const float4* xh = (const float4*)(xb + 64 * c + 32 + l0);
+    Q4kX x;
+    x.sl = 0.f;
+    x.sh = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x.lo[i] = xl[i];
+        x.hi[i] = xh[i];
+        x.sl += (x.lo[i].x + x.lo[i].y) + (x.lo[i].z + x.lo[i].w);
+        x.sh += (x.hi[i].x + x.hi[i].y) + (x.hi[i].z + x.hi[i].w);
+    }
+    return x;
+}
+
+// One lane's share of a Q4_K super-block (blk) times its inputs x (q4k_x_lane, same slot j), in
+// one 16-byte load of quants: quant bytes 16j .. 16j + 15 hold the slot's low nibbles (sub-block
+// 2c) and high nibbles (2c + 1). ggml's weight d·scale·q − dmin·min is applied as
 // d·scale·Σ q·x − dmin·min·Σ x over the slot's 16 positions (the same sum, regrouped).
-__device__ __forceinline__ float q4k_sb_lane(const uint8_t* __restrict__ blk,
-                                             const float* __restrict__ xb, int j) {
+__device__ __forceinline__ float q4k_sb_dot(const uint8_t* __restrict__ blk, const Q4kX& x, int j) {
     const int c = j >> 1, l0 = (j & 1) * 16;
     const uint4 q = __ldg((const uint4*)(blk + 16 + 32 * c + l0));
     const uint32_t dm = __ldg((const unsigned int*)blk);
@@ -43,13 +67,11 @@ __device__ __forceinline__ float q4k_sb_lane(const uint8_t* __restrict__ blk,
     float s0, m0, s1, m1;
     q4k_scale_min(blk + 4, 2 * c, s0, m0);
     q4k_scale_min(blk + 4, 2 * c + 1, s1, m1);
-    const float4* xl = (const float4*)(xb + 64 * c + l0);
-    const float4* xh = (const float4*)(xb + 64 * c + 32 + l0);
     const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-    float dl = 0.f, sl = 0.f, dh = 0.f, sh = 0.f;
+    float dl = 0.f, dh = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const float4 a = xl[i], b = xh[i];
+        const float4 a = x.lo[i], b = x.hi[i];
         const uint32_t v = words[i];
         dl = fmaf((float)(v & 0xF), a.x, dl);
         dl = fmaf((float)((v >> 8) & 0xF), a.y, dl);
@@ -59,26 +81,19 @@ __device__ __forceinline__ float q4k_sb_lane(const uint8_t* __restrict__ blk,
         dh = fmaf((float)((v >> 12) & 0xF), b.y, dh);
         dh = fmaf((float)((v >> 20) & 0xF), b.z, dh);
         dh = fmaf((float)(v >> 28), b.w, dh);
-        sl += (a.x + a.y) + (a.z + a.w);
-        sh += (b.x + b.y) + (b.z + b.w);
     }
-    return d * (s0 * dl + s1 * dh) - dmin * (m0 * sl + m1 * sh);
+    return d * (s0 * dl + s1 * dh) - dmin * (m0 * x.sl + m1 * x.sh);
 }
 
-// One lane's share of a Q4_K row of nb super-blocks times x; the caller sums over the warp. The
-// warp takes 4 super-blocks per step (8 lanes each, q4k_sb_lane), so a row's quants are read in
-// 16-byte loads. x must be 16-byte aligned.
-__device__ __forceinline__ float q4k_row_dot(const uint8_t* __restrict__ row,
-                                             const float* __restrict__ x, int nb, int lane) {
-    float acc = 0.f;
-#pragma unroll 2
-    for (int sb = lane >> 3; sb < nb; sb += 4)
-        acc += q4k_sb_lane(row + (size_t)sb * Q4K_BYTES, x + sb * 256, lane & 7);
-    return acc;
+// q4k_sb_dot over the super-block's inputs xb (256 values).
+__device__ __forceinline__ float q4k_sb_lane(const uint8_t* __restrict__ blk,
+                                             const float* __restrict__ xb, int j) {
+    return q4k_sb_dot(blk, q4k_x_lane(xb, j), j);
 }
 
 // x [n, H]; gate, up [E, I, H] Q4_K; ids [n, k]; a [n, k, I]. grid (ceil(I / 4), n * k), 128
-// threads: warp w computes row 4·blockIdx.x + w of the expert's gate and up.
+// threads: warp w computes row 4·blockIdx.x + w of the expert's gate and up (one load of x for
+// both).
 extern "C" __global__ void moe_gate_up_q4k(const float* __restrict__ x, const uint8_t* __restrict__ gate,
                                            const uint8_t* __restrict__ up, const uint32_t* __restrict__ ids,
                                            float* __restrict__ a, int H, int I, int k) {
@@ -88,13 +103,13 @@ extern "C" __global__ void moe_gate_up_q4k(const float* __restrict__ x, const ui
     const int nb = H / 256;
     const size_t off = ((size_t)ids[tj] * I + r) * nb * Q4K_BYTES;
     const float* xt = x + (size_t)t * H;
-    // gate and up rows in one loop: both rows' loads in flight together.
     float g = 0.f, u = 0.f;
 #pragma unroll 2
     for (int sb = lane >> 3; sb < nb; sb += 4) {
         const size_t o = off + (size_t)sb * Q4K_BYTES;
-        g += q4k_sb_lane(gate + o, xt + sb * 256, lane & 7);
-        u += q4k_sb_lane(up + o, xt + sb * 256, lane & 7);
+        const Q4kX xs = q4k_x_lane(xt + sb * 256, lane & 7);
+        g += q4k_sb_dot(gate + o, xs, lane & 7);
+        u += q4k_sb_dot(up + o, xs, lane & 7);
     }
     g = warp_sum(g);
     u = warp_sum(u);
@@ -125,34 +140,70 @@ extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8
 
 // Dense Q4_K mat-vecs over one input, up to three matrices in one launch (a layer's q, k and v
 // projections): x [n, cols]; w0, w1, w2 [r0|r1|r2, cols] Q4_K (r1 = r2 = 0 for fewer);
-// y_m [n, r_m] = x · w_mᵀ. grid (ceil((r0 + r1 + r2) / 4), n), 128 threads: warp w takes row
-// 4·blockIdx.x + w of the three matrices' rows end to end, for token blockIdx.y.
-extern "C" __global__ void mv_q4k(const float* __restrict__ x, const uint8_t* __restrict__ w0,
-                                  const uint8_t* __restrict__ w1, const uint8_t* __restrict__ w2,
-                                  float* __restrict__ y0, float* __restrict__ y1,
-                                  float* __restrict__ y2, int r0, int r1, int r2, int cols) {
-    const int lane = threadIdx.x % WARP, t = blockIdx.y;
-    int r = blockIdx.x * 4 + threadIdx.x / WARP, rows = r0;
-    const uint8_t* w = w0;
-    float* y = y0;
-    if (r >= r0) {
-        r -= r0;
-        w = w1;
-        y = y1;
-        rows = r1;
-        if (r >= r1) {
-            r -= r1;
-            w = w2;
-            y = y2;
-            rows = r2;
-            if (r >= r2) return;
+// y_m [n, r_m] = x · w_mᵀ. The three matrices' rows are taken end to end; warp w of block b takes
+// R consecutive rows from R·(4b + w), for token blockIdx.y, loading each super-block's inputs
+// once for its R rows (a row's sums are the same operations whatever R and its neighbours).
+// grid (ceil((r0 + r1 + r2) / (4R)), n), 128 threads.
+template <int R>
+__device__ void mv_q4k_rows(const float* __restrict__ x, const uint8_t* __restrict__ w0,
+                            const uint8_t* __restrict__ w1, const uint8_t* __restrict__ w2,
+                            float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
+                            int r0, int r1, int r2, int cols) {
+    const int lane = threadIdx.x % WARP, t = blockIdx.y, nb = cols / 256;
+    const int first = (blockIdx.x * 4 + threadIdx.x / WARP) * R;
+    const uint8_t* row[R];
+    float* out[R];
+    bool live[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        int r = first + i, rows = r0;
+        const uint8_t* w = w0;
+        float* y = y0;
+        if (r >= r0) {
+            r -= r0;
+            w = w1;
+            y = y1;
+            rows = r1;
+            if (r >= r1) {
+                r -= r1;
+                w = w2;
+                y = y2;
+                rows = r2;
+            }
         }
+        live[i] = r < rows;  // the same for every lane of the warp
+        row[i] = live[i] ? w + (size_t)r * nb * Q4K_BYTES : w0;
+        out[i] = live[i] ? y + (size_t)t * rows + r : y0;
     }
-    const int nb = cols / 256;
-    const float acc =
-        warp_sum(q4k_row_dot(w + (size_t)r * nb * Q4K_BYTES, x + (size_t)t * cols, nb, lane));
-    if (lane == 0) y[(size_t)t * rows + r] = acc;
+    if (!live[0]) return;
+    const float* xt = x + (size_t)t * cols;
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = 0.f;
+#pragma unroll 2
+    for (int sb = lane >> 3; sb < nb; sb += 4) {
+        const Q4kX xs = q4k_x_lane(xt + sb * 256, lane & 7);
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (live[i]) acc[i] += q4k_sb_dot(row[i] + (size_t)sb * Q4K_BYTES, xs, lane & 7);
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0 && live[i]) *out[i] = v;
+    }
 }
+
+#define MV_Q4K_KERNEL(R)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) mv_q4k_r##R(                                \
+        const float* x, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, float* y0,       \
+        float* y1, float* y2, int r0, int r1, int r2, int cols) {                                  \
+        mv_q4k_rows<R>(x, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols);                               \
+    }
+// Rows per warp (MV_ROWS in src/cuda.rs picks one by the launch's row count).
+MV_Q4K_KERNEL(1)
+MV_Q4K_KERNEL(2)
+MV_Q4K_KERNEL(4)
 
 // ---------------------------------------------------------------------------------------------
 // Grouped by expert, for batched passes (many tokens, experts shared between them): block

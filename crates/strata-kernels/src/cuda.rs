@@ -721,7 +721,7 @@ pub fn matmul_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
     rows_q4k(dev, x, w, None, shape)
 }
 
-/// `t` itself when its first element is 16-byte aligned (the 16-byte loads of `mv_q4k`,
+/// `t` itself when its first element is 16-byte aligned (the 16-byte loads of `mv_q4k_r*`,
 /// `moe_gate_up_q4k`, `moe_down_q4k`), else a copy in a new allocation (aligned). A misaligned
 /// 16-byte load is a sticky CUDA error that leaves the context unusable, so this is never skipped.
 fn aligned16(t: &Tensor) -> Result<Tensor> {
@@ -740,8 +740,9 @@ pub fn matvec_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
 }
 
 /// `x: [n, K]` f32 times one to three Q4_K matrices `w_m: [R_m, K]` (a layer's q, k and v
-/// projections) → `[n, R_m]` each, in one launch (`mv_q4k`: a warp per weight row reading its
-/// quants in 16-byte loads, 8 lanes per super-block, f32 activations — ggml's
+/// projections) → `[n, R_m]` each, in one launch (`mv_q4k_r*`: a warp per 1, 2 or 4 weight rows
+/// ([`mv_rows`]) reading their quants in 16-byte loads, 8 lanes per super-block, each lane's
+/// inputs loaded once for the warp's rows, f32 activations — ggml's
 /// `dequantize_row_q4_K` values, so the f32 reference's result up to summation order, unlike
 /// llama.cpp's MMVQ which rounds x to Q8_1). Each row of `x` is its own launch row (`grid.y`):
 /// meant for one to a few rows. A matrix's result does not depend on the others passed with it.
@@ -769,8 +770,9 @@ pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
         return Ok(ys);
     }
     let x = aligned16(x)?;
+    let per_warp = mv_rows(total);
     let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(4) as u32, n as u32, 1),
+        grid_dim: (total.div_ceil(4 * per_warp) as u32, n as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -783,10 +785,29 @@ pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
         args.push(Arg::Ptr(ys.get(m).map(addr).transpose()?.unwrap_or(0)));
     }
     args.extend(i32s(&[rows[0], rows[1], rows[2], k]));
-    // SAFETY: arguments in `mv_q4k`'s order; each w_m is [R_m, K] Q4_K (absent ones have 0
+    // SAFETY: arguments in `mv_q4k_r*`'s order; each w_m is [R_m, K] Q4_K (absent ones have 0
     // rows and are never read), x [n, K] f32 16-byte aligned, y_m [n, R_m].
-    unsafe { launch(dev, "mv_q4k", cfg, &args) }?;
+    unsafe { launch(dev, &format!("mv_q4k_r{per_warp}"), cfg, &args) }?;
     Ok(ys)
+}
+
+/// Weight rows per warp of a [`matvec_q4k_many`] launch of `total` rows (`mv_q4k_r1|2|4`): more
+/// rows per warp read each input once for more rows (the kernel is bound by those L1 reads, ncu),
+/// as long as the launch keeps ~2 blocks of 128 threads per SM of an H100 (132 SMs). A measurement
+/// override: `STRATA_GPU_MV_ROWS=1|2|4`. A row's result does not depend on the choice.
+fn mv_rows(total: usize) -> usize {
+    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = ROWS.get_or_init(|| {
+        std::env::var("STRATA_GPU_MV_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|r| [1, 2, 4].contains(r))
+    });
+    forced.unwrap_or(match total {
+        t if t >= 4 * 4 * 264 => 4,
+        t if t >= 2 * 4 * 264 => 2,
+        _ => 1,
+    })
 }
 
 /// `x: [n, K]` times an f32 matrix `w: [R, K]` → `[n, R]` (`mv_f32`: a warp per row, 16-byte

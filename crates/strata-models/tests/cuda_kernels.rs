@@ -291,7 +291,11 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     use candle_core::quantized::{GgmlDType, QTensor};
     let (dev, cpu) = (cuda(), Device::Cpu);
     let mut rng = Rng(0xd3);
-    for &(r, k, n) in &[(7usize, 256usize, 1usize), (64, 2048, 16), (130, 768, 3)] {
+    // Row counts of 2200 and 4400: the mat-vec's 2- and 4-rows-per-warp launches (mv_rows),
+    // compared bit for bit below with other row groupings of the same matrices.
+    for &(r, k, n) in
+        &[(7usize, 256usize, 1usize), (64, 2048, 16), (130, 768, 3), (2200, 256, 1), (4400, 512, 2)]
+    {
         let (wq, deq) = random_q4k(&[r, k], &mut rng, &dev);
         let x = rng.vec(n * k, 1.0);
         let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
