@@ -310,8 +310,9 @@ if [ "${PART:-}" = tier ]; then
     for g in 10% 100%; do
       STRATA_FUSED_MOE=0 STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-q4k.gguf -p "The quick brown fox" -n 32 --gpu-expert-cache $g 2>>/tmp/tier/compare.err | tail -2
     done
-    # The VRAM pool (fused kernels, Q8_1 activations) against the CPU's f32 reference: off by the
-    # activation rounding, like the resident fused path.
+    # The VRAM pool (the fused kernels: f32 activations for passes of <= 16 tokens, f16 on tensor
+    # cores for the 19-token prompt; Q8_1 with STRATA_GPU_MOE=0) against the CPU's f32 reference:
+    # off by the activation rounding, like the resident fused path.
     for g in 10% 100%; do
       STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-q4k.gguf -p "The quick brown fox" -n 32 --tolerance 5e-2 --gpu-expert-cache $g 2>>/tmp/tier/compare.err | tail -2
     done
