@@ -282,7 +282,7 @@ print('$samp, $n tokens: equal prefix', same, 'of', len(b), '| identical:', a==b
           candle-matvec) envs=(STRATA_GPU_MATVEC=0) ;;
           candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
           no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
-          rows1) envs=(STRATA_GPU_MV_ROWS=1) ;;
+          rows1|rows2|rows4) envs=(STRATA_GPU_MV_ROWS=${v#rows}) ;;
           no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
           no-graphs-no-gpu-routing) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0) ;;
           no-graphs-no-gpu-attention) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0) ;;
