@@ -301,12 +301,7 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
         let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
         let got =
             gpu::matmul_q4k(&xt, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let want: Vec<f32> = (0..n * r)
-            .map(|i| {
-                let (t, o) = (i / r, i % r);
-                (0..k).map(|j| deq[o * k + j] as f64 * x[t * k + j] as f64).sum::<f64>() as f32
-            })
-            .collect();
+        let want = matmul_ref(&deq, &x, r, k);
         let err = max_rel(&got, &want);
         assert!(err < 1e-5, "matmul_q4k off by {err} (R {r} K {k} n {n})");
         // The decode mat-vec, from an aligned tensor and from one starting 4 bytes in (copied).
@@ -340,6 +335,17 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     assert!(gpu::matvec_q4k_many(&x, &[]).is_err());
 }
 
+/// `x: [n, k] · wᵀ` for `w: [r, k]`, summed in f64 and rounded to f32: the mat-vec kernels'
+/// reference.
+fn matmul_ref(w: &[f32], x: &[f32], r: usize, k: usize) -> Vec<f32> {
+    (0..x.len() / k * r)
+        .map(|i| {
+            let (t, o) = (i / r, i % r);
+            (0..k).map(|j| w[o * k + j] as f64 * x[t * k + j] as f64).sum::<f64>() as f32
+        })
+        .collect()
+}
+
 fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
@@ -354,12 +360,7 @@ fn matvec_f32_and_add_rms_norm_match_the_reference() {
         let wt = Tensor::from_vec(w.clone(), (r, k), &dev).unwrap();
         let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
         let got = flat(&gpu::matvec_f32(&xt, &wt).unwrap());
-        let want: Vec<f32> = (0..n * r)
-            .map(|i| {
-                let (t, o) = (i / r, i % r);
-                (0..k).map(|j| w[o * k + j] as f64 * x[t * k + j] as f64).sum::<f64>() as f32
-            })
-            .collect();
+        let want = matmul_ref(&w, &x, r, k);
         let err = max_rel(&got, &want);
         assert!(err < 1e-5, "matvec_f32 off by {err} (R {r} K {k} n {n})");
     }
