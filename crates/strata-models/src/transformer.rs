@@ -372,6 +372,26 @@ impl Transformer {
     }
 }
 
+impl Transformer {
+    /// The residual add that ends layer `i`: `x + residual_scaled(h)`, and, when layer `i + 1`
+    /// runs in this pass (`i + 1 < end`), its attention norm of the sum in the same launch
+    /// ([`RmsNorm::add_forward`]) → `(x, Some(next layer's normed input))`; else `(x, None)`.
+    /// Shared by `forward_batch` and the graph's decode step, so that both launch the same kernels.
+    fn end_layer(
+        &self,
+        i: usize,
+        end: usize,
+        x: &Tensor,
+        h: Tensor,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let h = residual_scaled(h, self.cfg.scales.residual)?;
+        match self.layers.get(i + 1).filter(|_| i + 1 < end) {
+            Some(next) => next.attn_norm.add_forward(x, &h).map(|(x, xn)| (x, Some(xn))),
+            None => Ok(((x + h)?, None)),
+        }
+    }
+}
+
 /// A sub-layer's output times the residual multiplier (Granite's `residual_multiplier`); no op
 /// at 1.
 fn residual_scaled(h: Tensor, scale: f64) -> candle_core::Result<Tensor> {

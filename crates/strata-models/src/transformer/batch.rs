@@ -219,15 +219,8 @@ impl Transformer {
                     h
                 }
             };
-            let h = residual_scaled(h, scales.residual)?;
-            match self.layers.get(i + 1).filter(|_| i + 1 < end) {
-                Some(next) => {
-                    // The residual add and the next attention norm: one launch on a GPU.
-                    let (sum, xn) = next.attn_norm.add_forward(&x, &h)?;
-                    (x, next_xn) = (sum, Some(xn));
-                }
-                None => x = (x + h)?,
-            }
+            // The residual add and the next attention norm: one launch on a GPU.
+            (x, next_xn) = self.end_layer(i, end, &x, h)?;
             if opts.hidden_layers.contains(&i) {
                 for (k, r) in ranges.iter().enumerate() {
                     hidden_states[k].push(x.narrow(0, r.start, r.len())?);

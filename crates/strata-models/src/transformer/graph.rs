@@ -216,14 +216,7 @@ impl Transformer {
                     .ok_or_else(|| not_graphable("a MoE layer without fused experts"))??,
                 (FeedForward::Moe(_), None) => return Err(not_graphable("host routing")),
             };
-            let h = residual_scaled(h, scales.residual)?;
-            match self.layers.get(i + 1) {
-                Some(next) => {
-                    let (sum, xn) = next.attn_norm.add_forward(&x, &h)?;
-                    (x, next_xn) = (sum, Some(xn));
-                }
-                None => x = (x + h)?,
-            }
+            (x, next_xn) = self.end_layer(i, self.layers.len(), &x, h)?;
         }
         let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
         if scales.logits != 1.0 {
