@@ -36,8 +36,10 @@
 #  7. PART=prefill (instead of 2-6): prompt passes on tensor cores (issue 24): kernel tests,
 #     compare-devices with a long prompt, pp512 with the tensor-core paths on and off (VARIANTS),
 #     LLAMA=1 as in PART=decode.
-#  8. PART=profile (instead of 2-7): ncu per-kernel times of the decode step, a 4-token pass
-#     against a decode step, batched decode with the short-pass MoE kernels on and off.
+#  8. PART=profile (instead of 2-7): ncu per-kernel times of the decode step (NO_NCU=1 skips),
+#     a 4-token prompt pass and 2/4/8-token verify passes (`strata bench --verify`) against a
+#     decode step (VARIANTS), batched decode with the short-pass MoE kernels on and off
+#     (BATCH_MOE, "" skips).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -173,10 +175,12 @@ if [ "${PART:-}" = profile ]; then
   M12=/tmp/q3-30b-12l.gguf; M=/tmp/q3-30b-local.gguf
   [ -f $M12 ] || "$S" synth --preset qwen3-30b-a3b --routing local --layers 12 --out $M12 > /dev/null 2>&1
   [ -f $M ] || "$S" synth --preset qwen3-30b-a3b --routing local --out $M > /dev/null 2>&1
-  STRATA_GPU_GRAPHS=0 timeout 300 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv \
+  # NCU_VERIFY=1: the launches profiled are 4-token verify passes' instead of decode steps'.
+  NCU_ARGS=(-n 64); [ -n "${NCU_VERIFY:-}" ] && NCU_ARGS=(-n 16 --verify 4)
+  [ -z "${NO_NCU:-}" ] && STRATA_GPU_GRAPHS=0 timeout 300 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv \
     --launch-skip 3000 --launch-count 1500 "$S" bench -m $M12 --device cuda --stream-experts off \
-    -p 8 -n 64 -r 1 > "$D/ncu.csv" 2> "$D/ncu.err"
-  python3 - "$D/ncu.csv" <<'PY' | tee "$D/kernels.md"
+    -p 8 -r 1 "${NCU_ARGS[@]}" > "$D/ncu.csv" 2> "$D/ncu.err"
+  [ -z "${NO_NCU:-}" ] && python3 - "$D/ncu.csv" <<'PY' | tee "$D/kernels.md"
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14]
 hdr = rows[0]; k, u, v = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
@@ -190,28 +194,37 @@ for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
     print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
 PY
   {
-    echo "| run | pp4 tok/s | tg32 tok/s | 4-token pass ÷ decode step |"
-    echo "|---|---|---|---|"
-    for round in 1 2; do
-      for v in ${VARIANTS:-new candle}; do
+    # pp4: a 4-token prompt pass from an empty cache; verifyW: `strata bench --verify W` (W-token
+    # passes with every position's logits, rolled back to one token: zero acceptance) — its
+    # "× a tg step" is the pass's time over a tg32 step's (graph-replayed, same run).
+    echo "| run | pp4 tok/s | tg32 tok/s | 4-token prompt pass ÷ step | verify2 ÷ step | verify4 ÷ step | verify8 ÷ step |"
+    echo "|---|---|---|---|---|---|---|"
+    for round in $(seq 1 ${ROUNDS:-2}); do
+      for v in ${VARIANTS:-new no-graphs no-short-matvec candle}; do
         case $v in
           candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
           no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
+          no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
+          no-short-matvec) envs=(STRATA_GPU_SHORT_MATVEC=0) ;;
+          tokens1) envs=(STRATA_GPU_MV_TOKENS=1) ;;
           *) envs=(X=1) ;;
         esac
-        env "${envs[@]}" timeout 200 "$S" bench -m $M --device cuda --stream-experts off -p 4 -n 32 -r 3 > /tmp/p4.txt 2>&1
+        env "${envs[@]}" timeout 200 "$S" bench -m $M --device cuda --stream-experts off -p 4 -n 32 -r 3 --verify 2,4,8 > /tmp/p4.txt 2>&1
+        cp /tmp/p4.txt "$D/verify-$v-$round.txt"
         python3 - /tmp/p4.txt "$v-$round" <<'PY'
 import re, sys
 t = open(sys.argv[1]).read()
 pp = re.findall(r"pp4\D+([0-9.]+)", t); tg = re.findall(r"tg32\D+([0-9.]+)", t)
+ver = {w: re.findall(r"verify" + w + r" x\d+: ([0-9.]+) ms per pass = ([0-9.]+)", t) for w in ("2", "4", "8")}
+cells = [f"{v[-1][1]} ({v[-1][0]} ms)" if v else "FAILED" for v in ver.values()]
 if pp and tg:
-    print(f"| {sys.argv[2]} | {pp[-1]} | {tg[-1]} | {(4/float(pp[-1]))/(1/float(tg[-1])):.2f} |")
+    print(f"| {sys.argv[2]} | {pp[-1]} | {tg[-1]} | {(4/float(pp[-1]))/(1/float(tg[-1])):.2f} | " + " | ".join(cells) + " |")
 else:
-    print(f"| {sys.argv[2]} | FAILED | FAILED | |")
+    print(f"| {sys.argv[2]} | FAILED | FAILED | | | | |")
 PY
       done
     done
-    for g in ${BATCH_MOE:-1 0}; do
+    for g in ${BATCH_MOE-1 0}; do
       echo "batched decode, STRATA_GPU_MOE=$g:"
       STRATA_GPU_MOE=$g timeout 300 "$S" bench -m $M --device cuda --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep '^|'
     done
@@ -254,6 +267,19 @@ print('$samp, $n tokens: equal prefix', same, 'of', len(b), '| identical:', a==b
       done
     done
     grep -i "graph" "$D/compare.err" | sort | uniq -c | head -5 | tee -a "$D/check.md"
+    echo "## speculative decoding on the GPU (verify passes graph-replayed) vs plain decoding, greedy" | tee -a "$D/check.md"
+    SP="one two three four five six seven eight nine ten one two three four five six seven eight nine ten one two three"
+    "$S" generate -m /tmp/tiny-Q4_K.gguf --device cuda -p "$SP" -n 96 --ignore-eos --temp 0 --json 2>>"$D/compare.err" > /tmp/gen-plain.json
+    for spec in "--spec self --draft-layers 1" "--spec ngram"; do
+      for v in graphs opbyop; do
+        envs=(X=1); [ $v = opbyop ] && envs=(STRATA_GPU_GRAPHS=0)
+        env "${envs[@]}" "$S" generate -m /tmp/tiny-Q4_K.gguf --device cuda -p "$SP" -n 96 --ignore-eos --temp 0 $spec --draft-policy fixed --num-draft-tokens 4 --json 2>>"$D/compare.err" > /tmp/gen-spec.json
+        python3 -c "
+import json; a=json.load(open('/tmp/gen-spec.json')); b=json.load(open('/tmp/gen-plain.json'))['generated_token_ids']
+g=a['generated_token_ids']; same=sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==p[1], zip(g,b)))
+print('$spec ($v): equal prefix', same, 'of', len(b), '| identical:', g==b, '| spec:', {k: v for k, v in a.items() if 'spec' in k or 'draft' in k or 'accept' in k})" | tee -a "$D/check.md"
+      done
+    done
     for m in qwen3_moe qwen3_5_moe; do
       I=$(ids $F/moe-tiny/$m.reference.json)
       timeout 120 "$S" compare-devices -m $F/moe-tiny/$m.gguf --ids "$I" -n 16 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"

@@ -71,6 +71,50 @@ pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResul
     Ok(BenchResult { test: format!("tg{n}"), tokens: n, median_tok_s: median(&runs), runs })
 }
 
+/// Speculative verify passes at zero acceptance: `n` passes of `width` tokens each, every
+/// position's logits (as a verify pass asks), each rolled back to its first token (one accepted
+/// token per pass, the cache growing by one), from an empty cache, `reps` times after two warm-up
+/// passes; tok/s counts `width` tokens per pass. A pass's cost against a decode step's is
+/// `width / verify tok/s` over `1 / tg tok/s` ([`verify_ratio`]).
+pub fn bench_verify(engine: &Engine, width: usize, n: usize, reps: usize) -> Result<BenchResult> {
+    let vocab = engine.model.config().vocab_size as u32;
+    let width = width.max(1);
+    let mut cache = engine.new_cache(n + width + 2)?;
+    let pass = |cache: &mut strata_models::KvCache, i: usize| -> Result<()> {
+        let toks: Vec<u32> =
+            (0..width).map(|j| ((i * width + j) as u32 * 7919 + 13) % vocab).collect();
+        let start = cache.len();
+        cache.checkpoint();
+        engine.model.forward(&toks, cache, Logits::All, &[])?;
+        cache.rollback(start + 1)?;
+        cache.release_checkpoint();
+        Ok(())
+    };
+    pass(&mut cache, 0)?;
+    pass(&mut cache, 1)?;
+    let mut runs = Vec::new();
+    for _ in 0..reps {
+        cache.clear();
+        let t = std::time::Instant::now();
+        for i in 0..n {
+            pass(&mut cache, i)?;
+        }
+        runs.push((n * width) as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(BenchResult {
+        test: format!("verify{width} x{n}"),
+        tokens: n * width,
+        median_tok_s: median(&runs),
+        runs,
+    })
+}
+
+/// A `width`-token verify pass's time over a decode step's, from their tok/s ([`bench_verify`],
+/// [`bench_decode`]): `(width / verify) / (1 / decode)`.
+pub fn verify_ratio(width: usize, verify_tok_s: f64, decode_tok_s: f64) -> f64 {
+    width as f64 / verify_tok_s * decode_tok_s
+}
+
 /// Batched text generation (llama-batched-bench's S_TG): `batch` sequences decoding together, one
 /// forward pass over all of them per step ([`strata_models::Transformer::forward_batch`]), `n`
 /// steps from empty caches, `reps` times; tok/s counts every sequence's tokens.

@@ -78,6 +78,11 @@ pub struct BenchArgs {
     /// comma-separated: `--batch 2,4,8`.
     #[arg(long, value_delimiter = ',')]
     pub batch: Vec<usize>,
+    /// Also time speculative verify passes of W tokens (all positions' logits, rolled back to one
+    /// accepted token: zero acceptance), --n-gen passes from an empty cache, and print each
+    /// pass's time over a tg step's; repeatable or comma-separated: `--verify 2,4,8`.
+    #[arg(long, value_delimiter = ',', value_name = "W")]
+    pub verify: Vec<usize>,
     /// Benchmark one MoE layer of Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8, expert
     /// intermediate 768) with synthetic weights instead of a model: ms per layer for 1 and
     /// --n-prompt tokens against the RAM-bandwidth and compute floors.
@@ -277,6 +282,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     for &b in a.batch.iter().filter(|&&b| b > 1) {
         results.push(strata_bench::bench::bench_batch_decode(&engine, b, a.n_gen, a.reps.max(1))?);
     }
+    let tg_tok_s = results[1].median_tok_s;
+    let mut ratios = Vec::new();
+    for &w in a.verify.iter().filter(|&&w| w > 0) {
+        let v = strata_bench::bench::bench_verify(&engine, w, a.n_gen, a.reps.max(1))?;
+        let ratio = strata_bench::bench::verify_ratio(w, v.median_tok_s, tg_tok_s);
+        ratios.push((v.test.clone(), w as f64 / v.median_tok_s * 1e3, ratio));
+        results.push(v);
+    }
     let threads = m.threads();
     if a.json {
         println!(
@@ -297,6 +310,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             r.median_tok_s,
             runs.join(", ")
         );
+    }
+    for (test, ms, ratio) in ratios {
+        println!("{test}: {ms:.2} ms per pass = {ratio:.2}× a tg step ({:.2} ms)", 1e3 / tg_tok_s);
     }
     Ok(())
 }

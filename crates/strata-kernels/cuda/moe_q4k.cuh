@@ -52,27 +52,45 @@ __device__ __forceinline__ Q4kX q4k_x_lane(const float* __restrict__ xb, int j) 
     return x;
 }
 
-// One lane's share of a Q4_K super-block (blk) times its inputs x (q4k_x_lane, same slot j), in
-// one 16-byte load of quants: quant bytes 16j .. 16j + 15 hold the slot's low nibbles (sub-block
-// 2c) and high nibbles (2c + 1). ggml's weight d·scale·q − dmin·min is applied as
-// d·scale·Σ q·x − dmin·min·Σ x over the slot's 16 positions (the same sum, regrouped).
-__device__ __forceinline__ float q4k_sb_dot(const uint8_t* __restrict__ blk, const Q4kX& x, int j) {
+// One lane's part of a Q4_K super-block's weights (lane slot j, as q4k_x_lane): one 16-byte
+// load of quants — bytes 16j .. 16j + 15 hold the slot's low nibbles (sub-block 2c) and high
+// nibbles (2c + 1) — and the header's d, dmin and the two sub-blocks' scales and mins. Loaded
+// once and used for every input that multiplies the same row (tokens per warp).
+struct Q4kW {
+    uint32_t q[4];
+    float d, dmin, s0, m0, s1, m1;
+};
+
+__device__ __forceinline__ Q4kW q4k_w_lane(const uint8_t* __restrict__ blk, int j) {
     const int c = j >> 1, l0 = (j & 1) * 16;
     const uint4 q = __ldg((const uint4*)(blk + 16 + 32 * c + l0));
     const uint32_t dm = __ldg((const unsigned int*)blk);
     __half_raw dr, mr;
     dr.x = (unsigned short)(dm & 0xFFFF);
     mr.x = (unsigned short)(dm >> 16);
-    const float d = __half2float(__half(dr)), dmin = __half2float(__half(mr));
-    float s0, m0, s1, m1;
-    q4k_scale_min(blk + 4, 2 * c, s0, m0);
-    q4k_scale_min(blk + 4, 2 * c + 1, s1, m1);
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    Q4kW w;
+    w.q[0] = q.x;
+    w.q[1] = q.y;
+    w.q[2] = q.z;
+    w.q[3] = q.w;
+    w.d = __half2float(__half(dr));
+    w.dmin = __half2float(__half(mr));
+    q4k_scale_min(blk + 4, 2 * c, w.s0, w.m0);
+    q4k_scale_min(blk + 4, 2 * c + 1, w.s1, w.m1);
+    return w;
+}
+
+// A lane's share of a super-block's dot product: weights w (q4k_w_lane) times inputs x
+// (q4k_x_lane, same slot). ggml's weight d·scale·q − dmin·min is applied as
+// d·scale·Σ q·x − dmin·min·Σ x over the slot's 16 positions (the same sum, regrouped). The same
+// operations in the same order wherever it is called, so a row's result does not depend on how
+// many rows or tokens a warp takes.
+__device__ __forceinline__ float q4k_dot(const Q4kW& w, const Q4kX& x) {
     float dl = 0.f, dh = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const float4 a = x.lo[i], b = x.hi[i];
-        const uint32_t v = words[i];
+        const uint32_t v = w.q[i];
         dl = fmaf((float)(v & 0xF), a.x, dl);
         dl = fmaf((float)((v >> 8) & 0xF), a.y, dl);
         dl = fmaf((float)((v >> 16) & 0xF), a.z, dl);
@@ -82,7 +100,13 @@ __device__ __forceinline__ float q4k_sb_dot(const uint8_t* __restrict__ blk, con
         dh = fmaf((float)((v >> 20) & 0xF), b.z, dh);
         dh = fmaf((float)(v >> 28), b.w, dh);
     }
-    return d * (s0 * dl + s1 * dh) - dmin * (m0 * x.sl + m1 * x.sh);
+    return __fsub_rn(__fmul_rn(w.d, __fadd_rn(__fmul_rn(w.s0, dl), __fmul_rn(w.s1, dh))),
+                     __fmul_rn(w.dmin, __fadd_rn(__fmul_rn(w.m0, x.sl), __fmul_rn(w.m1, x.sh))));
+}
+
+// q4k_dot of super-block blk's lane part (slot j) and inputs x.
+__device__ __forceinline__ float q4k_sb_dot(const uint8_t* __restrict__ blk, const Q4kX& x, int j) {
+    return q4k_dot(q4k_w_lane(blk, j), x);
 }
 
 // q4k_sb_dot over the super-block's inputs xb (256 values).
@@ -138,21 +162,24 @@ extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8
     if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
 }
 
-// Dense Q4_K mat-vecs over one input, up to three matrices in one launch (a layer's q, k and v
-// projections): x [n, cols]; w0, w1, w2 [r0|r1|r2, cols] Q4_K (r1 = r2 = 0 for fewer);
-// y_m [n, r_m] = x · w_mᵀ. The three matrices' rows are taken end to end; warp w of block b takes
-// R consecutive rows from R·(4b + w), for token blockIdx.y, loading each super-block's inputs
-// once for its R rows (a row's sums are the same operations whatever R and its neighbours).
-// grid (ceil((r0 + r1 + r2) / (4R)), n), 128 threads.
-template <int R>
+// Dense Q4_K mat-vecs, up to three matrices in one launch (a layer's q, k and v projections):
+// x [n, cols]; w0, w1, w2 [r0|r1|r2, cols] Q4_K (r1 = r2 = 0 for fewer); y_m [n, r_m] = x · w_mᵀ.
+// The three matrices' rows are taken end to end; warp w of block b takes R consecutive rows from
+// R·(4b + w) and T consecutive tokens from T·blockIdx.y, loading each super-block's weights once
+// for its T tokens and each token's inputs once for its R rows. A row's sum for a token is the
+// same operations in the same order whatever R, T and the warp's other rows and tokens (tested
+// bit for bit), so a short pass's rows equal one-token decode steps.
+// grid (ceil((r0 + r1 + r2) / (4R)), ceil(n / T)), 128 threads.
+template <int R, int T>
 __device__ void mv_q4k_rows(const float* __restrict__ x, const uint8_t* __restrict__ w0,
                             const uint8_t* __restrict__ w1, const uint8_t* __restrict__ w2,
                             float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
-                            int r0, int r1, int r2, int cols) {
-    const int lane = threadIdx.x % WARP, t = blockIdx.y, nb = cols / 256;
+                            int r0, int r1, int r2, int cols, int n) {
+    const int lane = threadIdx.x % WARP, t0 = blockIdx.y * T, nb = cols / 256;
     const int first = (blockIdx.x * 4 + threadIdx.x / WARP) * R;
     const uint8_t* row[R];
     float* out[R];
+    int stride[R];
     bool live[R];
 #pragma unroll
     for (int i = 0; i < R; i++) {
@@ -173,37 +200,59 @@ __device__ void mv_q4k_rows(const float* __restrict__ x, const uint8_t* __restri
         }
         live[i] = r < rows;  // the same for every lane of the warp
         row[i] = live[i] ? w + (size_t)r * nb * Q4K_BYTES : w0;
-        out[i] = live[i] ? y + (size_t)t * rows + r : y0;
+        out[i] = live[i] ? y + r : y0;
+        stride[i] = rows;
     }
     if (!live[0]) return;
-    const float* xt = x + (size_t)t * cols;
-    float acc[R];
+    const int tokens = min(T, n - t0);
+    float acc[R][T];
 #pragma unroll
-    for (int i = 0; i < R; i++) acc[i] = 0.f;
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int u = 0; u < T; u++) acc[i][u] = 0.f;
 #pragma unroll 2
     for (int sb = lane >> 3; sb < nb; sb += 4) {
-        const Q4kX xs = q4k_x_lane(xt + sb * 256, lane & 7);
+        Q4kW ws[R];
 #pragma unroll
         for (int i = 0; i < R; i++)
-            if (live[i]) acc[i] += q4k_sb_dot(row[i] + (size_t)sb * Q4K_BYTES, xs, lane & 7);
+            if (live[i]) ws[i] = q4k_w_lane(row[i] + (size_t)sb * Q4K_BYTES, lane & 7);
+        // Guards, not `break`: fully unrolled, acc stays in registers (warp-uniform branches).
+#pragma unroll
+        for (int u = 0; u < T; u++) {
+            if (u < tokens) {
+                const Q4kX xs = q4k_x_lane(x + (size_t)(t0 + u) * cols + sb * 256, lane & 7);
+#pragma unroll
+                for (int i = 0; i < R; i++)
+                    if (live[i]) acc[i][u] += q4k_dot(ws[i], xs);
+            }
+        }
     }
 #pragma unroll
-    for (int i = 0; i < R; i++) {
-        const float v = warp_sum(acc[i]);
-        if (lane == 0 && live[i]) *out[i] = v;
+    for (int u = 0; u < T; u++) {
+        if (u < tokens) {
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                const float v = warp_sum(acc[i][u]);
+                if (lane == 0 && live[i]) out[i][(size_t)(t0 + u) * stride[i]] = v;
+            }
+        }
     }
 }
 
-#define MV_Q4K_KERNEL(R)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) mv_q4k_r##R(                                \
+#define MV_Q4K_KERNEL(R, T, NAME)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const float* x, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, float* y0,       \
-        float* y1, float* y2, int r0, int r1, int r2, int cols) {                                  \
-        mv_q4k_rows<R>(x, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols);                               \
+        float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                           \
+        mv_q4k_rows<R, T>(x, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);                          \
     }
-// Rows per warp (MV_ROWS in src/cuda.rs picks one by the launch's row count).
-MV_Q4K_KERNEL(1)
-MV_Q4K_KERNEL(2)
-MV_Q4K_KERNEL(4)
+// Rows per warp (mv_rows in src/cuda.rs picks one by the launch's row count); one token per warp
+// for decode steps, four for short passes (verify, a few prompt tokens).
+MV_Q4K_KERNEL(1, 1, mv_q4k_r1)
+MV_Q4K_KERNEL(2, 1, mv_q4k_r2)
+MV_Q4K_KERNEL(4, 1, mv_q4k_r4)
+MV_Q4K_KERNEL(1, 4, mv_q4k_r1t4)
+MV_Q4K_KERNEL(2, 4, mv_q4k_r2t4)
+MV_Q4K_KERNEL(4, 4, mv_q4k_r4t4)
 
 // ---------------------------------------------------------------------------------------------
 // Grouped by expert, for batched passes (many tokens, experts shared between them): block

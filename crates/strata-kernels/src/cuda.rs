@@ -97,15 +97,30 @@ fn i32s(v: &[usize]) -> impl Iterator<Item = Arg> + '_ {
 /// Writes `value` into a u32 `[1]` tensor on the device, queued on candle's stream (a captured
 /// CUDA graph's inputs are updated this way before each replay).
 pub fn write_u32(t: &Tensor, value: u32) -> Result<()> {
-    if t.dtype() != DType::U32 || t.elem_count() != 1 {
+    if t.elem_count() != 1 {
         bail!("write_u32: expected one u32, got {:?} {:?}", t.dtype(), t.dims());
+    }
+    write_u32s(t, &[value])
+}
+
+/// Writes `values` into the first `values.len()` elements of a contiguous u32 tensor on the
+/// device, queued on candle's stream (a captured graph's tokens before a replay).
+///
+/// Errors: not u32, not contiguous, fewer elements than values, not on a CUDA device.
+pub fn write_u32s(t: &Tensor, values: &[u32]) -> Result<()> {
+    if t.dtype() != DType::U32 || !t.is_contiguous() || t.elem_count() < values.len() {
+        bail!("write_u32s: {} values into {:?} {:?}", values.len(), t.dtype(), t.dims());
+    }
+    if values.is_empty() {
+        return Ok(());
     }
     let dev = cuda_device(t)?;
     let dst = addr(t)?;
     let stream = dev.cuda_stream();
-    // SAFETY: `dst` is the tensor's one u32; the source is copied to a staging buffer before the
-    // call returns (pageable memory), and the copy is ordered on the stream with every kernel.
-    unsafe { result::memcpy_htod_async(dst, &[value], stream.cu_stream()) }.w()?;
+    // SAFETY: `dst` holds at least `values.len()` u32s (checked); the source is copied to a
+    // staging buffer before the call returns (pageable memory), and the copy is ordered on the
+    // stream with every kernel.
+    unsafe { result::memcpy_htod_async(dst, values, stream.cu_stream()) }.w()?;
     Ok(())
 }
 
@@ -744,8 +759,11 @@ pub fn matvec_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
 /// ([`mv_rows`]) reading their quants in 16-byte loads, 8 lanes per super-block, each lane's
 /// inputs loaded once for the warp's rows, f32 activations — ggml's
 /// `dequantize_row_q4_K` values, so the f32 reference's result up to summation order, unlike
-/// llama.cpp's MMVQ which rounds x to Q8_1). Each row of `x` is its own launch row (`grid.y`):
-/// meant for one to a few rows. A matrix's result does not depend on the others passed with it.
+/// llama.cpp's MMVQ which rounds x to Q8_1). Rows of `x` go four to a warp when there are
+/// several ([`mv_tokens`]: each weight load serves four tokens): meant for one to a few rows (a
+/// decode step, a short verify pass). A row's result does not depend on the other rows of `x`
+/// nor on the other matrices passed with it (bit for bit, tested), so a short pass's rows equal
+/// the one-row products of decode steps.
 ///
 /// Errors: no matrix or more than three, a matrix not Q4_K `[R, K]` with `K` a multiple of 256,
 /// `x` not f32 `[n, K]` contiguous on the same CUDA device.
@@ -770,9 +788,10 @@ pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
         return Ok(ys);
     }
     let x = aligned16(x)?;
-    let per_warp = mv_rows(total);
+    let tokens = mv_tokens(n);
+    let per_warp = mv_rows(total, tokens);
     let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(4 * per_warp) as u32, n as u32, 1),
+        grid_dim: (total.div_ceil(4 * per_warp) as u32, n.div_ceil(tokens) as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -784,18 +803,41 @@ pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
     for m in 0..3 {
         args.push(Arg::Ptr(ys.get(m).map(addr).transpose()?.unwrap_or(0)));
     }
-    args.extend(i32s(&[rows[0], rows[1], rows[2], k]));
+    args.extend(i32s(&[rows[0], rows[1], rows[2], k, n]));
+    let name = match tokens {
+        1 => format!("mv_q4k_r{per_warp}"),
+        t => format!("mv_q4k_r{per_warp}t{t}"),
+    };
     // SAFETY: arguments in `mv_q4k_r*`'s order; each w_m is [R_m, K] Q4_K (absent ones have 0
     // rows and are never read), x [n, K] f32 16-byte aligned, y_m [n, R_m].
-    unsafe { launch(dev, &format!("mv_q4k_r{per_warp}"), cfg, &args) }?;
+    unsafe { launch(dev, &name, cfg, &args) }?;
     Ok(ys)
 }
 
-/// Weight rows per warp of a [`matvec_q4k_many`] launch of `total` rows (`mv_q4k_r1|2|4`): more
-/// rows per warp read each input once for more rows (the kernel is bound by those L1 reads, ncu),
-/// as long as the launch keeps ~2 blocks of 128 threads per SM of an H100 (132 SMs). A measurement
-/// override: `STRATA_GPU_MV_ROWS=1|2|4`. A row's result does not depend on the choice.
-fn mv_rows(total: usize) -> usize {
+/// Tokens per warp of a [`matvec_q4k_many`] launch over `n` rows of `x`: one for a decode step,
+/// four for a short pass (each super-block's weights loaded once for four tokens). A
+/// measurement override: `STRATA_GPU_MV_TOKENS=1|4`. A token's result does not depend on it.
+fn mv_tokens(n: usize) -> usize {
+    static TOKENS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = TOKENS.get_or_init(|| {
+        std::env::var("STRATA_GPU_MV_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|t| [1, 4].contains(t))
+    });
+    if n <= 1 {
+        return 1;
+    }
+    forced.unwrap_or(4)
+}
+
+/// Weight rows per warp of a [`matvec_q4k_many`] launch of `total` rows and `tokens` tokens per
+/// warp (`mv_q4k_r1|2|4`, `mv_q4k_r1|2|4t4`): more rows per warp read each input once for more
+/// rows (the kernel is bound by those L1 reads, ncu), as long as the launch keeps ~2 blocks of 128
+/// threads per SM of an H100 (132 SMs); with several tokens per warp, one row (the warp's work
+/// is already four rows' worth, and more warps hide more latency). A measurement override:
+/// `STRATA_GPU_MV_ROWS=1|2|4`. A row's result does not depend on the choice.
+fn mv_rows(total: usize, tokens: usize) -> usize {
     static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let forced = ROWS.get_or_init(|| {
         std::env::var("STRATA_GPU_MV_ROWS")
@@ -804,6 +846,7 @@ fn mv_rows(total: usize) -> usize {
             .filter(|r| [1, 2, 4].contains(r))
     });
     forced.unwrap_or(match total {
+        _ if tokens > 1 => 1,
         t if t >= 4 * 4 * 264 => 4,
         t if t >= 2 * 4 * 264 => 2,
         _ => 1,
@@ -890,8 +933,8 @@ pub const MOE_ROWS_MAX: usize = 16;
 /// `x: [n, H]` f32, `gate`, `up: [E, I, H]` and `down: [E, H, I]` Q4_K (GGUF's `ffn_*_exps`),
 /// `ids: [n, k]` u32 rows of those tensors, `weights: [n, k]` f32, optional `residual: [n, H]` →
 /// `[n, H]` = `residual + Σⱼ weights[t, j] · down(silu(gate · x) ⊙ (up · x))` of expert
-/// `ids[t, j]`.
-/// Activations stay f32 (quants read in 16-byte loads, ggml's `dequantize_row_q4_K` values
+/// `ids[t, j]`. Each token's result is what it would be alone (bit for bit, tested): a verify
+/// pass's rows equal decode steps. Activations stay f32 (quants read in 16-byte loads, ggml's `dequantize_row_q4_K` values
 /// applied as `d·scale·Σ q·x − dmin·min·Σ x` per 16 weights), so the result is the f32 reference's
 /// up to summation order — unlike candle's `indexed_moe_forward`,
 /// which quantizes activations to Q8_1.

@@ -9,7 +9,9 @@
 //! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums),
 //! `STRATA_GPU_MATVEC=0` (one-row dense Q4_K products through candle's DMMV kernel instead of
 //! ours, q/k/v as three launches instead of one, router logits through cuBLAS),
-//! `STRATA_GPU_FUSE=0` (residual add and RMSNorm as two launches, per-head q/k norms through
+//! `STRATA_GPU_SHORT_MATVEC=0` (dense Q4_K products of 2 to `MATVEC_ROWS_MAX` rows — verify
+//! passes — through the row-dequantizing `matmul_q4k` instead of the mat-vec kernel, four tokens
+//! per warp), `STRATA_GPU_FUSE=0` (residual add and RMSNorm as two launches, per-head q/k norms through
 //! candle instead of inside the RoPE kernel), `STRATA_GPU_MOE=0` (the Q4_K experts of short passes through candle's
 //! `indexed_moe_forward`, Q8_1 activations, instead of our f32-activation kernels).
 //!
@@ -43,6 +45,10 @@ pub enum GpuPath {
     /// One-row dense Q4_K products (decode steps) on our mat-vec kernel, a layer's q/k/v in one
     /// launch, one-row f32 products (router logits) on ours ([`crate::layers::Linear`]).
     MatVec,
+    /// Dense Q4_K products of 2 to [`MATVEC_ROWS_MAX`] rows (short verify passes) on the mat-vec
+    /// kernel, four tokens per warp, so each row equals a decode step's product bit for bit
+    /// ([`crate::layers::Linear`]); needs [`GpuPath::MatVec`].
+    ShortMatVec,
     /// Launch fusions: residual add + RMSNorm ([`crate::layers::RmsNorm::add_forward`]),
     /// per-head q/k RMSNorm inside the RoPE kernel.
     Fuse,
@@ -56,6 +62,17 @@ pub enum GpuPath {
     Graphs,
 }
 
+/// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
+/// ([`GpuPath::ShortMatVec`]): speculative verify passes (a decode token and its draft).
+pub const MATVEC_ROWS_MAX: usize = 4;
+
+/// Whether a dense Q4_K product of `rows` rows runs on the mat-vec kernel: one row with
+/// [`GpuPath::MatVec`] on, up to [`MATVEC_ROWS_MAX`] with [`GpuPath::ShortMatVec`] on too.
+pub fn matvec_rows(rows: usize) -> bool {
+    enabled(GpuPath::MatVec)
+        && (rows == 1 || ((2..=MATVEC_ROWS_MAX).contains(&rows) && enabled(GpuPath::ShortMatVec)))
+}
+
 /// Whether `path` is on: its variable is not `0` ([`GpuPath::MoeGrouped`]: is `1`).
 pub fn enabled(path: GpuPath) -> bool {
     static ROUTING: OnceLock<bool> = OnceLock::new();
@@ -66,6 +83,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static DENSE: OnceLock<bool> = OnceLock::new();
     static MATVEC: OnceLock<bool> = OnceLock::new();
     static FUSE: OnceLock<bool> = OnceLock::new();
+    static SHORT_MATVEC: OnceLock<bool> = OnceLock::new();
     static MOE_TC: OnceLock<bool> = OnceLock::new();
     static DENSE_TC: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
@@ -77,6 +95,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::Dense => (&DENSE, "STRATA_GPU_DENSE"),
         GpuPath::MatVec => (&MATVEC, "STRATA_GPU_MATVEC"),
         GpuPath::Fuse => (&FUSE, "STRATA_GPU_FUSE"),
+        GpuPath::ShortMatVec => (&SHORT_MATVEC, "STRATA_GPU_SHORT_MATVEC"),
         GpuPath::MoeTc => (&MOE_TC, "STRATA_GPU_MOE_TC"),
         GpuPath::DenseTc => (&DENSE_TC, "STRATA_GPU_DENSE_TC"),
     };

@@ -365,17 +365,14 @@ impl RmsNorm {
     }
 }
 
-/// One-row products `x: [1, in]` of several Q4_K projections without biases (a layer's q, k and
-/// v) in one launch on a GPU (`strata_kernels::cuda::matvec_q4k_many`, the kernel of a one-row
-/// [`Linear::forward`], so each result equals that projection's own forward) → `[1, out_m]` each.
-/// `None`: another device, format or row count, a bias, or `STRATA_GPU_MATVEC=0`.
+/// Products `x: [n, in]` of several Q4_K projections without biases (a layer's q, k and v) in one
+/// launch on a GPU for the row counts the mat-vec kernel takes ([`crate::gpu::matvec_rows`]:
+/// decode steps, short verify passes; `strata_kernels::cuda::matvec_q4k_many`, the kernel of
+/// [`Linear::forward`] for such rows, so each result equals that projection's own forward) →
+/// `[n, out_m]` each. `None`: another device, format or row count, a bias, or the paths off.
 #[cfg(feature = "cuda")]
 pub fn matvec_q4k_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Result<Vec<Tensor>>> {
-    if !x.device().is_cuda()
-        || x.dims().first() != Some(&1)
-        || x.rank() != 2
-        || !crate::gpu::enabled(crate::gpu::GpuPath::MatVec)
-    {
+    if !x.device().is_cuda() || x.rank() != 2 || !crate::gpu::matvec_rows(x.dims()[0]) {
         return None;
     }
     let ws = ls
@@ -390,26 +387,28 @@ pub fn matvec_q4k_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Resul
     Some(x.contiguous().and_then(|x| strata_kernels::cuda::matvec_q4k_many(&x, &ws)))
 }
 
-/// A one-row f32 product `x: [1, in]` (a MoE router's logits in a decode step) on our mat-vec
-/// kernel (`strata_kernels::cuda::matvec_f32`, one launch instead of cuBLAS's GEMV pair) unless
-/// `STRATA_GPU_MATVEC=0`. `None`: another device, dtype, row count or a width not a multiple of 4.
+/// An f32 product `x: [.., in]` of the row counts [`crate::gpu::matvec_rows`] takes (a MoE
+/// router's logits in a decode step or a short verify pass: each row the decode step's result)
+/// on our mat-vec kernel (`strata_kernels::cuda::matvec_f32`, one launch instead of cuBLAS's
+/// GEMV pair) unless `STRATA_GPU_MATVEC=0`. `None`: another device, dtype, row count or a width
+/// not a multiple of 4.
 #[cfg(feature = "cuda")]
 fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
     let QMatMul::Tensor(t) = w else { return None };
     let k = *x.dims().last()?;
+    let n = x.elem_count() / k.max(1);
     if !x.device().is_cuda()
         || t.dtype() != candle_core::DType::F32
         || x.dtype() != candle_core::DType::F32
-        || x.elem_count() != k
         || !k.is_multiple_of(4)
         || t.rank() != 2
-        || !crate::gpu::enabled(crate::gpu::GpuPath::MatVec)
+        || !crate::gpu::matvec_rows(n)
     {
         return None;
     }
     let run = || {
         let mut dims = x.dims().to_vec();
-        let y = strata_kernels::cuda::matvec_f32(&x.reshape((1, k))?.contiguous()?, t)?;
+        let y = strata_kernels::cuda::matvec_f32(&x.reshape((n, k))?.contiguous()?, t)?;
         *dims.last_mut().expect("rank ≥ 1") = y.dim(1)?;
         y.reshape(dims)
     };
@@ -422,7 +421,8 @@ fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
 /// candle's path (with `STRATA_CUDA_MMVQ` unset) dequantizes the whole matrix to f32 and runs
 /// cuBLAS for more than one row. One row (a decode step) runs on our mat-vec kernel
 /// (`strata_kernels::cuda::matvec_q4k`: 16-byte loads, f32 activations) unless
-/// `STRATA_GPU_MATVEC=0` (candle's DMMV kernel). Passes of `TC_ROWS_MIN` rows or more (prompts) run on tensor cores
+/// `STRATA_GPU_MATVEC=0` (candle's DMMV kernel), and so do 2 to `gpu::MATVEC_ROWS_MAX` rows (a
+/// verify pass: each row then equals a decode step's product) unless `STRATA_GPU_SHORT_MATVEC=0`. Passes of `TC_ROWS_MIN` rows or more (prompts) run on tensor cores
 /// (`strata_kernels::cuda::matmul_q4k_tc`: f16 inputs, f32 sums) unless
 /// `STRATA_GPU_DENSE_TC=0`. `None`: another device, format, rank or size.
 #[cfg(feature = "cuda")]
@@ -449,7 +449,7 @@ fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
     {
         return Some(run(matmul_q4k_tc));
     }
-    if n == 1 && k.is_multiple_of(256) && crate::gpu::enabled(crate::gpu::GpuPath::MatVec) {
+    if k.is_multiple_of(256) && crate::gpu::matvec_rows(n) {
         return Some(run(matvec_q4k));
     }
     if !(2..=MATMUL_ROWS_MAX).contains(&n)

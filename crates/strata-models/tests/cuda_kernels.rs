@@ -294,7 +294,7 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     // Row counts of 2200 and 4400: the mat-vec's 2- and 4-rows-per-warp launches (mv_rows),
     // compared bit for bit below with other row groupings of the same matrices.
     for &(r, k, n) in
-        &[(7usize, 256usize, 1usize), (64, 2048, 16), (130, 768, 3), (2200, 256, 1), (4400, 512, 2)]
+        &[(7usize, 256usize, 1usize), (64, 2048, 16), (130, 768, 3), (2200, 256, 5), (4400, 512, 2)]
     {
         let (wq, deq) = random_q4k(&[r, k], &mut rng, &dev);
         let x = rng.vec(n * k, 1.0);
@@ -325,6 +325,14 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
         let alone =
             gpu::matmul_q4k(&last, &wq).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(alone, got[(n - 1) * r..], "row {} alone differs (R {r} K {k} n {n})", n - 1);
+        // A short pass's rows (four tokens per warp) equal one-row decode products bit for bit:
+        // a verify pass reproduces decode steps.
+        let mv = flat(&gpu::matvec_q4k(&xt, &wq).unwrap());
+        for t in 0..n {
+            let row = xt.narrow(0, t, 1).unwrap().contiguous().unwrap();
+            let one = flat(&gpu::matvec_q4k(&row, &wq).unwrap());
+            assert_eq!(one, mv[t * r..(t + 1) * r], "mat-vec row {t} of {n} (R {r} K {k})");
+        }
     }
     let x = Tensor::zeros((gpu::MATMUL_ROWS_MAX + 1, 256), DType::F32, &dev).unwrap();
     let w = Tensor::zeros((4, 256), DType::F32, &cpu).unwrap();
@@ -540,13 +548,15 @@ fn moe_q4k_matches_the_f32_reference() {
     use candle_core::quantized::{GgmlDType, QTensor};
     let (dev, cpu) = (cuda(), Device::Cpu);
     let mut rng = Rng(0x5eed);
-    // The last two: batches whose tokens share experts (n·k > E), for the grouped kernels.
+    // (16, 256, 512, 9, 4) and (4, 256, 256, 5, 2): tokens share experts (n·k > E), for the
+    // grouped kernels.
     for &(e, h, i, n, k) in &[
         (8usize, 256usize, 512usize, 1usize, 2usize),
         (16, 512, 256, 4, 4),
         (64, 2048, 768, 1, 8),
         (16, 256, 512, 9, 4),
         (128, 512, 256, 16, 8),
+        (4, 256, 256, 5, 2),
     ] {
         let q = |rows: usize, cols: usize, rng: &mut Rng| random_q4k(&[e, rows, cols], rng, &dev);
         let ((gq, g), (uq, u), (dq, d)) = (q(i, h, &mut rng), q(i, h, &mut rng), q(h, i, &mut rng));
@@ -604,6 +614,26 @@ fn moe_q4k_matches_the_f32_reference() {
                 err < 1e-5,
                 "moe_q4k (grouped: {grouped}) off by {err} (E {e} H {h} I {i} n {n} k {k})"
             );
+            // A verify pass's tokens equal decode steps bit for bit.
+            if !grouped && n > 1 {
+                for t in 0..n {
+                    let row = |m: &Tensor| m.narrow(0, t, 1).unwrap().contiguous().unwrap();
+                    let one = gpu::moe_q4k(
+                        &row(&xt),
+                        &gq,
+                        &uq,
+                        &dq,
+                        &row(&it),
+                        &row(&wt),
+                        residual.then(|| row(&rt)).as_ref(),
+                    );
+                    assert_eq!(
+                        flat(&one.unwrap()),
+                        out[t * h..(t + 1) * h],
+                        "moe_q4k token {t} of {n} alone (E {e} H {h} I {i} k {k})"
+                    );
+                }
+            }
         }
     }
     // Refusals: another format, too many tokens.

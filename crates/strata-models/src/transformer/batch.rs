@@ -89,8 +89,10 @@ impl Transformer {
         Ok(results.into_iter().map(|r| r.expect("every sequence has a result")).collect())
     }
 
-    /// A one-token step of one sequence through its captured CUDA graph ([`super::graph`]),
-    /// when the pass asks for nothing the graph lacks; `None`: run the pass op by op.
+    /// A short pass of one sequence (a decode step, a verify pass: up to
+    /// [`super::graph::GRAPH_ROWS_MAX`] tokens) through its captured CUDA graph
+    /// ([`super::graph`]), when the pass asks for nothing the graph lacks; `None`: run the pass
+    /// op by op.
     #[cfg(feature = "cuda")]
     fn try_decode_graphed(
         &self,
@@ -98,18 +100,19 @@ impl Transformer {
         opts: &BatchOptions<'_>,
     ) -> Result<Option<ForwardOutput>> {
         let [s] = seqs else { return Ok(None) };
-        let &[token] = s.tokens else { return Ok(None) };
+        let n = s.tokens.len();
         let plain = opts.hidden_layers.is_empty()
             && opts.n_layers.is_none_or(|n| n >= self.layers.len())
-            && (token as usize) < self.cfg.vocab_size
-            && s.cache.check_room(1).is_ok();
+            && (1..=super::graph::GRAPH_ROWS_MAX).contains(&n)
+            && s.tokens.iter().all(|&t| (t as usize) < self.cfg.vocab_size)
+            && s.cache.check_room(n).is_ok();
         if !plain || !self.graph_decodable() {
             return Ok(None);
         }
         if opts.stop.is_some_and(|stop| stop()) {
             return Err(ModelError::Interrupted);
         }
-        self.decode_graphed(token, s.cache)
+        self.decode_graphed(s.tokens, s.logits, s.cache)
     }
 
     fn run_batch(

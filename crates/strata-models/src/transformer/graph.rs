@@ -1,42 +1,55 @@
-//! The decode step as a CUDA graph (`cuda` build): a one-token pass of a model whose every layer
-//! runs on the device without the host — attention on our kernels reading the position from
-//! device memory, MoE layers routed on the device into resident fused experts, dense MLPs — is
-//! captured once per context bucket and replayed, so a step costs one graph launch instead of
-//! ~25 candle launches per layer (the CPU-side cost that bounds candle's decode on a fast GPU).
+//! Short passes as CUDA graphs (`cuda` build): a pass of one to [`GRAPH_ROWS_MAX`] tokens of one
+//! sequence (a decode step, a speculative verify pass) of a model whose every layer runs on the
+//! device without the host — attention on our kernels reading the position from device memory,
+//! MoE layers routed on the device into resident fused experts, dense MLPs — is captured once per
+//! (tokens, logits wanted, context bucket) and replayed, so a pass costs one graph launch instead
+//! of ~11 launches per layer and their CPU-side cost (what bounds candle's decode on a fast GPU).
 //!
 //! Per sequence ([`KvCache`]), buckets serve positions up to 256·2ʲ − 1 (the attention kernel's
-//! split count is fixed at capture; chunks past a row's length add nothing). A bucket's first
-//! step runs eagerly (its result is that step's output) and is then captured; later steps write
-//! the token and position into two device scalars and replay. Graph memory is instantiated with
-//! auto-free-on-launch, so the outputs (logits, routing record) live until the next replay: the
-//! logits are copied out, the routing read back, after each launch.
+//! split count is fixed at capture; chunks past a row's length add nothing). A one-token pass's
+//! first step in a bucket runs eagerly (its result is that step's output) and is then captured; a
+//! pass of several tokens is captured the second time its shape comes (a one-off prompt chunk
+//! never is). Later passes write the tokens and the position into device memory and replay. Graph
+//! memory is instantiated with auto-free-on-launch, so the outputs (logits, routing record) live
+//! until the next replay: the logits are copied out, the routing read back, after each launch.
+//! A graph's launches are the op-by-op pass's (`forward_batch` for one sequence), so its logits
+//! are the same bits.
 //!
-//! Not taken (the op-by-op path runs instead): several sequences or tokens, hidden-state taps, a
-//! partial layer count, a prefetcher, synthetic routing processes, Gated DeltaNet layers, a
+//! Not taken (the op-by-op path runs instead): several sequences, more tokens, hidden-state taps,
+//! a partial layer count, a prefetcher, synthetic routing processes, Gated DeltaNet layers, a
 //! layer our kernels lack, cudarc event tracking on, or `STRATA_GPU_GRAPHS=0`. A capture that
 //! fails turns the path off for that sequence (logged once).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Device, Tensor};
 
 use super::device_routing::DeviceRouting;
-use super::{residual_scaled, FeedForward, ForwardOutput, Mixer, Transformer};
+use super::{residual_scaled, FeedForward, ForwardOutput, Logits, Mixer, Transformer};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 
-/// A sequence's captured decode steps.
+/// Most tokens in a pass taken by the graph path: speculative verify passes (the attention
+/// kernels' [`crate::attention::GPU_ATTEND_ROWS_MAX`]).
+pub const GRAPH_ROWS_MAX: usize = crate::attention::GPU_ATTEND_ROWS_MAX;
+
+/// What a captured pass serves: its tokens, whether only the last one's logits are wanted, and
+/// the largest position its last token may take (the bucket).
+type Key = (usize, bool, usize);
+
+/// A sequence's captured passes.
 #[derive(Debug)]
 pub struct DecodeGraphs {
-    /// u32 `[1]`: the step's token, read by the embedding lookup.
-    token: Tensor,
-    /// u32 `[1]`: the step's position, read by the attention kernels.
+    /// u32 `[GRAPH_ROWS_MAX]`: the pass's tokens (the first `rows`), read by the embedding lookup.
+    tokens: Tensor,
+    /// u32 `[1]`: the pass's first position, read by the attention kernels.
     pos: Tensor,
-    /// Largest position served → the captured step.
-    graphs: HashMap<usize, Captured>,
-    /// A capture failed: this sequence decodes op by op.
+    graphs: HashMap<Key, Captured>,
+    /// Shapes of several tokens run once op by op: captured when they come again.
+    seen: HashSet<Key>,
+    /// A capture failed: this sequence runs op by op.
     failed: bool,
 }
 
@@ -95,67 +108,78 @@ impl Transformer {
         })
     }
 
-    /// One decode step of `token` at `cache.len()` through a captured graph; `None` when the
-    /// sequence cannot take the graph path (the caller runs the op-by-op pass). The cache
-    /// advances by one on success.
+    /// A pass of `tokens` (one to [`GRAPH_ROWS_MAX`]) at `cache.len()..` through a captured
+    /// graph; `None` when the sequence cannot take the graph path (the caller runs the op-by-op
+    /// pass). The cache advances by `tokens.len()` on success.
     pub(super) fn decode_graphed(
         &self,
-        token: u32,
+        tokens: &[u32],
+        logits: Logits,
         cache: &mut KvCache,
     ) -> Result<Option<ForwardOutput>> {
-        if cache.has_routing_history() {
+        if cache.has_routing_history() || tokens.is_empty() || tokens.len() > GRAPH_ROWS_MAX {
             return Ok(None);
         }
         let mut g = match cache.take_graphs() {
             Some(g) => g,
             None => Box::new(DecodeGraphs {
-                token: Tensor::zeros(1, DType::U32, &self.device)?,
+                tokens: Tensor::zeros(GRAPH_ROWS_MAX, DType::U32, &self.device)?,
                 pos: Tensor::zeros(1, DType::U32, &self.device)?,
                 graphs: HashMap::new(),
+                seen: HashSet::new(),
                 failed: false,
             }),
         };
-        let out = if g.failed { Ok(None) } else { self.graph_step(token, cache, &mut g) };
+        let out = if g.failed { Ok(None) } else { self.graph_pass(tokens, logits, cache, &mut g) };
         cache.set_device_position(None);
         cache.put_graphs(g);
         let out = out?;
         if out.is_some() {
-            cache.advance(1);
+            cache.advance(tokens.len());
         }
         Ok(out)
     }
 
-    fn graph_step(
+    fn graph_pass(
         &self,
-        token: u32,
+        tokens: &[u32],
+        logits: Logits,
         cache: &mut KvCache,
         g: &mut DecodeGraphs,
     ) -> Result<Option<ForwardOutput>> {
         let Device::Cuda(dev) = &self.device else { return Ok(None) };
-        let pos = cache.len();
-        let max = bucket(pos, cache.capacity());
-        strata_kernels::cuda::write_u32(&g.token, token)?;
+        let (pos, rows) = (cache.len(), tokens.len());
+        let last_only = rows > 1 && matches!(logits, Logits::Last);
+        // The bucket holds the pass's last position; the kernels take the largest first one.
+        let last = bucket(pos + rows - 1, cache.capacity());
+        let key = (rows, last_only, last);
+        strata_kernels::cuda::write_u32s(&g.tokens, tokens)?;
         strata_kernels::cuda::write_u32(&g.pos, pos as u32)?;
-        cache.set_device_position(Some((g.pos.clone(), max)));
-        if let Some(c) = g.graphs.get(&max) {
+        cache.set_device_position(Some((g.pos.clone(), last + 1 - rows)));
+        let ids = g.tokens.narrow(0, 0, rows)?;
+        if let Some(c) = g.graphs.get(&key) {
             c.graph.0.launch().w()?;
             let logits = c.logits.copy()?;
             let routing =
                 c.routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
             return Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
         }
-        // First step in this bucket: run it (candle's parameter uploads cached for the capture,
-        // kernels' modules loaded), then capture the same launches for the next steps.
+        // A pass of several tokens runs op by op the first time its shape comes.
+        let capture = rows == 1 || !g.seen.insert(key);
+        // Run it (candle's parameter uploads cached for the capture, kernels' modules loaded),
+        // then capture the same launches for the next passes of this shape.
         let _htod = dev.enable_cuda_graph_htod_cache();
-        let (logits, routing) = self.decode_body(cache, &g.token)?;
+        let (logits, routing) = self.decode_body(cache, &ids, last_only)?;
         let routing = routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
-        match self.capture(dev, cache, &g.token) {
-            Ok(c) => {
-                g.graphs.insert(max, c);
-            }
-            Err(e) => {
-                g.failed = true;
-                eprintln!("strata: CUDA graph capture failed, decoding op by op: {e}");
+        if capture {
+            match self.capture(dev, cache, &ids, last_only) {
+                Ok(c) => {
+                    g.graphs.insert(key, c);
+                }
+                Err(e) => {
+                    g.failed = true;
+                    eprintln!("strata: CUDA graph capture failed, decoding op by op: {e}");
+                }
             }
         }
         Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
@@ -165,35 +189,38 @@ impl Transformer {
         &self,
         dev: &candle_core::cuda_backend::CudaDevice,
         cache: &mut KvCache,
-        token: &Tensor,
+        tokens: &Tensor,
+        last_only: bool,
     ) -> Result<Captured> {
         let stream = dev.cuda_stream();
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
-        let body = self.decode_body(cache, token);
+        let body = self.decode_body(cache, tokens, last_only);
         let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = stream.end_capture(flags).w();
         let (logits, routing) = body?;
         let graph = graph?.ok_or_else(|| {
-            ModelError::Candle(candle_core::Error::msg("the captured decode step is empty"))
+            ModelError::Candle(candle_core::Error::msg("the captured pass is empty"))
         })?;
         graph.upload().w()?;
         Ok(Captured { graph: SendGraph(graph), logits, routing })
     }
 
-    /// The launches of one decode step (everything on the device; the op-by-op pass of
-    /// `forward_batch` restricted to one token of one sequence): logits `[1, vocab]` and the
-    /// step's device routing record.
+    /// The launches of one pass of `tokens: [rows]` (everything on the device; the op-by-op pass
+    /// of `forward_batch` restricted to one sequence): logits `[rows, vocab]`, or `[1, vocab]`
+    /// for the last row with `last_only`, and the pass's device routing record.
     fn decode_body(
         &self,
         cache: &mut KvCache,
-        token: &Tensor,
+        tokens: &Tensor,
+        last_only: bool,
     ) -> Result<(Tensor, Option<DeviceRouting>)> {
         let scales = self.cfg.scales;
-        let mut x = self.embed.0.embedding(token)?; // [1, hidden]
+        let rows = tokens.dim(0)?;
+        let mut x = self.embed.0.embedding(tokens)?; // [rows, hidden]
         if scales.embedding != 1.0 {
             x = (x * scales.embedding)?;
         }
-        let mut routing = DeviceRouting::for_pass(self, &[], 1, self.layers.len())?;
+        let mut routing = DeviceRouting::for_pass(self, &[], rows, self.layers.len())?;
         // As `forward_batch`: the next layer's attention norm comes with the residual add.
         let mut next_xn: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -217,6 +244,10 @@ impl Transformer {
                 (FeedForward::Moe(_), None) => return Err(not_graphable("host routing")),
             };
             (x, next_xn) = self.end_layer(i, self.layers.len(), &x, h)?;
+        }
+        // As `forward_batch`: the lm_head runs on the rows whose logits are wanted.
+        if last_only {
+            x = x.narrow(0, rows - 1, 1)?;
         }
         let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
         if scales.logits != 1.0 {
