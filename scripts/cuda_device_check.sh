@@ -207,6 +207,7 @@ PY
           no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
           no-short-matvec) envs=(STRATA_GPU_SHORT_MATVEC=0) ;;
           tokens1) envs=(STRATA_GPU_MV_TOKENS=1) ;;
+          f32act) envs=(STRATA_GPU_Q8=0) ;;
           *) envs=(X=1) ;;
         esac
         env "${envs[@]}" timeout 200 "$S" bench -m $M --device cuda --stream-experts off -p 4 -n 32 -r 3 --verify 2,4,8 > /tmp/p4.txt 2>&1
@@ -309,6 +310,7 @@ print('$spec ($v): equal prefix', same, 'of', len(b), '| identical:', g==b, '| s
           candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
           no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
           rows1|rows2|rows4) envs=(STRATA_GPU_MV_ROWS=${v#rows}) ;;
+          f32act) envs=(STRATA_GPU_Q8=0) ;;
           no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
           no-graphs-no-gpu-routing) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0) ;;
           no-graphs-no-gpu-attention) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0) ;;

@@ -448,3 +448,4 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 
 #include "moe_q4k.cuh"
 #include "moe_tc.cuh"
+#include "mv_q8.cuh"

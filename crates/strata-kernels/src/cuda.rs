@@ -58,7 +58,8 @@ fn addr(t: &Tensor) -> Result<u64> {
         DType::F32 => (cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0, 4),
         DType::U32 => (cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0, 4),
         DType::F16 => (cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0, 2),
-        d => bail!("strata cuda kernel: {d:?} tensor (f32, f16 or u32 expected)"),
+        DType::U8 => (cs.as_cuda_slice::<u8>()?.device_ptr(&stream).0, 1),
+        d => bail!("strata cuda kernel: {d:?} tensor (f32, f16, u32 or u8 expected)"),
     };
     Ok(base + (l.start_offset() * size) as u64)
 }
@@ -754,6 +755,57 @@ pub fn matvec_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
     Ok(matvec_q4k_many(x, &[w])?.remove(0))
 }
 
+/// How the Q4_K mat-vec kernels take their inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    /// f32 inputs (`mv_q4k_r*`): the f32 reference's result up to summation order.
+    F32,
+    /// Inputs rounded to 8 bits per 32 values first ([`quantize_q8`], `mv_q4k_q8_r*`: integer
+    /// dot products, llama.cpp's MMVQ arithmetic): a quarter of the input reads.
+    Q8,
+}
+
+/// The inputs the mat-vec kernels take by default: [`Activations::Q8`] unless
+/// `STRATA_GPU_Q8=0`.
+pub fn activations() -> Activations {
+    static ACT: std::sync::OnceLock<Activations> = std::sync::OnceLock::new();
+    *ACT.get_or_init(|| match std::env::var("STRATA_GPU_Q8") {
+        Ok(v) if v == "0" => Activations::F32,
+        _ => Activations::Q8,
+    })
+}
+
+/// `x: [n, K]` f32 (K a multiple of 32, contiguous) rounded to 8 bits per 32 consecutive values:
+/// `q: [n, K]` (u8 holding i8) and `d: [n, K / 32]` f32 with `x ≈ d · q`, `d = max|x| / 127`
+/// (IEEE division), `q = round_half_even(x / d)` (0 where `d = 0`) — llama.cpp's `quantize_q8_1`
+/// without the sums. One launch.
+///
+/// Errors: `x` not f32 `[n, K]` contiguous on a CUDA device, `K` not a multiple of 32.
+pub fn quantize_q8(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    check_f32(x, "x")?;
+    let (n, k) = x.dims2()?;
+    if !k.is_multiple_of(32) {
+        bail!("quantize_q8: x {:?} (K a multiple of 32)", x.dims());
+    }
+    let dev = cuda_device(x)?;
+    let q = alloc::<u8>(dev, (n, k))?;
+    let d = alloc::<f32>(dev, (n, k / 32))?;
+    let total = n * k;
+    if total == 0 {
+        return Ok((q, d));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args =
+        [Arg::Ptr(addr(x)?), Arg::Ptr(addr(&q)?), Arg::Ptr(addr(&d)?), Arg::I32(total as i32)];
+    // SAFETY: arguments in `quantize_q8`'s order; x [n, K] f32, q [n, K] bytes, d [n, K / 32].
+    unsafe { launch(dev, "quantize_q8", cfg, &args) }?;
+    Ok((q, d))
+}
+
 /// `x: [n, K]` f32 times one to three Q4_K matrices `w_m: [R_m, K]` (a layer's q, k and v
 /// projections) → `[n, R_m]` each, in one launch (`mv_q4k_r*`: a warp per 1, 2 or 4 weight rows
 /// ([`mv_rows`]) reading their quants in 16-byte loads, 8 lanes per super-block, each lane's
@@ -768,6 +820,13 @@ pub fn matvec_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
 /// Errors: no matrix or more than three, a matrix not Q4_K `[R, K]` with `K` a multiple of 256,
 /// `x` not f32 `[n, K]` contiguous on the same CUDA device.
 pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
+    matvec_q4k_many_as(x, ws, activations())
+}
+
+/// [`matvec_q4k_many`] with the inputs taken as `act` says ([`Activations::Q8`]: one more
+/// launch, [`quantize_q8`], then integer dot products; each row still independent of the
+/// others and of the launch's shape, bit for bit).
+pub fn matvec_q4k_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Result<Vec<Tensor>> {
     check_f32(x, "x")?;
     let (n, k) = x.dims2()?;
     let mut rows = [0usize; 3];
@@ -787,15 +846,27 @@ pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
     if n == 0 || total == 0 {
         return Ok(ys);
     }
-    let x = aligned16(x)?;
     let tokens = mv_tokens(n);
     let per_warp = mv_rows(total, tokens);
+    let mut args = Vec::with_capacity(12);
+    let (_keep, kernel) = match act {
+        Activations::F32 => {
+            let x = aligned16(x)?;
+            args.push(Arg::Ptr(addr(&x)?));
+            (vec![x], "mv_q4k")
+        }
+        Activations::Q8 => {
+            let (q, d) = quantize_q8(&x.contiguous()?)?;
+            args.push(Arg::Ptr(addr(&q)?));
+            args.push(Arg::Ptr(addr(&d)?));
+            (vec![q, d], "mv_q4k_q8")
+        }
+    };
     let cfg = LaunchConfig {
         grid_dim: (total.div_ceil(4 * per_warp) as u32, n.div_ceil(tokens) as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut args = vec![Arg::Ptr(addr(&x)?)];
     for m in 0..3 {
         let p = ws.get(m).map(|w| w.device_ptr()).transpose()?;
         args.push(Arg::Ptr(p.map_or(0, |p| p as u64)));
@@ -805,11 +876,12 @@ pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
     }
     args.extend(i32s(&[rows[0], rows[1], rows[2], k, n]));
     let name = match tokens {
-        1 => format!("mv_q4k_r{per_warp}"),
-        t => format!("mv_q4k_r{per_warp}t{t}"),
+        1 => format!("{kernel}_r{per_warp}"),
+        t => format!("{kernel}_r{per_warp}t{t}"),
     };
-    // SAFETY: arguments in `mv_q4k_r*`'s order; each w_m is [R_m, K] Q4_K (absent ones have 0
-    // rows and are never read), x [n, K] f32 16-byte aligned, y_m [n, R_m].
+    // SAFETY: arguments in `mv_q4k_r*`'s / `mv_q4k_q8_r*`'s order; each w_m is [R_m, K] Q4_K
+    // (absent ones have 0 rows and are never read), x [n, K] f32 16-byte aligned (or its q8
+    // rounding: q [n, K] bytes from a fresh allocation, d [n, K / 32]), y_m [n, R_m].
     unsafe { launch(dev, &name, cfg, &args) }?;
     Ok(ys)
 }
@@ -951,17 +1023,41 @@ pub fn moe_q4k(
     weights: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
+    moe_q4k_as(x, gate, up, down, ids, weights, residual, activations())
+}
+
+/// [`moe_q4k`] with the inputs of gate/up (x) and of down (the SiLU·up activations) taken as
+/// `act` says ([`Activations::Q8`]: each rounded to 8 bits per 32 values first, two more launches,
+/// integer dot products — llama.cpp's MMVQ arithmetic for its MoE mat-vecs).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_q4k_as(
+    x: &Tensor,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+    ids: &Tensor,
+    weights: &Tensor,
+    residual: Option<&Tensor>,
+    act: Activations,
+) -> Result<Tensor> {
     let MoeDims { n, h, i, k, .. } = check_moe(x, [gate, up, down], ids, weights, MOE_ROWS_MAX)?;
     if residual.is_some_and(|r| r.dims() != [n, h]) {
         bail!("moe_q4k: residual {:?} for x {:?}", residual.map(|r| r.dims()), x.dims());
     }
     let dev = cuda_device(x)?;
-    let x = &aligned16(x)?;
     let a = alloc::<f32>(dev, (n, k, i))?;
     let out = alloc::<f32>(dev, (n, h))?;
     if n == 0 || k == 0 {
         return out.zeros_like();
     }
+    // The inputs of gate/up: x itself (f32) or its q8 rounding (two tensors).
+    let (xs, suffix) = match act {
+        Activations::F32 => (vec![aligned16(x)?], ""),
+        Activations::Q8 => {
+            let (q, d) = quantize_q8(&x.contiguous()?)?;
+            (vec![q, d], "_q8")
+        }
+    };
     let cfg = LaunchConfig {
         grid_dim: (i.div_ceil(4) as u32, (n * k) as u32, 1),
         block_dim: (128, 1, 1),
@@ -969,34 +1065,37 @@ pub fn moe_q4k(
     };
     let (gp, upp, dp) =
         (gate.device_ptr()? as u64, up.device_ptr()? as u64, down.device_ptr()? as u64);
-    let mut args = vec![
-        Arg::Ptr(addr(x)?),
-        Arg::Ptr(gp),
-        Arg::Ptr(upp),
-        Arg::Ptr(addr(ids)?),
-        Arg::Ptr(addr(&a)?),
-    ];
+    let mut args = xs.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
+    args.extend([Arg::Ptr(gp), Arg::Ptr(upp), Arg::Ptr(addr(ids)?), Arg::Ptr(addr(&a)?)]);
     args.extend(i32s(&[h, i, k]));
     // SAFETY: arguments in `moe_gate_up_q4k`'s order; the ids index rows of [E, I, H] tensors
     // (the caller's routing: ids < E), shapes checked above.
-    unsafe { launch(dev, "moe_gate_up_q4k", cfg, &args) }?;
+    unsafe { launch(dev, &format!("moe_gate_up_q4k{suffix}"), cfg, &args) }?;
+    // The inputs of down: a (f32) or its q8 rounding, rows of I values per (token, slot).
+    let a_in = match act {
+        Activations::F32 => vec![a],
+        Activations::Q8 => {
+            let (q, d) = quantize_q8(&a.reshape((n * k, i))?)?;
+            vec![q, d]
+        }
+    };
     let cfg = LaunchConfig {
         grid_dim: (h.div_ceil(4) as u32, n as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
     let res = residual.map(addr).transpose()?.unwrap_or(0);
-    let mut args = vec![
-        Arg::Ptr(addr(&a)?),
+    let mut args = a_in.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
+    args.extend([
         Arg::Ptr(dp),
         Arg::Ptr(addr(ids)?),
         Arg::Ptr(addr(weights)?),
         Arg::Ptr(res),
         Arg::Ptr(addr(&out)?),
-    ];
+    ]);
     args.extend(i32s(&[h, i, k]));
-    // SAFETY: arguments in `moe_down_q4k`'s order; shapes checked above.
-    unsafe { launch(dev, "moe_down_q4k", cfg, &args) }?;
+    // SAFETY: arguments in `moe_down_q4k`'s (`_q8`'s) order; shapes checked above.
+    unsafe { launch(dev, &format!("moe_down_q4k{suffix}"), cfg, &args) }?;
     Ok(out)
 }
 

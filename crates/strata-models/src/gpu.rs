@@ -9,6 +9,8 @@
 //! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums),
 //! `STRATA_GPU_MATVEC=0` (one-row dense Q4_K products through candle's DMMV kernel instead of
 //! ours, q/k/v as three launches instead of one, router logits through cuBLAS),
+//! `STRATA_GPU_Q8=0` (the Q4_K mat-vec and short-pass MoE kernels on f32 inputs instead of
+//! inputs rounded to 8 bits per 32 values; read by `strata_kernels::cuda::activations`),
 //! `STRATA_GPU_SHORT_MATVEC=0` (dense Q4_K products of 2 to `MATVEC_ROWS_MAX` rows — verify
 //! passes — through the row-dequantizing `matmul_q4k` instead of the mat-vec kernel, four tokens
 //! per warp), `STRATA_GPU_FUSE=0` (residual add and RMSNorm as two launches, per-head q/k norms through

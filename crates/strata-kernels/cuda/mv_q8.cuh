@@ -1,0 +1,206 @@
+// Dense Q4_K mat-vecs over activations rounded to 8 bits (decode steps and short verify passes),
+// the arithmetic of llama.cpp's MMVQ (ggml-cuda vecdotq.cuh, `vec_dot_q4_K_q8_1`): x is quantized
+// per 32 values (q = round(x / d), d = max|x| / 127) and each lane's 16 weights × 16 inputs are
+// integer dot products (`__dp4a`), scaled once. An input element costs one byte of L1 traffic
+// instead of four (the f32 kernels of moe_q4k.cuh are bound by those reads, ncu). Included by
+// decode.cu after moe_q4k.cuh.
+//
+//  quantize_q8   q[t, :] (int8), d[t, :/32] (f32) from x[t, :]
+//  mv_q4k_q8_r{R}[t4]  y_m[t, :] = W_m · x_t over q8 x (as mv_q4k_r{R}[t4])
+//  moe_gate_up_q4k_q8, moe_down_q4k_q8  moe_gate_up_q4k / moe_down_q4k over q8 x and q8 a
+
+// x [rows, K] f32 → q [rows, K] int8, d [rows, K / 32] f32; one warp per 32 values (a block of
+// 32 consecutive values of one row). grid ceil(rows·K / 128), 128 threads. The division is IEEE
+// (__fdiv_rn) and the rounding to nearest even (rintf), so a host emulation gives the same q.
+extern "C" __global__ void quantize_q8(const float* __restrict__ x, int8_t* __restrict__ q,
+                                       float* __restrict__ d, int total) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const float v = i < total ? x[i] : 0.f;
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = __fdiv_rn(amax, 127.f);
+    if (i < total) {
+        q[i] = (int8_t)(s == 0.f ? 0 : (int)rintf(__fdiv_rn(v, s)));
+        if ((i & 31) == 0) d[i >> 5] = s;
+    }
+}
+
+// A lane's 32 quantized inputs of a super-block (slot j as q4k_x_lane): 16 of sub-block 2c
+// (positions 16·(j % 2) ..) and the same 16 of sub-block 2c + 1, their scales and integer sums.
+struct Q8X {
+    int lo[4], hi[4];
+    float dlo, dhi;
+    int sl, sh;
+};
+
+__device__ __forceinline__ Q8X q8_x_lane(const int8_t* __restrict__ qb, const float* __restrict__ db,
+                                         int j) {
+    const int c = j >> 1, l0 = (j & 1) * 16;
+    const int4 lo = *(const int4*)(qb + 64 * c + l0);
+    const int4 hi = *(const int4*)(qb + 64 * c + 32 + l0);
+    Q8X x;
+    x.lo[0] = lo.x; x.lo[1] = lo.y; x.lo[2] = lo.z; x.lo[3] = lo.w;
+    x.hi[0] = hi.x; x.hi[1] = hi.y; x.hi[2] = hi.z; x.hi[3] = hi.w;
+    x.dlo = db[2 * c];
+    x.dhi = db[2 * c + 1];
+    x.sl = 0;
+    x.sh = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x.sl = __dp4a(x.lo[i], 0x01010101, x.sl);
+        x.sh = __dp4a(x.hi[i], 0x01010101, x.sh);
+    }
+    return x;
+}
+
+// A lane's share of a super-block's dot product over q8 inputs: d·(s0·dlo·Σq·x + s1·dhi·Σq·x)
+// − dmin·(m0·dlo·Σx + m1·dhi·Σx), the integer sums exact. Fixed operation order (the _rn
+// intrinsics are never contracted), so a row's result does not depend on the launch's shape.
+__device__ __forceinline__ float q4k_dot_q8(const Q4kW& w, const Q8X& x) {
+    int dl = 0, dh = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        dl = __dp4a((int)(w.q[i] & 0x0F0F0F0Fu), x.lo[i], dl);
+        dh = __dp4a((int)((w.q[i] >> 4) & 0x0F0F0F0Fu), x.hi[i], dh);
+    }
+    const float lo = __fmul_rn(x.dlo, (float)dl), hi = __fmul_rn(x.dhi, (float)dh);
+    const float slo = __fmul_rn(x.dlo, (float)x.sl), shi = __fmul_rn(x.dhi, (float)x.sh);
+    return __fsub_rn(__fmul_rn(w.d, __fadd_rn(__fmul_rn(w.s0, lo), __fmul_rn(w.s1, hi))),
+                     __fmul_rn(w.dmin, __fadd_rn(__fmul_rn(w.m0, slo), __fmul_rn(w.m1, shi))));
+}
+
+// mv_q4k_rows over q8 inputs: q [n, cols] int8, d [n, cols / 32]; the rest as mv_q4k_rows
+// (R rows and T tokens per warp, up to three matrices end to end, guards not breaks).
+template <int R, int T>
+__device__ void mv_q4k_q8_rows(const int8_t* __restrict__ q, const float* __restrict__ d,
+                               const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
+                               const uint8_t* __restrict__ w2, float* __restrict__ y0,
+                               float* __restrict__ y1, float* __restrict__ y2, int r0, int r1,
+                               int r2, int cols, int n) {
+    const int lane = threadIdx.x % WARP, t0 = blockIdx.y * T, nb = cols / 256;
+    const int first = (blockIdx.x * 4 + threadIdx.x / WARP) * R;
+    const uint8_t* row[R];
+    float* out[R];
+    int stride[R];
+    bool live[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        int r = first + i, rows = r0;
+        const uint8_t* w = w0;
+        float* y = y0;
+        if (r >= r0) {
+            r -= r0;
+            w = w1;
+            y = y1;
+            rows = r1;
+            if (r >= r1) {
+                r -= r1;
+                w = w2;
+                y = y2;
+                rows = r2;
+            }
+        }
+        live[i] = r < rows;
+        row[i] = live[i] ? w + (size_t)r * nb * Q4K_BYTES : w0;
+        out[i] = live[i] ? y + r : y0;
+        stride[i] = rows;
+    }
+    if (!live[0]) return;
+    const int tokens = min(T, n - t0);
+    float acc[R][T];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int u = 0; u < T; u++) acc[i][u] = 0.f;
+#pragma unroll 2
+    for (int sb = lane >> 3; sb < nb; sb += 4) {
+        Q4kW ws[R];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (live[i]) ws[i] = q4k_w_lane(row[i] + (size_t)sb * Q4K_BYTES, lane & 7);
+#pragma unroll
+        for (int u = 0; u < T; u++) {
+            if (u < tokens) {
+                const size_t t = t0 + u;
+                const Q8X xs = q8_x_lane(q + t * cols + sb * 256, d + t * (cols / 32) + sb * 8,
+                                         lane & 7);
+#pragma unroll
+                for (int i = 0; i < R; i++)
+                    if (live[i]) acc[i][u] += q4k_dot_q8(ws[i], xs);
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < T; u++) {
+        if (u < tokens) {
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                const float v = warp_sum(acc[i][u]);
+                if (lane == 0 && live[i]) out[i][(size_t)(t0 + u) * stride[i]] = v;
+            }
+        }
+    }
+}
+
+#define MV_Q4K_Q8_KERNEL(R, T, NAME)                                                                \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
+        const int8_t* q, const float* d, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,  \
+        float* y0, float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                \
+        mv_q4k_q8_rows<R, T>(q, d, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);                    \
+    }
+MV_Q4K_Q8_KERNEL(1, 1, mv_q4k_q8_r1)
+MV_Q4K_Q8_KERNEL(2, 1, mv_q4k_q8_r2)
+MV_Q4K_Q8_KERNEL(4, 1, mv_q4k_q8_r4)
+MV_Q4K_Q8_KERNEL(1, 4, mv_q4k_q8_r1t4)
+MV_Q4K_Q8_KERNEL(2, 4, mv_q4k_q8_r2t4)
+MV_Q4K_Q8_KERNEL(4, 4, mv_q4k_q8_r4t4)
+
+// moe_gate_up_q4k over q8 inputs xq [n, H], xd [n, H / 32]; same grid and output.
+extern "C" __global__ void moe_gate_up_q4k_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+                                              const uint8_t* __restrict__ gate,
+                                              const uint8_t* __restrict__ up,
+                                              const uint32_t* __restrict__ ids, float* __restrict__ a,
+                                              int H, int I, int k) {
+    const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
+    const int tj = blockIdx.y, t = tj / k;
+    if (r >= I) return;
+    const int nb = H / 256;
+    const size_t off = ((size_t)ids[tj] * I + r) * nb * Q4K_BYTES;
+    const int8_t* qt = xq + (size_t)t * H;
+    const float* dt = xd + (size_t)t * (H / 32);
+    float g = 0.f, u = 0.f;
+#pragma unroll 2
+    for (int sb = lane >> 3; sb < nb; sb += 4) {
+        const size_t o = off + (size_t)sb * Q4K_BYTES;
+        const Q8X xs = q8_x_lane(qt + sb * 256, dt + sb * 8, lane & 7);
+        g += q4k_dot_q8(q4k_w_lane(gate + o, lane & 7), xs);
+        u += q4k_dot_q8(q4k_w_lane(up + o, lane & 7), xs);
+    }
+    g = warp_sum(g);
+    u = warp_sum(u);
+    if (lane == 0) a[(size_t)tj * I + r] = g / (1.f + expf(-g)) * u;
+}
+
+// moe_down_q4k over q8 activations aq [n, k, I], ad [n, k, I / 32]; same grid and output.
+extern "C" __global__ void moe_down_q4k_q8(const int8_t* __restrict__ aq, const float* __restrict__ ad,
+                                           const uint8_t* __restrict__ down,
+                                           const uint32_t* __restrict__ ids,
+                                           const float* __restrict__ w,
+                                           const float* __restrict__ residual,
+                                           float* __restrict__ out, int H, int I, int k) {
+    const int lane = threadIdx.x % WARP, h = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
+    if (h >= H) return;
+    const int nb = I / 256;
+    float acc = 0.f;
+#pragma unroll 2
+    for (int item = lane >> 3; item < k * nb; item += 4) {
+        const int j = item / nb, sb = item - j * nb;
+        const size_t off = (((size_t)ids[t * k + j] * H + h) * nb + sb) * Q4K_BYTES;
+        const size_t p = (size_t)t * k + j;
+        const Q8X as = q8_x_lane(aq + p * I + sb * 256, ad + p * (I / 32) + sb * 8, lane & 7);
+        acc += w[t * k + j] * q4k_dot_q8(q4k_w_lane(down + off, lane & 7), as);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
+}
