@@ -104,49 +104,51 @@ __device__ __forceinline__ float q4k_dot(const Q4kW& w, const Q4kX& x) {
                      __fmul_rn(w.dmin, __fadd_rn(__fmul_rn(w.m0, x.sl), __fmul_rn(w.m1, x.sh))));
 }
 
-// q4k_dot of super-block blk's lane part (slot j) and inputs x.
-__device__ __forceinline__ float q4k_sb_dot(const uint8_t* __restrict__ blk, const Q4kX& x, int j) {
-    return q4k_dot(q4k_w_lane(blk, j), x);
-}
+// The inputs of the kernels below, f32 (this file) or rounded to 8 bits (Q8In, mv_q8.cuh): row
+// `t` of an [rows, cols] input; load(t, sb, j) gives lane slot j's part of super-block sb and
+// dot() its product with a lane's weights (q4k_w_lane).
+struct F32In {
+    const float* __restrict__ x;
+    int cols;
+    __device__ __forceinline__ Q4kX load(size_t t, int sb, int j) const {
+        return q4k_x_lane(x + t * cols + sb * 256, j);
+    }
+    static __device__ __forceinline__ float dot(const Q4kW& w, const Q4kX& x) { return q4k_dot(w, x); }
+};
 
-// q4k_sb_dot over the super-block's inputs xb (256 values).
-__device__ __forceinline__ float q4k_sb_lane(const uint8_t* __restrict__ blk,
-                                             const float* __restrict__ xb, int j) {
-    return q4k_sb_dot(blk, q4k_x_lane(xb, j), j);
-}
-
-// x [n, H]; gate, up [E, I, H] Q4_K; ids [n, k]; a [n, k, I]. grid (ceil(I / 4), n * k), 128
-// threads: warp w computes row 4·blockIdx.x + w of the expert's gate and up (one load of x for
-// both).
-extern "C" __global__ void moe_gate_up_q4k(const float* __restrict__ x, const uint8_t* __restrict__ gate,
-                                           const uint8_t* __restrict__ up, const uint32_t* __restrict__ ids,
-                                           float* __restrict__ a, int H, int I, int k) {
+// x [n, H] (In, cols H); gate, up [E, I, H] Q4_K; ids [n, k]; a [n, k, I]. grid (ceil(I / 4),
+// n * k), 128 threads: warp w computes row 4·blockIdx.x + w of the expert's gate and up (one load
+// of x for both).
+template <class In>
+__device__ void moe_gate_up(const In in, const uint8_t* __restrict__ gate,
+                            const uint8_t* __restrict__ up, const uint32_t* __restrict__ ids,
+                            float* __restrict__ a, int H, int I, int k) {
     const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
     const int tj = blockIdx.y, t = tj / k;
     if (r >= I) return;
     const int nb = H / 256;
     const size_t off = ((size_t)ids[tj] * I + r) * nb * Q4K_BYTES;
-    const float* xt = x + (size_t)t * H;
     float g = 0.f, u = 0.f;
 #pragma unroll 2
     for (int sb = lane >> 3; sb < nb; sb += 4) {
         const size_t o = off + (size_t)sb * Q4K_BYTES;
-        const Q4kX xs = q4k_x_lane(xt + sb * 256, lane & 7);
-        g += q4k_sb_dot(gate + o, xs, lane & 7);
-        u += q4k_sb_dot(up + o, xs, lane & 7);
+        const auto xs = in.load(t, sb, lane & 7);
+        g += In::dot(q4k_w_lane(gate + o, lane & 7), xs);
+        u += In::dot(q4k_w_lane(up + o, lane & 7), xs);
     }
     g = warp_sum(g);
     u = warp_sum(u);
     if (lane == 0) a[(size_t)tj * I + r] = g / (1.f + expf(-g)) * u;
 }
 
-// a [n, k, I]; down [E, H, I] Q4_K; ids, w [n, k]; residual (nullable) and out [n, H].
-// grid (ceil(H / 4), n), 128 threads: warp w computes output h = 4·blockIdx.x + w, its lanes
-// spread over the k experts' super-blocks (k · I / 256 of them, 4 per step).
-extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8_t* __restrict__ down,
-                                        const uint32_t* __restrict__ ids, const float* __restrict__ w,
-                                        const float* __restrict__ residual, float* __restrict__ out,
-                                        int H, int I, int k) {
+// a [n, k, I] (In: rows n·k, cols I); down [E, H, I] Q4_K; ids, w [n, k]; residual (nullable)
+// and out [n, H]. grid (ceil(H / 4), n), 128 threads: warp w computes output h = 4·blockIdx.x +
+// w, its lanes spread over the k experts' super-blocks (k · I / 256 of them, 4 per step).
+template <class In>
+__device__ void moe_down(const In in, const uint8_t* __restrict__ down,
+                         const uint32_t* __restrict__ ids, const float* __restrict__ w,
+                         const float* __restrict__ residual, float* __restrict__ out, int H, int I,
+                         int k) {
     const int lane = threadIdx.x % WARP, h = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
     if (h >= H) return;
     const int nb = I / 256;
@@ -155,23 +157,34 @@ extern "C" __global__ void moe_down_q4k(const float* __restrict__ a, const uint8
     for (int item = lane >> 3; item < k * nb; item += 4) {
         const int j = item / nb, sb = item - j * nb;
         const size_t off = (((size_t)ids[t * k + j] * H + h) * nb + sb) * Q4K_BYTES;
-        const float* at = a + ((size_t)t * k + j) * I + sb * 256;
-        acc += w[t * k + j] * q4k_sb_lane(down + off, at, lane & 7);
+        const auto as = in.load((size_t)t * k + j, sb, lane & 7);
+        acc += w[t * k + j] * In::dot(q4k_w_lane(down + off, lane & 7), as);
     }
     acc = warp_sum(acc);
     if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
 }
 
+extern "C" __global__ void moe_gate_up_q4k(const float* x, const uint8_t* gate, const uint8_t* up,
+                                           const uint32_t* ids, float* a, int H, int I, int k) {
+    moe_gate_up(F32In{x, H}, gate, up, ids, a, H, I, k);
+}
+
+extern "C" __global__ void moe_down_q4k(const float* a, const uint8_t* down, const uint32_t* ids,
+                                        const float* w, const float* residual, float* out, int H,
+                                        int I, int k) {
+    moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k);
+}
+
 // Dense Q4_K mat-vecs, up to three matrices in one launch (a layer's q, k and v projections):
-// x [n, cols]; w0, w1, w2 [r0|r1|r2, cols] Q4_K (r1 = r2 = 0 for fewer); y_m [n, r_m] = x · w_mᵀ.
-// The three matrices' rows are taken end to end; warp w of block b takes R consecutive rows from
-// R·(4b + w) and T consecutive tokens from T·blockIdx.y, loading each super-block's weights once
-// for its T tokens and each token's inputs once for its R rows. A row's sum for a token is the
-// same operations in the same order whatever R, T and the warp's other rows and tokens (tested
-// bit for bit), so a short pass's rows equal one-token decode steps.
+// x [n, cols] (In); w0, w1, w2 [r0|r1|r2, cols] Q4_K (r1 = r2 = 0 for fewer); y_m [n, r_m] =
+// x · w_mᵀ. The three matrices' rows are taken end to end; warp w of block b takes R consecutive
+// rows from R·(4b + w) and T consecutive tokens from T·blockIdx.y, loading each super-block's
+// weights once for its T tokens and each token's inputs once for its R rows. A row's sum for a
+// token is the same operations in the same order whatever R, T and the warp's other rows and
+// tokens (tested bit for bit), so a short pass's rows equal one-token decode steps.
 // grid (ceil((r0 + r1 + r2) / (4R)), ceil(n / T)), 128 threads.
-template <int R, int T>
-__device__ void mv_q4k_rows(const float* __restrict__ x, const uint8_t* __restrict__ w0,
+template <int R, int T, class In>
+__device__ void mv_q4k_rows(const In in, const uint8_t* __restrict__ w0,
                             const uint8_t* __restrict__ w1, const uint8_t* __restrict__ w2,
                             float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
                             int r0, int r1, int r2, int cols, int n) {
@@ -220,10 +233,10 @@ __device__ void mv_q4k_rows(const float* __restrict__ x, const uint8_t* __restri
 #pragma unroll
         for (int u = 0; u < T; u++) {
             if (u < tokens) {
-                const Q4kX xs = q4k_x_lane(x + (size_t)(t0 + u) * cols + sb * 256, lane & 7);
+                const auto xs = in.load(t0 + u, sb, lane & 7);
 #pragma unroll
                 for (int i = 0; i < R; i++)
-                    if (live[i]) acc[i][u] += q4k_dot(ws[i], xs);
+                    if (live[i]) acc[i][u] += In::dot(ws[i], xs);
             }
         }
     }
@@ -243,7 +256,7 @@ __device__ void mv_q4k_rows(const float* __restrict__ x, const uint8_t* __restri
     extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const float* x, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, float* y0,       \
         float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                           \
-        mv_q4k_rows<R, T>(x, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);                          \
+        mv_q4k_rows<R, T>(F32In{x, cols}, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);             \
     }
 // Rows per warp (mv_rows in src/cuda.rs picks one by the launch's row count); one token per warp
 // for decode steps, four for short passes (verify, a few prompt tokens).

@@ -70,84 +70,22 @@ __device__ __forceinline__ float q4k_dot_q8(const Q4kW& w, const Q8X& x) {
                      __fmul_rn(w.dmin, __fadd_rn(__fmul_rn(w.m0, slo), __fmul_rn(w.m1, shi))));
 }
 
-// mv_q4k_rows over q8 inputs: q [n, cols] int8, d [n, cols / 32]; the rest as mv_q4k_rows
-// (R rows and T tokens per warp, up to three matrices end to end, guards not breaks).
-template <int R, int T>
-__device__ void mv_q4k_q8_rows(const int8_t* __restrict__ q, const float* __restrict__ d,
-                               const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
-                               const uint8_t* __restrict__ w2, float* __restrict__ y0,
-                               float* __restrict__ y1, float* __restrict__ y2, int r0, int r1,
-                               int r2, int cols, int n) {
-    const int lane = threadIdx.x % WARP, t0 = blockIdx.y * T, nb = cols / 256;
-    const int first = (blockIdx.x * 4 + threadIdx.x / WARP) * R;
-    const uint8_t* row[R];
-    float* out[R];
-    int stride[R];
-    bool live[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-        int r = first + i, rows = r0;
-        const uint8_t* w = w0;
-        float* y = y0;
-        if (r >= r0) {
-            r -= r0;
-            w = w1;
-            y = y1;
-            rows = r1;
-            if (r >= r1) {
-                r -= r1;
-                w = w2;
-                y = y2;
-                rows = r2;
-            }
-        }
-        live[i] = r < rows;
-        row[i] = live[i] ? w + (size_t)r * nb * Q4K_BYTES : w0;
-        out[i] = live[i] ? y + r : y0;
-        stride[i] = rows;
+// q8 inputs for the kernels of moe_q4k.cuh: q [rows, cols] int8, d [rows, cols / 32].
+struct Q8In {
+    const int8_t* __restrict__ q;
+    const float* __restrict__ d;
+    int cols;
+    __device__ __forceinline__ Q8X load(size_t t, int sb, int j) const {
+        return q8_x_lane(q + t * cols + sb * 256, d + t * (cols / 32) + sb * 8, j);
     }
-    if (!live[0]) return;
-    const int tokens = min(T, n - t0);
-    float acc[R][T];
-#pragma unroll
-    for (int i = 0; i < R; i++)
-#pragma unroll
-        for (int u = 0; u < T; u++) acc[i][u] = 0.f;
-#pragma unroll 2
-    for (int sb = lane >> 3; sb < nb; sb += 4) {
-        Q4kW ws[R];
-#pragma unroll
-        for (int i = 0; i < R; i++)
-            if (live[i]) ws[i] = q4k_w_lane(row[i] + (size_t)sb * Q4K_BYTES, lane & 7);
-#pragma unroll
-        for (int u = 0; u < T; u++) {
-            if (u < tokens) {
-                const size_t t = t0 + u;
-                const Q8X xs = q8_x_lane(q + t * cols + sb * 256, d + t * (cols / 32) + sb * 8,
-                                         lane & 7);
-#pragma unroll
-                for (int i = 0; i < R; i++)
-                    if (live[i]) acc[i][u] += q4k_dot_q8(ws[i], xs);
-            }
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < T; u++) {
-        if (u < tokens) {
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                const float v = warp_sum(acc[i][u]);
-                if (lane == 0 && live[i]) out[i][(size_t)(t0 + u) * stride[i]] = v;
-            }
-        }
-    }
-}
+    static __device__ __forceinline__ float dot(const Q4kW& w, const Q8X& x) { return q4k_dot_q8(w, x); }
+};
 
 #define MV_Q4K_Q8_KERNEL(R, T, NAME)                                                                \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const int8_t* q, const float* d, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,  \
         float* y0, float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                \
-        mv_q4k_q8_rows<R, T>(q, d, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);                    \
+        mv_q4k_rows<R, T>(Q8In{q, d, cols}, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);           \
     }
 MV_Q4K_Q8_KERNEL(1, 1, mv_q4k_q8_r1)
 MV_Q4K_Q8_KERNEL(2, 1, mv_q4k_q8_r2)
@@ -157,50 +95,15 @@ MV_Q4K_Q8_KERNEL(2, 4, mv_q4k_q8_r2t4)
 MV_Q4K_Q8_KERNEL(4, 4, mv_q4k_q8_r4t4)
 
 // moe_gate_up_q4k over q8 inputs xq [n, H], xd [n, H / 32]; same grid and output.
-extern "C" __global__ void moe_gate_up_q4k_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
-                                              const uint8_t* __restrict__ gate,
-                                              const uint8_t* __restrict__ up,
-                                              const uint32_t* __restrict__ ids, float* __restrict__ a,
+extern "C" __global__ void moe_gate_up_q4k_q8(const int8_t* xq, const float* xd, const uint8_t* gate,
+                                              const uint8_t* up, const uint32_t* ids, float* a,
                                               int H, int I, int k) {
-    const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
-    const int tj = blockIdx.y, t = tj / k;
-    if (r >= I) return;
-    const int nb = H / 256;
-    const size_t off = ((size_t)ids[tj] * I + r) * nb * Q4K_BYTES;
-    const int8_t* qt = xq + (size_t)t * H;
-    const float* dt = xd + (size_t)t * (H / 32);
-    float g = 0.f, u = 0.f;
-#pragma unroll 2
-    for (int sb = lane >> 3; sb < nb; sb += 4) {
-        const size_t o = off + (size_t)sb * Q4K_BYTES;
-        const Q8X xs = q8_x_lane(qt + sb * 256, dt + sb * 8, lane & 7);
-        g += q4k_dot_q8(q4k_w_lane(gate + o, lane & 7), xs);
-        u += q4k_dot_q8(q4k_w_lane(up + o, lane & 7), xs);
-    }
-    g = warp_sum(g);
-    u = warp_sum(u);
-    if (lane == 0) a[(size_t)tj * I + r] = g / (1.f + expf(-g)) * u;
+    moe_gate_up(Q8In{xq, xd, H}, gate, up, ids, a, H, I, k);
 }
 
 // moe_down_q4k over q8 activations aq [n, k, I], ad [n, k, I / 32]; same grid and output.
-extern "C" __global__ void moe_down_q4k_q8(const int8_t* __restrict__ aq, const float* __restrict__ ad,
-                                           const uint8_t* __restrict__ down,
-                                           const uint32_t* __restrict__ ids,
-                                           const float* __restrict__ w,
-                                           const float* __restrict__ residual,
-                                           float* __restrict__ out, int H, int I, int k) {
-    const int lane = threadIdx.x % WARP, h = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
-    if (h >= H) return;
-    const int nb = I / 256;
-    float acc = 0.f;
-#pragma unroll 2
-    for (int item = lane >> 3; item < k * nb; item += 4) {
-        const int j = item / nb, sb = item - j * nb;
-        const size_t off = (((size_t)ids[t * k + j] * H + h) * nb + sb) * Q4K_BYTES;
-        const size_t p = (size_t)t * k + j;
-        const Q8X as = q8_x_lane(aq + p * I + sb * 256, ad + p * (I / 32) + sb * 8, lane & 7);
-        acc += w[t * k + j] * q4k_dot_q8(q4k_w_lane(down + off, lane & 7), as);
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
+extern "C" __global__ void moe_down_q4k_q8(const int8_t* aq, const float* ad, const uint8_t* down,
+                                           const uint32_t* ids, const float* w,
+                                           const float* residual, float* out, int H, int I, int k) {
+    moe_down(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k);
 }

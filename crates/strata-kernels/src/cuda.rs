@@ -806,6 +806,18 @@ pub fn quantize_q8(x: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((q, d))
 }
 
+/// A kernel's input tensors for `x: [rows, K]` f32 taken as `act` says, and the kernel-name
+/// suffix: `[x]` (16-byte aligned, `""`) or `[q, d]` of [`quantize_q8`] (`"_q8"`).
+fn kernel_inputs(x: &Tensor, act: Activations) -> Result<(Vec<Tensor>, &'static str)> {
+    Ok(match act {
+        Activations::F32 => (vec![aligned16(x)?], ""),
+        Activations::Q8 => {
+            let (q, d) = quantize_q8(&x.contiguous()?)?;
+            (vec![q, d], "_q8")
+        }
+    })
+}
+
 /// `x: [n, K]` f32 times one to three Q4_K matrices `w_m: [R_m, K]` (a layer's q, k and v
 /// projections) → `[n, R_m]` each, in one launch (`mv_q4k_r*`: a warp per 1, 2 or 4 weight rows
 /// ([`mv_rows`]) reading their quants in 16-byte loads, 8 lanes per super-block, each lane's
@@ -848,20 +860,8 @@ pub fn matvec_q4k_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Resu
     }
     let tokens = mv_tokens(n);
     let per_warp = mv_rows(total, tokens);
-    let mut args = Vec::with_capacity(12);
-    let (_keep, kernel) = match act {
-        Activations::F32 => {
-            let x = aligned16(x)?;
-            args.push(Arg::Ptr(addr(&x)?));
-            (vec![x], "mv_q4k")
-        }
-        Activations::Q8 => {
-            let (q, d) = quantize_q8(&x.contiguous()?)?;
-            args.push(Arg::Ptr(addr(&q)?));
-            args.push(Arg::Ptr(addr(&d)?));
-            (vec![q, d], "mv_q4k_q8")
-        }
-    };
+    let (xs, suffix) = kernel_inputs(x, act)?;
+    let mut args = xs.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
     let cfg = LaunchConfig {
         grid_dim: (total.div_ceil(4 * per_warp) as u32, n.div_ceil(tokens) as u32, 1),
         block_dim: (128, 1, 1),
@@ -876,8 +876,8 @@ pub fn matvec_q4k_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Resu
     }
     args.extend(i32s(&[rows[0], rows[1], rows[2], k, n]));
     let name = match tokens {
-        1 => format!("{kernel}_r{per_warp}"),
-        t => format!("{kernel}_r{per_warp}t{t}"),
+        1 => format!("mv_q4k{suffix}_r{per_warp}"),
+        t => format!("mv_q4k{suffix}_r{per_warp}t{t}"),
     };
     // SAFETY: arguments in `mv_q4k_r*`'s / `mv_q4k_q8_r*`'s order; each w_m is [R_m, K] Q4_K
     // (absent ones have 0 rows and are never read), x [n, K] f32 16-byte aligned (or its q8
@@ -1006,10 +1006,11 @@ pub const MOE_ROWS_MAX: usize = 16;
 /// `ids: [n, k]` u32 rows of those tensors, `weights: [n, k]` f32, optional `residual: [n, H]` →
 /// `[n, H]` = `residual + Σⱼ weights[t, j] · down(silu(gate · x) ⊙ (up · x))` of expert
 /// `ids[t, j]`. Each token's result is what it would be alone (bit for bit, tested): a verify
-/// pass's rows equal decode steps. Activations stay f32 (quants read in 16-byte loads, ggml's `dequantize_row_q4_K` values
-/// applied as `d·scale·Σ q·x − dmin·min·Σ x` per 16 weights), so the result is the f32 reference's
-/// up to summation order — unlike candle's `indexed_moe_forward`,
-/// which quantizes activations to Q8_1.
+/// pass's rows equal decode steps. Quants are read in 16-byte loads, ggml's
+/// `dequantize_row_q4_K` values applied as `d·scale·Σ q·x − dmin·min·Σ x` per 16 weights; the
+/// inputs are taken as [`activations`] says (by default rounded to 8 bits, as candle's
+/// `indexed_moe_forward` and llama.cpp round them to Q8_1; [`Activations::F32`]: the f32
+/// reference's result up to summation order).
 ///
 /// Errors: a format other than Q4_K, `H` or `I` not a multiple of 256, shapes that disagree,
 /// `n` above [`MOE_ROWS_MAX`].
@@ -1051,13 +1052,7 @@ pub fn moe_q4k_as(
         return out.zeros_like();
     }
     // The inputs of gate/up: x itself (f32) or its q8 rounding (two tensors).
-    let (xs, suffix) = match act {
-        Activations::F32 => (vec![aligned16(x)?], ""),
-        Activations::Q8 => {
-            let (q, d) = quantize_q8(&x.contiguous()?)?;
-            (vec![q, d], "_q8")
-        }
-    };
+    let (xs, suffix) = kernel_inputs(x, act)?;
     let cfg = LaunchConfig {
         grid_dim: (i.div_ceil(4) as u32, (n * k) as u32, 1),
         block_dim: (128, 1, 1),
@@ -1072,13 +1067,7 @@ pub fn moe_q4k_as(
     // (the caller's routing: ids < E), shapes checked above.
     unsafe { launch(dev, &format!("moe_gate_up_q4k{suffix}"), cfg, &args) }?;
     // The inputs of down: a (f32) or its q8 rounding, rows of I values per (token, slot).
-    let a_in = match act {
-        Activations::F32 => vec![a],
-        Activations::Q8 => {
-            let (q, d) = quantize_q8(&a.reshape((n * k, i))?)?;
-            vec![q, d]
-        }
-    };
+    let (a_in, _) = kernel_inputs(&a.reshape((n * k, i))?, act)?;
     let cfg = LaunchConfig {
         grid_dim: (h.div_ceil(4) as u32, n as u32, 1),
         block_dim: (128, 1, 1),
