@@ -66,7 +66,7 @@ pub enum GpuPath {
 
 /// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
 /// ([`GpuPath::ShortMatVec`]): speculative verify passes (a decode token and its draft).
-pub const MATVEC_ROWS_MAX: usize = 4;
+pub const MATVEC_ROWS_MAX: usize = 8;
 
 /// Whether a dense Q4_K product of `rows` rows runs on the mat-vec kernel: one row with
 /// [`GpuPath::MatVec`] on, up to [`MATVEC_ROWS_MAX`] with [`GpuPath::ShortMatVec`] on too.
