@@ -806,24 +806,27 @@ pub fn quantize_q8(x: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((q, d))
 }
 
-/// A kernel's input tensors for `x: [rows, K]` f32 taken as `act` says, and the kernel-name
-/// suffix: `[x]` (16-byte aligned, `""`) or `[q, d]` of [`quantize_q8`] (`"_q8"`).
-fn kernel_inputs(x: &Tensor, act: Activations) -> Result<(Vec<Tensor>, &'static str)> {
-    Ok(match act {
+/// A kernel's input for `x: [rows, K]` f32 taken as `act` says: the tensors to keep alive until
+/// the launch (`[x]` 16-byte aligned, or `[q, d]` of [`quantize_q8`]), their addresses as the
+/// kernel's first arguments, and the kernel-name suffix (`""`, `"_q8"`).
+fn kernel_inputs(x: &Tensor, act: Activations) -> Result<(Vec<Tensor>, Vec<Arg>, &'static str)> {
+    let (ts, suffix) = match act {
         Activations::F32 => (vec![aligned16(x)?], ""),
         Activations::Q8 => {
             let (q, d) = quantize_q8(&x.contiguous()?)?;
             (vec![q, d], "_q8")
         }
-    })
+    };
+    let args = ts.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
+    Ok((ts, args, suffix))
 }
 
 /// `x: [n, K]` f32 times one to three Q4_K matrices `w_m: [R_m, K]` (a layer's q, k and v
 /// projections) → `[n, R_m]` each, in one launch (`mv_q4k_r*`: a warp per 1, 2 or 4 weight rows
 /// ([`mv_rows`]) reading their quants in 16-byte loads, 8 lanes per super-block, each lane's
-/// inputs loaded once for the warp's rows, f32 activations — ggml's
-/// `dequantize_row_q4_K` values, so the f32 reference's result up to summation order, unlike
-/// llama.cpp's MMVQ which rounds x to Q8_1). Rows of `x` go four to a warp when there are
+/// inputs loaded once for the warp's rows, ggml's `dequantize_row_q4_K` values; the inputs taken
+/// as [`activations`] says: by default rounded to 8 bits as llama.cpp's MMVQ rounds x to Q8_1,
+/// or f32, the f32 reference's result up to summation order). Rows of `x` go four to a warp when there are
 /// several ([`mv_tokens`]: each weight load serves four tokens): meant for one to a few rows (a
 /// decode step, a short verify pass). A row's result does not depend on the other rows of `x`
 /// nor on the other matrices passed with it (bit for bit, tested), so a short pass's rows equal
@@ -860,8 +863,7 @@ pub fn matvec_q4k_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Resu
     }
     let tokens = mv_tokens(n);
     let per_warp = mv_rows(total, tokens);
-    let (xs, suffix) = kernel_inputs(x, act)?;
-    let mut args = xs.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
+    let (_xs, mut args, suffix) = kernel_inputs(x, act)?;
     let cfg = LaunchConfig {
         grid_dim: (total.div_ceil(4 * per_warp) as u32, n.div_ceil(tokens) as u32, 1),
         block_dim: (128, 1, 1),
@@ -1052,7 +1054,7 @@ pub fn moe_q4k_as(
         return out.zeros_like();
     }
     // The inputs of gate/up: x itself (f32) or its q8 rounding (two tensors).
-    let (xs, suffix) = kernel_inputs(x, act)?;
+    let (_xs, mut args, suffix) = kernel_inputs(x, act)?;
     let cfg = LaunchConfig {
         grid_dim: (i.div_ceil(4) as u32, (n * k) as u32, 1),
         block_dim: (128, 1, 1),
@@ -1060,21 +1062,19 @@ pub fn moe_q4k_as(
     };
     let (gp, upp, dp) =
         (gate.device_ptr()? as u64, up.device_ptr()? as u64, down.device_ptr()? as u64);
-    let mut args = xs.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
     args.extend([Arg::Ptr(gp), Arg::Ptr(upp), Arg::Ptr(addr(ids)?), Arg::Ptr(addr(&a)?)]);
     args.extend(i32s(&[h, i, k]));
     // SAFETY: arguments in `moe_gate_up_q4k`'s order; the ids index rows of [E, I, H] tensors
     // (the caller's routing: ids < E), shapes checked above.
     unsafe { launch(dev, &format!("moe_gate_up_q4k{suffix}"), cfg, &args) }?;
     // The inputs of down: a (f32) or its q8 rounding, rows of I values per (token, slot).
-    let (a_in, _) = kernel_inputs(&a.reshape((n * k, i))?, act)?;
+    let (_a_in, mut args, _) = kernel_inputs(&a.reshape((n * k, i))?, act)?;
     let cfg = LaunchConfig {
         grid_dim: (h.div_ceil(4) as u32, n as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
     let res = residual.map(addr).transpose()?.unwrap_or(0);
-    let mut args = a_in.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
     args.extend([
         Arg::Ptr(dp),
         Arg::Ptr(addr(ids)?),

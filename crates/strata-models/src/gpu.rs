@@ -15,7 +15,7 @@
 //! passes — through the row-dequantizing `matmul_q4k` instead of the mat-vec kernel, four tokens
 //! per warp), `STRATA_GPU_FUSE=0` (residual add and RMSNorm as two launches, per-head q/k norms through
 //! candle instead of inside the RoPE kernel), `STRATA_GPU_MOE=0` (the Q4_K experts of short passes through candle's
-//! `indexed_moe_forward`, Q8_1 activations, instead of our f32-activation kernels).
+//! `indexed_moe_forward` instead of our kernels).
 //!
 //! Off by default, measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
 //! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by

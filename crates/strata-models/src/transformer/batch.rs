@@ -103,7 +103,6 @@ impl Transformer {
         let n = s.tokens.len();
         let plain = opts.hidden_layers.is_empty()
             && opts.n_layers.is_none_or(|n| n >= self.layers.len())
-            && (1..=super::graph::GRAPH_ROWS_MAX).contains(&n)
             && s.tokens.iter().all(|&t| (t as usize) < self.cfg.vocab_size)
             && s.cache.check_room(n).is_ok();
         if !plain || !self.graph_decodable() {
