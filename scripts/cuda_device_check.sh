@@ -40,6 +40,10 @@
 #     a 4-token prompt pass and 2/4/8-token verify passes (`strata bench --verify`) against a
 #     decode step (VARIANTS), batched decode with the short-pass MoE kernels on and off
 #     (BATCH_MOE, "" skips).
+#  9. PART=graph-stats (instead of 2-8): a captured decode step's graph nodes by type and the GPU
+#     time of its replays against the host's time per pass (STRATA_GPU_GRAPH_STATS=1), VARIANTS.
+# 10. PART=ncu-llama (instead of 2-9; LLAMA=1): Strata's and llama.cpp's decode-step kernels under
+#     ncu on the same 12-layer file, caches left alone and flushed (NCU_MODES).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -208,6 +212,9 @@ PY
           no-short-matvec) envs=(STRATA_GPU_SHORT_MATVEC=0) ;;
           tokens1) envs=(STRATA_GPU_MV_TOKENS=1) ;;
           f32act) envs=(STRATA_GPU_Q8=0) ;;
+          no-q8-fuse) envs=(STRATA_GPU_Q8_FUSE=0) ;;
+          no-pdl) envs=(STRATA_GPU_PDL=0) ;;
+          chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
           *) envs=(X=1) ;;
         esac
         env "${envs[@]}" timeout 200 "$S" bench -m $M --device cuda --stream-experts off -p 4 -n 32 -r 3 --verify 2,4,8 > /tmp/p4.txt 2>&1
@@ -230,6 +237,67 @@ PY
       STRATA_GPU_MOE=$g timeout 300 "$S" bench -m $M --device cuda --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep '^|'
     done
   } 2>&1 | tee "$D/bench.md"
+  exit 0
+fi
+if [ "${PART:-}" = graph-stats ]; then
+  # Where a graph-replayed decode step goes (issue 24): the captured graph's nodes by type and
+  # each replay's GPU time (CUDA events) against the host's time per pass
+  # (STRATA_GPU_GRAPH_STATS=1), for VARIANTS (default: new, chunk256 (STRATA_GPU_ATTN_CHUNK=256: the attention chunking before), no-pdl), synthetic 30B local routing.
+  D="$OUT/graph-stats"; mkdir -p "$D"
+  M=/tmp/q3-30b-local.gguf
+  [ -f $M ] || "$S" synth --preset qwen3-30b-a3b --routing local --out $M > /dev/null 2>&1
+  for v in ${VARIANTS:-new chunk256 no-pdl}; do
+    case $v in
+      no-pdl) envs=(STRATA_GPU_PDL=0) ;;
+      chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
+      *) envs=(X=1) ;;
+    esac
+    echo "## $v" | tee -a "$D/stats.md"
+    env "${envs[@]}" STRATA_GPU_GRAPH_STATS=1 "$S" bench -m $M --device cuda --stream-experts off -p 8 -n 128 -r 2 2>&1 \
+      | grep -E "captured|graph replays: (64|128|256)|^\| (pp|tg)|rror" | tee -a "$D/stats.md"
+  done
+  exit 0
+fi
+if [ "${PART:-}" = ncu-llama ]; then
+  # Decode-step kernels of Strata and llama.cpp side by side under ncu (issue 24), on the same
+  # 12-layer cut of the synthetic 30B: every kernel serialized, with caches and clocks left alone
+  # (NCU_MODES: "none flush", the second flushed and locked as PART=profile), 1000 launches after the first 3000
+  # (decode steps). Strata op by op (ncu cannot follow its graph capture), llama.cpp as it runs.
+  # "per layer" = the window's total over its attention launches.
+  D="$OUT/ncu-llama"; mkdir -p "$D"
+  start_llama_build
+  M12=/tmp/q3-30b-12l.gguf
+  [ -f $M12 ] || "$S" synth --preset qwen3-30b-a3b --routing local --layers 12 --out $M12 > /dev/null 2>&1
+  while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
+  for mode in ${NCU_MODES:-none flush}; do
+  CTL=(--cache-control none --clock-control none); [ $mode = flush ] && CTL=()
+  for who in strata llama; do
+    if [ $who = strata ]; then
+      CMD=(env STRATA_GPU_GRAPHS=0 STRATA_GPU_PDL=0 "$S" bench -m $M12 --device cuda --stream-experts off -p 8 -n 64 -r 1)
+    else
+      CMD=(/tmp/llama/bin/llama-bench -m $M12 -ngl 99 -p 0 -n 64 -r 1)
+    fi
+    timeout 300 /usr/local/cuda/bin/ncu "${CTL[@]}" --metrics gpu__time_duration.sum --csv \
+      --launch-skip 3000 --launch-count 1000 "${CMD[@]}" > "$D/kernels-$who-$mode.csv" 2> "$D/kernels-$who-$mode.err"
+    echo "## $who: kernels (12-layer cut, 1000 launches after 3000, ${CTL[*]:-flushed, locked})" | tee -a "$D/ncu.md"
+    python3 - "$D/kernels-$who-$mode.csv" <<'PY' | tee -a "$D/ncu.md"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows: print("no rows"); sys.exit()
+hdr = rows[0]; k, u, v = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+t = collections.defaultdict(list)
+for r in rows[1:]:
+    t[r[k].split("(")[0][:70]].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
+total = sum(sum(x) for x in t.values())
+layers = sum(len(x) for n, x in t.items() if n.startswith("attn_decode") or "flash_attn_ext" in n)
+print(f"total {total:.0f} µs over {sum(len(x) for x in t.values())} launches, {layers} layers: {total/max(layers,1):.1f} µs per layer")
+print("| kernel | launches | mean µs | share |\n|---|---|---|---|")
+for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
+    print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
+PY
+  done
+  done
   exit 0
 fi
 if [ "${PART:-}" = decode ]; then
@@ -311,6 +379,9 @@ print('$spec ($v): equal prefix', same, 'of', len(b), '| identical:', g==b, '| s
           no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
           rows1|rows2|rows4) envs=(STRATA_GPU_MV_ROWS=${v#rows}) ;;
           f32act) envs=(STRATA_GPU_Q8=0) ;;
+          no-q8-fuse) envs=(STRATA_GPU_Q8_FUSE=0) ;;
+          no-pdl) envs=(STRATA_GPU_PDL=0) ;;
+          chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
           no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
           no-graphs-no-gpu-routing) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0) ;;
           no-graphs-no-gpu-attention) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0) ;;

@@ -37,6 +37,42 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The 8-bit rounding of 32 consecutive values held one per lane of a full warp (lane l holds
+// element i = 32·b + l): q[i] = round_half_even(v / s), d[b] = s = max|v| / 127 (IEEE
+// division; q = 0 where s = 0) — llama.cpp's `quantize_q8_1` without the sums. Every kernel
+// that rounds activations (quantize_q8 and the norms / attention outputs that write their q8
+// form as they go) calls this one function, so all give the same bytes. All 32 lanes must call
+// it together; `valid` false only pads (writes nothing).
+__device__ __forceinline__ void q8_round_warp(float v, size_t i, bool valid, int8_t* __restrict__ q,
+                                              float* __restrict__ d) {
+    const float amax = warp_max(valid ? fabsf(v) : 0.f);
+    const float s = __fdiv_rn(amax, 127.f);
+    if (valid) {
+        q[i] = (int8_t)(s == 0.f ? 0 : (int)rintf(__fdiv_rn(v, s)));
+        if ((i & 31) == 0) d[i >> 5] = s;
+    }
+}
+
+// Programmatic dependent launch (Hopper; CUDA programming guide, "Programmatic Dependent Launch
+// and Synchronization"): every kernel here starts with PDL_ENTER. `launch_dependents` lets the
+// next kernel on the stream be scheduled once every block of this one has started (its blocks
+// then wait in PDL_ENTER instead of behind this grid's drain and launch latency); `wait` blocks
+// until the previous grid has completed and its writes are visible. Nothing is read from or
+// written to global memory before the wait, and every thread executes it (so a grid's completion
+// implies its predecessors'). Without the launch attribute (src/cuda.rs, `STRATA_GPU_PDL=0`)
+// both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER()                                                 \
+    do {                                                            \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+        asm volatile("griddepcontrol.wait;" ::: "memory");          \
+    } while (0)
+#else
+#define PDL_ENTER() \
+    do {            \
+    } while (0)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Routing. One block (ROUTE_THREADS threads, of which one warp works: no block barriers) per
 // token; scores in dynamic shared memory [E].
@@ -51,6 +87,7 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint
                                           float* __restrict__ weights, uint32_t* __restrict__ ids_all,
                                           float* __restrict__ w_all, int all_off, int E, int k,
                                           int keep, int scoring, int norm) {
+    PDL_ENTER();
     extern __shared__ float sc[];  // [E] scores, then removed ones as -1
     __shared__ float top_w[ROUTE_MAX_K];
     __shared__ int top_i[ROUTE_MAX_K];
@@ -120,6 +157,7 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint
 // silu(g) * u, elementwise over n values (transformers' SiLU: x * sigmoid(x)).
 extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u,
                                     float* __restrict__ out, int n) {
+    PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float x = g[i];
@@ -130,6 +168,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __
 // out[t, h] = sum_j w[t, j] * y[t, j, h]; y [n, k, H], w [n, k], out [n, H]. grid (ceil(H/256), n).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        float* __restrict__ out, int k, int H) {
+    PDL_ENTER();
     int h = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (h >= H) return;
     float acc = 0.f;
@@ -140,11 +179,15 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 // ---------------------------------------------------------------------------------------------
 // Residual add + RMSNorm in one pass (Zhang & Sennrich 2019; candle's `rms_norm` after an add):
 // sum = a + b; out = sum / sqrt(mean(sum²) + eps) · w. a, b, sum, out [n, H]; w [H].
+// oq [n, H] int8, od [n, H / 32] (nullable; H a multiple of 32 when given): out's q8 rounding
+// (q8_round_warp), written in the same pass for the mat-vec kernels that take it.
 // grid n, ADD_NORM_THREADS threads.
 #define ADD_NORM_THREADS 256
 extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float* __restrict__ b,
                                         const float* __restrict__ w, float* __restrict__ sum,
-                                        float* __restrict__ out, int H, float eps) {
+                                        float* __restrict__ out, int8_t* __restrict__ oq,
+                                        float* __restrict__ od, int H, float eps) {
+    PDL_ENTER();
     __shared__ float red[ADD_NORM_THREADS / WARP];
     const size_t base = (size_t)blockIdx.x * H;
     float ss = 0.f;
@@ -159,6 +202,16 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float
     float t = 0.f;
     for (int i = 0; i < ADD_NORM_THREADS / WARP; i++) t += red[i];
     const float inv = rsqrtf(t / (float)H + eps);
+    if (oq) {
+        // H % 32 == 0: each warp's 32 lanes hold 32 consecutive values of one row.
+        for (int j0 = threadIdx.x - threadIdx.x % WARP; j0 < H; j0 += ADD_NORM_THREADS) {
+            const int j = j0 + threadIdx.x % WARP;
+            const float v = sum[base + j] * inv * w[j];
+            out[base + j] = v;
+            q8_round_warp(v, base + j, true, oq, od);
+        }
+        return;
+    }
     for (int j = threadIdx.x; j < H; j += ADD_NORM_THREADS) out[base + j] = sum[base + j] * inv * w[j];
 }
 
@@ -167,6 +220,7 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float
 // a warp per row, float4 loads.
 extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __restrict__ w,
                                   float* __restrict__ y, int rows, int cols) {
+    PDL_ENTER();
     const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
     if (r >= rows) return;
     const float4* wr = (const float4*)(w + (size_t)r * cols);
@@ -189,6 +243,7 @@ extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __re
 #define CSM_THREADS 256
 extern "C" __global__ void causal_softmax(float* __restrict__ x, int total, int seq, int past,
                                           float scale) {
+    PDL_ENTER();
     __shared__ float red[CSM_THREADS / WARP];
     const int r = blockIdx.x, i = r % seq, n = min(total, past + i + 1);
     float* row = x + (size_t)r * total;
@@ -289,6 +344,7 @@ extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const flo
                                           const uint32_t* __restrict__ rows_tab,
                                           const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, float eps) {
+    PDL_ENTER();
     if (pos_dev) pos = (int)*pos_dev;
     const int i = blockIdx.x, h = blockIdx.y;
     int p = pos + i;
@@ -332,7 +388,8 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
                                  const float* __restrict__ cv, float* __restrict__ out,
                                  float* __restrict__ part, int nh, int nkv, int cap, int pos,
                                  int chunk, float scale, const uint32_t* __restrict__ pos_dev,
-                                 const uint32_t* __restrict__ rows_tab) {
+                                 const uint32_t* __restrict__ rows_tab, int8_t* __restrict__ oq,
+                                 float* __restrict__ od) {
     if (pos_dev) pos = (int)*pos_dev;
     constexpr int HD = HPL * WARP;
     __shared__ float sm_acc[ATT_WARPS][REP][HD];
@@ -392,6 +449,7 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
         for (int d = 0; d < HPL; d++) sm_acc[wid][r][d * WARP + lane] = acc[r][d];
     }
     __syncthreads();
+    // nr · HD is a multiple of 32: each warp's lanes take 32 consecutive d of one head.
     for (int idx = threadIdx.x; idx < nr * HD; idx += ATT_THREADS) {
         int r = idx / HD, d = idx % HD;
         float M = -CUDART_INF_F;
@@ -406,7 +464,9 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
         }
         int h = h0 + r;
         if (splits == 1) {
-            out[((size_t)row * nh + h) * HD + d] = A / L;
+            const size_t o = ((size_t)row * nh + h) * HD + d;
+            out[o] = A / L;
+            if (oq) q8_round_warp(A / L, o, true, oq, od);
         } else {
             float* pp = part + (((size_t)row * nh + h) * splits + split) * (HD + 2);
             pp[d] = A;
@@ -418,9 +478,11 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
 #define ATT_KERNEL(HPL)                                                                               \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_hd##HPL(                    \
         const float* q, const float* ck, const float* cv, float* out, float* part, int nh, int nkv,   \
-        int cap, int pos, int chunk, float scale, const uint32_t* pos_dev, const uint32_t* rows_tab) { \
+        int cap, int pos, int chunk, float scale, const uint32_t* pos_dev, const uint32_t* rows_tab,  \
+        int8_t* oq, float* od) {                                                                      \
+        PDL_ENTER();                                                                              \
         attn_decode_impl<HPL>(q, ck, cv, out, part, nh, nkv, cap, pos, chunk, scale, pos_dev,         \
-                              rows_tab);                                                             \
+                              rows_tab, oq, od);                                                     \
     }
 ATT_KERNEL(1)
 ATT_KERNEL(2)
@@ -428,9 +490,13 @@ ATT_KERNEL(3)
 ATT_KERNEL(4)
 ATT_KERNEL(8)
 
-// part [seq, nh, splits, hd + 2] -> out [seq, nh, hd]. grid (nh, seq), block hd threads.
+// part [seq, nh, splits, hd + 2] -> out [seq, nh, hd]; oq [seq, nh · hd] int8, od [seq, nh · hd /
+// 32] (nullable): out's q8 rounding (q8_round_warp; hd is a multiple of 32). grid (nh, seq), block
+// hd threads.
 extern "C" __global__ void attn_combine(const float* __restrict__ part, float* __restrict__ out,
-                                        int nh, int hd, int splits) {
+                                        int8_t* __restrict__ oq, float* __restrict__ od, int nh,
+                                        int hd, int splits) {
+    PDL_ENTER();
     const int h = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
     const float* pp = part + ((size_t)row * nh + h) * splits * (hd + 2);
     float M = -CUDART_INF_F;
@@ -443,7 +509,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
         L += pp[s * (hd + 2) + hd + 1] * f;
         A += pp[s * (hd + 2) + d] * f;
     }
-    out[((size_t)row * nh + h) * hd + d] = A / L;
+    const size_t o = ((size_t)row * nh + h) * hd + d;
+    out[o] = A / L;
+    if (oq) q8_round_warp(A / L, o, true, oq, od);
 }
 
 #include "moe_q4k.cuh"

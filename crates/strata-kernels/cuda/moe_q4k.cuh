@@ -166,12 +166,14 @@ __device__ void moe_down(const In in, const uint8_t* __restrict__ down,
 
 extern "C" __global__ void moe_gate_up_q4k(const float* x, const uint8_t* gate, const uint8_t* up,
                                            const uint32_t* ids, float* a, int H, int I, int k) {
+    PDL_ENTER();
     moe_gate_up(F32In{x, H}, gate, up, ids, a, H, I, k);
 }
 
 extern "C" __global__ void moe_down_q4k(const float* a, const uint8_t* down, const uint32_t* ids,
                                         const float* w, const float* residual, float* out, int H,
                                         int I, int k) {
+    PDL_ENTER();
     moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k);
 }
 
@@ -256,6 +258,7 @@ __device__ void mv_q4k_rows(const In in, const uint8_t* __restrict__ w0,
     extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const float* x, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, float* y0,       \
         float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                           \
+        PDL_ENTER();                                                                              \
         mv_q4k_rows<R, T>(F32In{x, cols}, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);             \
     }
 // Rows per warp (mv_rows in src/cuda.rs picks one by the launch's row count); one token per warp
@@ -368,6 +371,7 @@ __device__ void moe_rows_q4k_grouped(const float* __restrict__ src, const uint8_
     extern "C" __global__ void __launch_bounds__(128) moe_rows_q4k_grouped_nb##NB(                 \
         const float* src, const uint8_t* w, const uint32_t* ids, float* out, int rows, int k,       \
         int per_token, int pairs, int E) {                                                          \
+        PDL_ENTER();                                                                              \
         moe_rows_q4k_grouped<NB>(src, w, ids, out, rows, k, per_token, pairs, E);                   \
     }
 // Row lengths 256 · NB: 256 … 4096 (NB_SUPPORTED in src/cuda.rs).

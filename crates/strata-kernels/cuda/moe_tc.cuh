@@ -37,6 +37,7 @@
 extern "C" __global__ void moe_tc_sort(const uint32_t* __restrict__ ids, int P, int E,
                                        uint32_t* __restrict__ order, uint32_t* __restrict__ tiles,
                                        uint32_t* __restrict__ ntiles) {
+    PDL_ENTER();
     __shared__ uint32_t cnt[GROUPED_MAX_E], off[GROUPED_MAX_E], toff[GROUPED_MAX_E];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0u;
     __syncthreads();
@@ -72,6 +73,7 @@ extern "C" __global__ void moe_tc_sort(const uint32_t* __restrict__ ids, int P, 
 }
 
 extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restrict__ y, int n) {
+    PDL_ENTER();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2half_rn(x[i]);
 }
@@ -97,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
               const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ ntiles,
               float* __restrict__ out, __half* __restrict__ out_glu, int P, int R, int K, int k,
               int per_token) {
+    PDL_ENTER();
     using namespace nvcuda;
     constexpr int AB_BYTES = (TC_TM + TC_TN) * TC_LD * 2, C_BYTES = TC_TM * TC_CLD * 4;
     __shared__ __align__(32) unsigned char smem[AB_BYTES > C_BYTES ? AB_BYTES : C_BYTES];

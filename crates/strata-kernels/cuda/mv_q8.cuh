@@ -14,16 +14,9 @@
 // (__fdiv_rn) and the rounding to nearest even (rintf), so a host emulation gives the same q.
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, int8_t* __restrict__ q,
                                        float* __restrict__ d, int total) {
+    PDL_ENTER();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    const float v = i < total ? x[i] : 0.f;
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = __fdiv_rn(amax, 127.f);
-    if (i < total) {
-        q[i] = (int8_t)(s == 0.f ? 0 : (int)rintf(__fdiv_rn(v, s)));
-        if ((i & 31) == 0) d[i >> 5] = s;
-    }
+    q8_round_warp(i < total ? x[i] : 0.f, i, i < total, q, d);
 }
 
 // A lane's 32 quantized inputs of a super-block (slot j as q4k_x_lane): 16 of sub-block 2c
@@ -85,6 +78,7 @@ struct Q8In {
     extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const int8_t* q, const float* d, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,  \
         float* y0, float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                \
+        PDL_ENTER();                                                                              \
         mv_q4k_rows<R, T>(Q8In{q, d, cols}, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);           \
     }
 MV_Q4K_Q8_KERNEL(1, 1, mv_q4k_q8_r1)
@@ -98,6 +92,7 @@ MV_Q4K_Q8_KERNEL(4, 4, mv_q4k_q8_r4t4)
 extern "C" __global__ void moe_gate_up_q4k_q8(const int8_t* xq, const float* xd, const uint8_t* gate,
                                               const uint8_t* up, const uint32_t* ids, float* a,
                                               int H, int I, int k) {
+    PDL_ENTER();
     moe_gate_up(Q8In{xq, xd, H}, gate, up, ids, a, H, I, k);
 }
 
@@ -105,5 +100,6 @@ extern "C" __global__ void moe_gate_up_q4k_q8(const int8_t* xq, const float* xd,
 extern "C" __global__ void moe_down_q4k_q8(const int8_t* aq, const float* ad, const uint8_t* down,
                                            const uint32_t* ids, const float* w,
                                            const float* residual, float* out, int H, int I, int k) {
+    PDL_ENTER();
     moe_down(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k);
 }

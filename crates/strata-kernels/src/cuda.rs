@@ -14,11 +14,41 @@ use candle_core::op::BackpropOp;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
 
+mod q8;
+pub use q8::{
+    activations, q8_beside, q8_twin, quantize_q8, release_q8_twins, Activations, TWINS_KEPT,
+};
+use q8::{alloc_q8, kernel_inputs, remember_q8};
+
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/strata_decode.ptx"));
 const MODULE: &str = "strata_decode";
 
-/// Positions one attention block takes (split-K chunk, FlashDecoding).
+/// Positions of the shortest context a captured decode graph serves (its bucket; graph.rs).
 pub const ATTN_CHUNK: usize = 256;
+/// Fewest positions one attention block takes (split-K chunk, FlashDecoding): short enough that
+/// a short context still spreads over many blocks — a block's warps walk their positions one
+/// dependent load at a time, so a 256-position chunk left a decode step's attention on 8 blocks
+/// (Qwen3-30B-A3B's 4 kv heads) and the step's time growing with the context (measured in
+/// docs/performance.md: 16 and 8 equal, 32 3.8% and 256 15% slower on the 30B's decode step).
+const ATTN_CHUNK_MIN: usize = 16;
+/// Most chunks one query row's attention is split into (longer contexts take longer chunks).
+const ATTN_SPLITS_MAX: usize = 128;
+
+/// Positions per attention block for a context of `last` positions: [`ATTN_CHUNK_MIN`], or more
+/// so that at most [`ATTN_SPLITS_MAX`] chunks cover it. A measurement override of the minimum:
+/// `STRATA_GPU_ATTN_CHUNK=n` (256: the chunking before). A row's result does not depend on it
+/// beyond f32 summation order.
+fn attn_chunk(last: usize) -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min = *MIN.get_or_init(|| {
+        std::env::var("STRATA_GPU_ATTN_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&c: &usize| c > 0)
+            .unwrap_or(ATTN_CHUNK_MIN)
+    });
+    last.div_ceil(ATTN_SPLITS_MAX).max(min)
+}
 /// Threads of an attention block (`ATT_THREADS` in decode.cu).
 const ATTN_THREADS: u32 = 128;
 /// Query heads one attention block takes (`REP` in decode.cu).
@@ -71,6 +101,11 @@ fn addr(t: &Tensor) -> Result<u64> {
 /// kernel reads and writes at `cfg`.
 unsafe fn launch(dev: &CudaDevice, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    if pdl() {
+        // SAFETY: the caller's contract; every kernel of decode.cu waits for its predecessor
+        // (PDL_ENTER) before touching global memory.
+        return unsafe { launch_pdl(dev, &f, cfg, args) };
+    }
     let mut b = f.builder();
     for a in args {
         match a {
@@ -81,6 +116,65 @@ unsafe fn launch(dev: &CudaDevice, name: &str, cfg: LaunchConfig, args: &[Arg]) 
     }
     // SAFETY: the caller's contract.
     unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Whether our kernels are launched with programmatic dependent launch (Hopper and later,
+/// CUDA's programmatic stream serialization): a kernel may be scheduled while the one before it on
+/// the stream drains, and waits for it in `PDL_ENTER` (decode.cu) before touching memory — the
+/// launch latency of each dependent kernel hidden behind its predecessor (in captured graphs
+/// too: the edges become programmatic). On unless `STRATA_GPU_PDL=0`.
+fn pdl() -> bool {
+    static PDL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PDL.get_or_init(|| std::env::var("STRATA_GPU_PDL").map_or(true, |v| v != "0"))
+}
+
+/// [`launch`] through `cuLaunchKernelEx` with the programmatic-stream-serialization attribute.
+///
+/// # Safety
+/// As [`launch`]; the kernel must wait for its predecessor (`griddepcontrol.wait`) before it
+/// reads or writes global memory, in every thread.
+unsafe fn launch_pdl(
+    dev: &CudaDevice,
+    f: &candle_core::cuda_backend::cudarc::driver::CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    // The kernel's parameters: a pointer to each argument's value (alive for the call).
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .iter()
+        .map(|a| match a {
+            Arg::Ptr(p) => p as *const u64 as *mut std::ffi::c_void,
+            Arg::I32(v) => v as *const i32 as *mut std::ffi::c_void,
+            Arg::F32(v) => v as *const f32 as *mut std::ffi::c_void,
+        })
+        .collect();
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    // SAFETY: a plain-data union; zero is a valid bit pattern for every field.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `params` points at `args`' values, in the kernel's order (the caller's contract);
+    // `config` and `attr` outlive the call.
+    unsafe {
+        sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut())
+    }
+    .result()
+    .w()?;
     Ok(())
 }
 
@@ -492,9 +586,10 @@ pub fn attend_supports(head_dim: usize) -> bool {
 /// Attention of `seq` query rows over one layer's KV cache: `q: [seq, nh, hd]` (rotated), row `i`
 /// attends positions `0..=pos + i` of `cache` (the rows' own keys already written) → `[seq, nh ·
 /// hd]`. Query head `h` reads kv head `h / (nh / nkv)` (GQA). Softmax in f32 with an online
-/// maximum, split over chunks of [`ATTN_CHUNK`] positions merged in a second launch
+/// maximum, split over chunks of 16 or more positions (at most 128 chunks) merged in a second launch
 /// (FlashDecoding, Dao et al. 2023) when the context (the longest `pos` may be, [`Position`])
-/// spans more than one chunk.
+/// spans more than one chunk. Where [`q8_beside`] says so, the output's q8 rounding is written
+/// by the same launches and kept as its twin (the o projection's input).
 ///
 /// Errors: `hd` not [`attend_supports`]ed, `nh` not a multiple of `nkv`, positions past the cache.
 pub fn attend_decode(
@@ -520,7 +615,8 @@ pub fn attend_decode(
     if seq == 0 {
         return Ok(out);
     }
-    let splits = last.div_ceil(ATTN_CHUNK);
+    let chunk = attn_chunk(last);
+    let splits = last.div_ceil(chunk);
     let groups = (nh / nkv).div_ceil(ATTN_REP);
     let cfg = LaunchConfig {
         grid_dim: ((nkv * groups) as u32, splits as u32, seq as u32),
@@ -529,6 +625,12 @@ pub fn attend_decode(
     };
     let part =
         if splits > 1 { Some(alloc::<f32>(dev, seq * nh * splits * (hd + 2))?) } else { None };
+    // hd is a multiple of 32 (`attend_supports`): every 32-value block lies in one head.
+    let q8 = if q8_beside(seq, nh * hd) { Some(alloc_q8(dev, seq, nh * hd)?) } else { None };
+    let (oq, od) = match &q8 {
+        Some((q, d)) => (addr(q)?, addr(d)?),
+        None => (0, 0),
+    };
     let mut args = vec![
         Arg::Ptr(addr(q)?),
         Arg::Ptr(addr(cache.k)?),
@@ -538,12 +640,16 @@ pub fn attend_decode(
     ];
     args.extend(i32s(&[nh, nkv, cap]));
     args.push(Arg::I32(pos.host()));
-    args.push(Arg::I32(ATTN_CHUNK as i32));
+    args.push(Arg::I32(chunk as i32));
     args.push(Arg::F32(scale));
     args.push(Arg::Ptr(pos.device_addr()?));
     args.push(Arg::Ptr(pos.rows_addr()?));
+    // The q8 outputs are written by the launch that writes `out`.
+    let (dq, dd) = if splits > 1 { (0, 0) } else { (oq, od) };
+    args.extend([Arg::Ptr(dq), Arg::Ptr(dd)]);
     // SAFETY: arguments in `attn_decode_hd*`'s order; shapes checked above; `part` holds
-    // `seq · nh · splits · (hd + 2)` values when there are several splits.
+    // `seq · nh · splits · (hd + 2)` values when there are several splits; the q8 outputs (when
+    // given) `[seq, nh · hd]` bytes and `[seq, nh · hd / 32]` f32.
     unsafe { launch(dev, &format!("attn_decode_hd{}", hd / 32), cfg, &args) }?;
     if let Some(p) = &part {
         let cfg = LaunchConfig {
@@ -551,10 +657,13 @@ pub fn attend_decode(
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut args = vec![Arg::Ptr(addr(p)?), Arg::Ptr(addr(&out)?)];
+        let mut args = vec![Arg::Ptr(addr(p)?), Arg::Ptr(addr(&out)?), Arg::Ptr(oq), Arg::Ptr(od)];
         args.extend(i32s(&[nh, hd, splits]));
-        // SAFETY: arguments in `attn_combine`'s order.
+        // SAFETY: arguments in `attn_combine`'s order; the q8 outputs as above.
         unsafe { launch(dev, "attn_combine", cfg, &args) }?;
+    }
+    if let Some((q, d)) = q8 {
+        remember_q8(&out, q, d);
     }
     Ok(out)
 }
@@ -755,72 +864,6 @@ pub fn matvec_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
     Ok(matvec_q4k_many(x, &[w])?.remove(0))
 }
 
-/// How the Q4_K mat-vec kernels take their inputs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activations {
-    /// f32 inputs (`mv_q4k_r*`): the f32 reference's result up to summation order.
-    F32,
-    /// Inputs rounded to 8 bits per 32 values first ([`quantize_q8`], `mv_q4k_q8_r*`: integer
-    /// dot products, llama.cpp's MMVQ arithmetic): a quarter of the input reads.
-    Q8,
-}
-
-/// The inputs the mat-vec kernels take by default: [`Activations::Q8`] unless
-/// `STRATA_GPU_Q8=0`.
-pub fn activations() -> Activations {
-    static ACT: std::sync::OnceLock<Activations> = std::sync::OnceLock::new();
-    *ACT.get_or_init(|| match std::env::var("STRATA_GPU_Q8") {
-        Ok(v) if v == "0" => Activations::F32,
-        _ => Activations::Q8,
-    })
-}
-
-/// `x: [n, K]` f32 (K a multiple of 32, contiguous) rounded to 8 bits per 32 consecutive values:
-/// `q: [n, K]` (u8 holding i8) and `d: [n, K / 32]` f32 with `x ≈ d · q`, `d = max|x| / 127`
-/// (IEEE division), `q = round_half_even(x / d)` (0 where `d = 0`) — llama.cpp's `quantize_q8_1`
-/// without the sums. One launch.
-///
-/// Errors: `x` not f32 `[n, K]` contiguous on a CUDA device, `K` not a multiple of 32.
-pub fn quantize_q8(x: &Tensor) -> Result<(Tensor, Tensor)> {
-    check_f32(x, "x")?;
-    let (n, k) = x.dims2()?;
-    if !k.is_multiple_of(32) {
-        bail!("quantize_q8: x {:?} (K a multiple of 32)", x.dims());
-    }
-    let dev = cuda_device(x)?;
-    let q = alloc::<u8>(dev, (n, k))?;
-    let d = alloc::<f32>(dev, (n, k / 32))?;
-    let total = n * k;
-    if total == 0 {
-        return Ok((q, d));
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(128) as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let args =
-        [Arg::Ptr(addr(x)?), Arg::Ptr(addr(&q)?), Arg::Ptr(addr(&d)?), Arg::I32(total as i32)];
-    // SAFETY: arguments in `quantize_q8`'s order; x [n, K] f32, q [n, K] bytes, d [n, K / 32].
-    unsafe { launch(dev, "quantize_q8", cfg, &args) }?;
-    Ok((q, d))
-}
-
-/// A kernel's input for `x: [rows, K]` f32 taken as `act` says: the tensors to keep alive until
-/// the launch (`[x]` 16-byte aligned, or `[q, d]` of [`quantize_q8`]), their addresses as the
-/// kernel's first arguments, and the kernel-name suffix (`""`, `"_q8"`).
-fn kernel_inputs(x: &Tensor, act: Activations) -> Result<(Vec<Tensor>, Vec<Arg>, &'static str)> {
-    let (ts, suffix) = match act {
-        Activations::F32 => (vec![aligned16(x)?], ""),
-        Activations::Q8 => {
-            let (q, d) = quantize_q8(&x.contiguous()?)?;
-            (vec![q, d], "_q8")
-        }
-    };
-    let args = ts.iter().map(|t| addr(t).map(Arg::Ptr)).collect::<Result<Vec<_>>>()?;
-    Ok((ts, args, suffix))
-}
-
 /// `x: [n, K]` f32 times one to three Q4_K matrices `w_m: [R_m, K]` (a layer's q, k and v
 /// projections) → `[n, R_m]` each, in one launch (`mv_q4k_r*`: a warp per 1, 2 or 4 weight rows
 /// ([`mv_rows`]) reading their quants in 16-byte loads, 8 lanes per super-block, each lane's
@@ -965,7 +1008,9 @@ pub fn matvec_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// The residual add and the next RMSNorm in one launch (`add_rms_norm`): `a, b: [n, H]` f32,
 /// `w: [H]` → `(a + b, rms_norm(a + b) · w)` with `rms_norm(s) = s / sqrt(mean(s²) + eps)`
-/// (Zhang & Sennrich 2019), as candle's add then `rms_norm` up to summation order.
+/// (Zhang & Sennrich 2019), as candle's add then `rms_norm` up to summation order. Where
+/// [`q8_beside`] says so, the normed output's q8 rounding is written in the same pass and kept
+/// as its twin (the q/k/v or MoE input of a decode step: no `quantize_q8` launch for it).
 ///
 /// Errors: not f32, shapes that disagree, not on one CUDA device.
 pub fn add_rms_norm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
@@ -983,19 +1028,30 @@ pub fn add_rms_norm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<(Ten
         return Ok((sum, out));
     }
     let (a, b, w) = (a.contiguous()?, b.contiguous()?, w.contiguous()?);
+    let q8 = if q8_beside(n, h) { Some(alloc_q8(dev, n, h)?) } else { None };
     let cfg =
         LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (oq, od) = match &q8 {
+        Some((q, d)) => (addr(q)?, addr(d)?),
+        None => (0, 0),
+    };
     let args = [
         Arg::Ptr(addr(&a)?),
         Arg::Ptr(addr(&b)?),
         Arg::Ptr(addr(&w)?),
         Arg::Ptr(addr(&sum)?),
         Arg::Ptr(addr(&out)?),
+        Arg::Ptr(oq),
+        Arg::Ptr(od),
         Arg::I32(h as i32),
         Arg::F32(eps),
     ];
-    // SAFETY: arguments in `add_rms_norm`'s order; a, b, sum, out [n, H], w [H], f32 contiguous.
+    // SAFETY: arguments in `add_rms_norm`'s order; a, b, sum, out [n, H], w [H], f32 contiguous;
+    // the q8 outputs (when given, H % 32 == 0 by `q8_beside`) [n, H] bytes and [n, H / 32] f32.
     unsafe { launch(dev, "add_rms_norm", cfg, &args) }?;
+    if let Some((q, d)) = q8 {
+        remember_q8(&out, q, d);
+    }
     Ok((sum, out))
 }
 

@@ -452,6 +452,63 @@ fn matvec_f32_and_add_rms_norm_match_the_reference() {
     assert!(gpu::add_rms_norm(&a, &a, &w, 1e-6).is_err(), "weight of another width");
 }
 
+/// The q8 roundings that `add_rms_norm` and `attend_decode` write beside their outputs (the twins
+/// the mat-vec kernels take instead of a `quantize_q8` launch) are `quantize_q8`'s bytes; they
+/// are kept for the row counts `q8_beside` names, at most `TWINS_KEPT`, and released on demand.
+#[test]
+fn fused_q8_twins_equal_quantize_q8_of_the_output() {
+    let dev = cuda();
+    let mut rng = Rng(0x7e1);
+    assert!(gpu::q8_beside(3, 2048), "run with the default activations (STRATA_GPU_Q8 unset)");
+    let bytes = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+    let same_as_quantize = |out: &Tensor, what: &str| {
+        let (tq, td) = gpu::q8_twin(out).unwrap_or_else(|| panic!("{what}: no twin kept"));
+        let (q, d) = gpu::quantize_q8(out).unwrap();
+        assert_eq!(bytes(&tq), bytes(&q), "{what}: integers");
+        assert_eq!(flat(&td), flat(&d), "{what}: scales");
+    };
+    gpu::release_q8_twins();
+    let mut outs = Vec::new();
+    for &(n, h) in &[(1usize, 2048usize), (3, 2048), (16, 512), (17, 512), (3, 100)] {
+        let up = |v: Vec<f32>| Tensor::from_vec(v, (n, h), &dev).unwrap();
+        let (a, b) = (up(rng.vec(n * h, 2.0)), up(rng.vec(n * h, 2.0)));
+        let w = Tensor::from_vec(rng.vec(h, 1.0), h, &dev).unwrap();
+        let (_, out) = gpu::add_rms_norm(&a, &b, &w, 1e-6).unwrap();
+        if n <= gpu::MOE_ROWS_MAX && h % 32 == 0 {
+            same_as_quantize(&out, &format!("add_rms_norm n {n} H {h}"));
+        } else {
+            assert!(gpu::q8_twin(&out).is_none(), "n {n} H {h}: no twin expected");
+        }
+        outs.push(out);
+    }
+    // Three twins were kept, none evicted yet; two more push the oldest out.
+    assert!(gpu::q8_twin(&outs[0]).is_some());
+    let (nh, nkv, hd, cap) = (8usize, 2usize, 64usize, 700usize);
+    let scale = 1.0 / (hd as f32).sqrt();
+    for &(pos, seq) in &[(5usize, 1usize), (600, 4)] {
+        // Position 600: three chunks, merged by attn_combine (which writes the twin then).
+        let ck = Tensor::from_vec(rng.vec(nkv * cap * hd, 1.0), (1, nkv, cap, hd), &dev).unwrap();
+        let cv = Tensor::from_vec(rng.vec(nkv * cap * hd, 1.0), (1, nkv, cap, hd), &dev).unwrap();
+        let q = Tensor::from_vec(rng.vec(seq * nh * hd, 1.0), (seq, nh, hd), &dev).unwrap();
+        let kv = gpu::LayerKv { k: &ck, v: &cv };
+        let out = gpu::attend_decode(&q, gpu::Position::Host(pos), scale, kv).unwrap();
+        same_as_quantize(&out, &format!("attend_decode pos {pos} rows {seq}"));
+        outs.push(out);
+    }
+    assert!(gpu::q8_twin(&outs[0]).is_none(), "past TWINS_KEPT the oldest twin is dropped");
+    assert_eq!(gpu::TWINS_KEPT, 4);
+    // A mat-vec given an output with a twin computes what it computes from a fresh rounding.
+    let (w, _) = random_q4k(&[256, 2048], &mut rng, &dev);
+    let ones = Tensor::ones(2048, DType::F32, &dev).unwrap();
+    let (_, xn) = gpu::add_rms_norm(&outs[1], &outs[1], &ones, 1e-6).unwrap();
+    assert!(gpu::q8_twin(&xn).is_some());
+    let with_twin = flat(&gpu::matvec_q4k(&xn, &w).unwrap());
+    gpu::release_q8_twins();
+    assert!(gpu::q8_twin(&xn).is_none(), "released");
+    let fresh = flat(&gpu::matvec_q4k(&xn, &w).unwrap());
+    assert_eq!(with_twin, fresh, "a twin's product equals a fresh rounding's");
+}
+
 /// RoPE with the per-head q/k RMSNorm inside the kernel equals candle's `rms_norm` on each head
 /// followed by the plain kernel: the same rotated q and cache keys (values untouched by the norm).
 #[test]

@@ -81,7 +81,11 @@ impl Transformer {
             }
         }
         if !live.is_empty() {
-            let outs = self.run_batch(seqs, &live, opts)?;
+            let outs = self.run_batch(seqs, &live, opts);
+            // The pass's q8 twins (`cuda` build) are not needed past it.
+            #[cfg(feature = "cuda")]
+            strata_kernels::cuda::release_q8_twins();
+            let outs = outs?;
             for (i, out) in live.into_iter().zip(outs) {
                 results[i] = Some(out);
             }

@@ -51,6 +51,8 @@ pub struct DecodeGraphs {
     seen: HashSet<Key>,
     /// A capture failed: this sequence runs op by op.
     failed: bool,
+    /// Replays timed under `STRATA_GPU_GRAPH_STATS=1`: count, GPU ms, host ms.
+    timed: (usize, f64, f64),
 }
 
 /// One captured step and the graph-owned outputs it rewrites at every replay.
@@ -128,6 +130,7 @@ impl Transformer {
                 graphs: HashMap::new(),
                 seen: HashSet::new(),
                 failed: false,
+                timed: (0, 0.0, 0.0),
             }),
         };
         let out = if g.failed { Ok(None) } else { self.graph_pass(tokens, logits, cache, &mut g) };
@@ -158,10 +161,30 @@ impl Transformer {
         cache.set_device_position(Some((g.pos.clone(), last + 1 - rows)));
         let ids = g.tokens.narrow(0, 0, rows)?;
         if let Some(c) = g.graphs.get(&key) {
+            let t0 = std::time::Instant::now();
+            let stream = dev.cuda_stream();
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
             c.graph.0.launch().w()?;
+            let end = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
             let logits = c.logits.copy()?;
             let routing =
                 c.routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
+            if let (Some(a), Some(b)) = (start, end) {
+                let gpu = a.elapsed_ms(&b).w()? as f64;
+                let t = &mut g.timed;
+                *t = (t.0 + 1, t.1 + gpu, t.2 + t0.elapsed().as_secs_f64() * 1e3);
+                if t.0.is_multiple_of(64) {
+                    let n = t.0 as f64;
+                    eprintln!(
+                        "strata: graph replays: {}, GPU {:.3} ms per pass, host {:.3} ms per pass \
+                         (positions written to outputs read)",
+                        t.0,
+                        t.1 / n,
+                        t.2 / n
+                    );
+                }
+            }
             return Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
         }
         // A pass of several tokens runs op by op the first time its shape comes.
@@ -202,13 +225,32 @@ impl Transformer {
             ModelError::Candle(candle_core::Error::msg("the captured pass is empty"))
         })?;
         graph.upload().w()?;
+        if stats_on() {
+            eprintln!(
+                "strata: captured a pass of {} tokens: graph nodes {}",
+                tokens.dim(0)?,
+                node_counts(&graph)?
+            );
+        }
         Ok(Captured { graph: SendGraph(graph), logits, routing })
     }
 
     /// The launches of one pass of `tokens: [rows]` (everything on the device; the op-by-op pass
     /// of `forward_batch` restricted to one sequence): logits `[rows, vocab]`, or `[1, vocab]`
-    /// for the last row with `last_only`, and the pass's device routing record.
+    /// for the last row with `last_only`, and the pass's device routing record. The q8 twins the
+    /// pass's kernels kept are released at its end (inside a capture: before it ends).
     fn decode_body(
+        &self,
+        cache: &mut KvCache,
+        tokens: &Tensor,
+        last_only: bool,
+    ) -> Result<(Tensor, Option<DeviceRouting>)> {
+        let out = self.decode_launches(cache, tokens, last_only);
+        strata_kernels::cuda::release_q8_twins();
+        out
+    }
+
+    fn decode_launches(
         &self,
         cache: &mut KvCache,
         tokens: &Tensor,
@@ -255,6 +297,34 @@ impl Transformer {
         }
         Ok((logits, routing))
     }
+}
+
+/// `STRATA_GPU_GRAPH_STATS=1`: each capture's nodes by type, and every 64 replays the mean GPU
+/// time of a replay (CUDA events around the launch) beside the host's time per pass (from the
+/// positions written to the outputs read), on stderr — where a decode step's time goes.
+fn stats_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_GPU_GRAPH_STATS").is_ok_and(|v| v == "1"))
+}
+
+/// A captured graph's nodes counted by type ("kernel 700, mem_alloc 300, …").
+fn node_counts(graph: &CudaGraph) -> Result<String> {
+    let mut n = 0usize;
+    // SAFETY: a null array asks for the count; then an array of that many nodes is filled.
+    unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut n) }.result().w()?;
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` holds `n` entries.
+    unsafe { sys::cuGraphGetNodes(graph.cu_graph(), nodes.as_mut_ptr(), &mut n) }.result().w()?;
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    for &node in &nodes[..n] {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to the graph, which outlives the call.
+        unsafe { sys::cuGraphNodeGetType(node, &mut t) }.result().w()?;
+        let name = format!("{t:?}").trim_start_matches("CU_GRAPH_NODE_TYPE_").to_lowercase();
+        *counts.entry(name).or_default() += 1;
+    }
+    let parts: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    Ok(format!("{n} ({})", parts.join(", ")))
 }
 
 fn not_graphable(what: &str) -> ModelError {
