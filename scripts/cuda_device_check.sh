@@ -109,6 +109,26 @@ pp = re.findall(r"pp512\D+([0-9.]+)", t); tg = re.findall(r"tg" + sys.argv[3] + 
 print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
 PY
 }
+# ncu_table CSV: per-kernel launches, mean µs and share from an ncu `--metrics
+# gpu__time_duration.sum --csv` output, and the total per layer (over attention launches).
+ncu_table() {
+  python3 - "$1" <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows: print("no rows"); sys.exit()
+hdr = rows[0]; k, u, v = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+t = collections.defaultdict(list)
+for r in rows[1:]:
+    t[r[k].split("(")[0][:70]].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
+total = sum(sum(x) for x in t.values())
+layers = sum(len(x) for n, x in t.items() if n.startswith("attn_decode") or "flash_attn_ext" in n)
+print(f"total {total:.0f} µs over {sum(len(x) for x in t.values())} launches, {layers} layers: {total/max(layers,1):.1f} µs per layer")
+print("| kernel | launches | mean µs | share |\n|---|---|---|---|")
+for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
+    print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
+PY
+}
 # With LLAMA set: builds llama.cpp CUDA from the carried sdist once per machine, in the background
 # (a new session, so it outlives this command on a machine kept warm for the next call): the
 # correctness checks do not time anything; the speed rounds wait for /tmp/llama-build.done, so no
@@ -184,19 +204,7 @@ if [ "${PART:-}" = profile ]; then
   [ -z "${NO_NCU:-}" ] && STRATA_GPU_GRAPHS=0 timeout 300 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv \
     --launch-skip 3000 --launch-count 1500 "$S" bench -m $M12 --device cuda --stream-experts off \
     -p 8 -r 1 "${NCU_ARGS[@]}" > "$D/ncu.csv" 2> "$D/ncu.err"
-  [ -z "${NO_NCU:-}" ] && python3 - "$D/ncu.csv" <<'PY' | tee "$D/kernels.md"
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 14]
-hdr = rows[0]; k, u, v = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
-scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-t = collections.defaultdict(list)
-for r in rows[1:]:
-    t[r[k].split("(")[0][:60]].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
-total = sum(sum(x) for x in t.values())
-print("| kernel | launches | mean µs | share |\n|---|---|---|---|")
-for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
-    print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
-PY
+  [ -z "${NO_NCU:-}" ] && ncu_table "$D/ncu.csv" | tee "$D/kernels.md"
   {
     # pp4: a 4-token prompt pass from an empty cache; verifyW: `strata bench --verify W` (W-token
     # passes with every position's logits, rolled back to one token: zero acceptance) — its
@@ -280,22 +288,7 @@ if [ "${PART:-}" = ncu-llama ]; then
     timeout 300 /usr/local/cuda/bin/ncu "${CTL[@]}" --metrics gpu__time_duration.sum --csv \
       --launch-skip 3000 --launch-count 1000 "${CMD[@]}" > "$D/kernels-$who-$mode.csv" 2> "$D/kernels-$who-$mode.err"
     echo "## $who: kernels (12-layer cut, 1000 launches after 3000, ${CTL[*]:-flushed, locked})" | tee -a "$D/ncu.md"
-    python3 - "$D/kernels-$who-$mode.csv" <<'PY' | tee -a "$D/ncu.md"
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows: print("no rows"); sys.exit()
-hdr = rows[0]; k, u, v = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
-scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-t = collections.defaultdict(list)
-for r in rows[1:]:
-    t[r[k].split("(")[0][:70]].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
-total = sum(sum(x) for x in t.values())
-layers = sum(len(x) for n, x in t.items() if n.startswith("attn_decode") or "flash_attn_ext" in n)
-print(f"total {total:.0f} µs over {sum(len(x) for x in t.values())} launches, {layers} layers: {total/max(layers,1):.1f} µs per layer")
-print("| kernel | launches | mean µs | share |\n|---|---|---|---|")
-for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
-    print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
-PY
+    ncu_table "$D/kernels-$who-$mode.csv" | tee -a "$D/ncu.md"
   done
   done
   exit 0

@@ -51,8 +51,35 @@ pub struct DecodeGraphs {
     seen: HashSet<Key>,
     /// A capture failed: this sequence runs op by op.
     failed: bool,
-    /// Replays timed under `STRATA_GPU_GRAPH_STATS=1`: count, GPU ms, host ms.
-    timed: (usize, f64, f64),
+    /// Replays timed under `STRATA_GPU_GRAPH_STATS=1`.
+    timed: ReplayStats,
+}
+
+/// Replays timed under `STRATA_GPU_GRAPH_STATS=1`: their count and summed GPU and host ms.
+#[derive(Debug, Default)]
+struct ReplayStats {
+    n: usize,
+    gpu_ms: f64,
+    host_ms: f64,
+}
+
+impl ReplayStats {
+    /// Adds one replay; every 64 replays prints the means on stderr.
+    fn add(&mut self, gpu_ms: f64, host_ms: f64) {
+        self.n += 1;
+        self.gpu_ms += gpu_ms;
+        self.host_ms += host_ms;
+        if self.n.is_multiple_of(64) {
+            let n = self.n as f64;
+            eprintln!(
+                "strata: graph replays: {}, GPU {:.3} ms per pass, host {:.3} ms per pass \
+                 (positions written to outputs read)",
+                self.n,
+                self.gpu_ms / n,
+                self.host_ms / n
+            );
+        }
+    }
 }
 
 /// One captured step and the graph-owned outputs it rewrites at every replay.
@@ -130,7 +157,7 @@ impl Transformer {
                 graphs: HashMap::new(),
                 seen: HashSet::new(),
                 failed: false,
-                timed: (0, 0.0, 0.0),
+                timed: ReplayStats::default(),
             }),
         };
         let out = if g.failed { Ok(None) } else { self.graph_pass(tokens, logits, cache, &mut g) };
@@ -171,19 +198,7 @@ impl Transformer {
             let routing =
                 c.routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
             if let (Some(a), Some(b)) = (start, end) {
-                let gpu = a.elapsed_ms(&b).w()? as f64;
-                let t = &mut g.timed;
-                *t = (t.0 + 1, t.1 + gpu, t.2 + t0.elapsed().as_secs_f64() * 1e3);
-                if t.0.is_multiple_of(64) {
-                    let n = t.0 as f64;
-                    eprintln!(
-                        "strata: graph replays: {}, GPU {:.3} ms per pass, host {:.3} ms per pass \
-                         (positions written to outputs read)",
-                        t.0,
-                        t.1 / n,
-                        t.2 / n
-                    );
-                }
+                g.timed.add(a.elapsed_ms(&b).w()? as f64, t0.elapsed().as_secs_f64() * 1e3);
             }
             return Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
         }
@@ -215,6 +230,9 @@ impl Transformer {
         tokens: &Tensor,
         last_only: bool,
     ) -> Result<Captured> {
+        // q8 twins held from before must not be dropped inside the capture (a free of memory the
+        // graph did not allocate); the eager pass before released them already.
+        strata_kernels::cuda::release_q8_twins();
         let stream = dev.cuda_stream();
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
         let body = self.decode_body(cache, tokens, last_only);
