@@ -109,6 +109,29 @@ pp = re.findall(r"pp512\D+([0-9.]+)", t); tg = re.findall(r"tg" + sys.argv[3] + 
 print(f"| {sys.argv[2]} | {pp[-1] if pp else 'FAILED'} | {tg[-1] if tg else 'FAILED'} |")
 PY
 }
+# variant_envs V: sets envs=(…) to the environment of the decode variant V (one of the
+# switches of crates/strata-models/src/gpu.rs and strata-kernels' cuda.rs; "new" and any other
+# name: the defaults).
+variant_envs() {
+  case $1 in
+    candle-moe) envs=(STRATA_GPU_MOE=0) ;;
+    candle-matvec) envs=(STRATA_GPU_MATVEC=0) ;;
+    candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
+    no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
+    no-short-matvec) envs=(STRATA_GPU_SHORT_MATVEC=0) ;;
+    tokens1) envs=(STRATA_GPU_MV_TOKENS=1) ;;
+    rows1|rows2|rows4) envs=(STRATA_GPU_MV_ROWS=${1#rows}) ;;
+    f32act) envs=(STRATA_GPU_Q8=0) ;;
+    no-q8-fuse) envs=(STRATA_GPU_Q8_FUSE=0) ;;
+    no-pdl) envs=(STRATA_GPU_PDL=0) ;;
+    chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
+    no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
+    no-graphs-no-gpu-routing) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0) ;;
+    no-graphs-no-gpu-attention) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0) ;;
+    no-graphs-event-tracking) envs=(STRATA_GPU_GRAPHS=0 STRATA_CUDA_EVENT_TRACKING=1) ;;
+    *) envs=(X=1) ;;
+  esac
+}
 # ncu_table CSV: per-kernel launches, mean µs and share from an ncu `--metrics
 # gpu__time_duration.sum --csv` output, and the total per layer (over attention launches).
 ncu_table() {
@@ -213,18 +236,7 @@ if [ "${PART:-}" = profile ]; then
     echo "|---|---|---|---|---|---|---|"
     for round in $(seq 1 ${ROUNDS:-2}); do
       for v in ${VARIANTS:-new no-graphs no-short-matvec candle}; do
-        case $v in
-          candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
-          no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
-          no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
-          no-short-matvec) envs=(STRATA_GPU_SHORT_MATVEC=0) ;;
-          tokens1) envs=(STRATA_GPU_MV_TOKENS=1) ;;
-          f32act) envs=(STRATA_GPU_Q8=0) ;;
-          no-q8-fuse) envs=(STRATA_GPU_Q8_FUSE=0) ;;
-          no-pdl) envs=(STRATA_GPU_PDL=0) ;;
-          chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
-          *) envs=(X=1) ;;
-        esac
+        variant_envs "$v"
         env "${envs[@]}" timeout 200 "$S" bench -m $M --device cuda --stream-experts off -p 4 -n 32 -r 3 --verify 2,4,8 > /tmp/p4.txt 2>&1
         cp /tmp/p4.txt "$D/verify-$v-$round.txt"
         python3 - /tmp/p4.txt "$v-$round" <<'PY'
@@ -255,11 +267,7 @@ if [ "${PART:-}" = graph-stats ]; then
   M=/tmp/q3-30b-local.gguf
   [ -f $M ] || "$S" synth --preset qwen3-30b-a3b --routing local --out $M > /dev/null 2>&1
   for v in ${VARIANTS:-new chunk256 no-pdl}; do
-    case $v in
-      no-pdl) envs=(STRATA_GPU_PDL=0) ;;
-      chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
-      *) envs=(X=1) ;;
-    esac
+    variant_envs "$v"
     echo "## $v" | tee -a "$D/stats.md"
     env "${envs[@]}" STRATA_GPU_GRAPH_STATS=1 "$S" bench -m $M --device cuda --stream-experts off -p 8 -n 128 -r 2 2>&1 \
       | grep -E "captured|graph replays: (64|128|256)|^\| (pp|tg)|rror" | tee -a "$D/stats.md"
@@ -365,22 +373,7 @@ print('$spec ($v): equal prefix', same, 'of', len(b), '| identical:', g==b, '| s
     echo "|---|---|---|"
     for round in 1 2; do
       for v in ${VARIANTS:-new candle-moe candle-matvec candle}; do
-        case $v in
-          candle-moe) envs=(STRATA_GPU_MOE=0) ;;
-          candle-matvec) envs=(STRATA_GPU_MATVEC=0) ;;
-          candle) envs=(STRATA_GPU_MOE=0 STRATA_GPU_MATVEC=0 STRATA_GPU_FUSE=0) ;;
-          no-fuse) envs=(STRATA_GPU_FUSE=0) ;;
-          rows1|rows2|rows4) envs=(STRATA_GPU_MV_ROWS=${v#rows}) ;;
-          f32act) envs=(STRATA_GPU_Q8=0) ;;
-          no-q8-fuse) envs=(STRATA_GPU_Q8_FUSE=0) ;;
-          no-pdl) envs=(STRATA_GPU_PDL=0) ;;
-          chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
-          no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
-          no-graphs-no-gpu-routing) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0) ;;
-          no-graphs-no-gpu-attention) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0) ;;
-          no-graphs-event-tracking) envs=(STRATA_GPU_GRAPHS=0 STRATA_CUDA_EVENT_TRACKING=1) ;;
-          *) envs=(X=1) ;;
-        esac
+        variant_envs "$v"
         bench "$v-$round" "$S" "${envs[@]}"
       done
       [ -x /tmp/strata-base ] && bench "base-$round" /tmp/strata-base

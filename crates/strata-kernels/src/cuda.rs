@@ -18,7 +18,7 @@ mod q8;
 pub use q8::{
     activations, q8_beside, q8_twin, quantize_q8, release_q8_twins, Activations, TWINS_KEPT,
 };
-use q8::{alloc_q8, kernel_inputs, remember_q8};
+use q8::{kernel_inputs, Q8Outputs};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/strata_decode.ptx"));
 const MODULE: &str = "strata_decode";
@@ -626,11 +626,8 @@ pub fn attend_decode(
     let part =
         if splits > 1 { Some(alloc::<f32>(dev, seq * nh * splits * (hd + 2))?) } else { None };
     // hd is a multiple of 32 (`attend_supports`): every 32-value block lies in one head.
-    let q8 = if q8_beside(seq, nh * hd) { Some(alloc_q8(dev, seq, nh * hd)?) } else { None };
-    let (oq, od) = match &q8 {
-        Some((q, d)) => (addr(q)?, addr(d)?),
-        None => (0, 0),
-    };
+    let q8 = Q8Outputs::new(dev, seq, nh * hd)?;
+    let (oq, od) = q8.addrs()?;
     let mut args = vec![
         Arg::Ptr(addr(q)?),
         Arg::Ptr(addr(cache.k)?),
@@ -662,9 +659,7 @@ pub fn attend_decode(
         // SAFETY: arguments in `attn_combine`'s order; the q8 outputs as above.
         unsafe { launch(dev, "attn_combine", cfg, &args) }?;
     }
-    if let Some((q, d)) = q8 {
-        remember_q8(&out, q, d);
-    }
+    q8.keep_for(&out);
     Ok(out)
 }
 
@@ -1028,13 +1023,10 @@ pub fn add_rms_norm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<(Ten
         return Ok((sum, out));
     }
     let (a, b, w) = (a.contiguous()?, b.contiguous()?, w.contiguous()?);
-    let q8 = if q8_beside(n, h) { Some(alloc_q8(dev, n, h)?) } else { None };
+    let q8 = Q8Outputs::new(dev, n, h)?;
+    let (oq, od) = q8.addrs()?;
     let cfg =
         LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let (oq, od) = match &q8 {
-        Some((q, d)) => (addr(q)?, addr(d)?),
-        None => (0, 0),
-    };
     let args = [
         Arg::Ptr(addr(&a)?),
         Arg::Ptr(addr(&b)?),
@@ -1049,9 +1041,7 @@ pub fn add_rms_norm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<(Ten
     // SAFETY: arguments in `add_rms_norm`'s order; a, b, sum, out [n, H], w [H], f32 contiguous;
     // the q8 outputs (when given, H % 32 == 0 by `q8_beside`) [n, H] bytes and [n, H / 32] f32.
     unsafe { launch(dev, "add_rms_norm", cfg, &args) }?;
-    if let Some((q, d)) = q8 {
-        remember_q8(&out, q, d);
-    }
+    q8.keep_for(&out);
     Ok((sum, out))
 }
 

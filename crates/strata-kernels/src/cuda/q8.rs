@@ -83,7 +83,7 @@ pub fn quantize_q8(x: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// Uninitialised q8 buffers for `[n, k]` values: `q: [n, k]` u8, `d: [n, k / 32]` f32.
-pub(super) fn alloc_q8(dev: &CudaDevice, n: usize, k: usize) -> Result<(Tensor, Tensor)> {
+fn alloc_q8(dev: &CudaDevice, n: usize, k: usize) -> Result<(Tensor, Tensor)> {
     Ok((alloc::<u8>(dev, (n, k))?, alloc::<f32>(dev, (n, k / 32))?))
 }
 
@@ -101,9 +101,35 @@ thread_local! {
     static TWINS: RefCell<Vec<Twin>> = const { RefCell::new(Vec::new()) };
 }
 
+/// The q8 rounding a kernel writes beside its `[n, k]` f32 output where [`q8_beside`] says so
+/// (`add_rms_norm`, `attend_decode`), kept as that output's twin once written.
+pub(super) struct Q8Outputs(Option<(Tensor, Tensor)>);
+
+impl Q8Outputs {
+    /// Buffers for the rounding of `[n, k]` values, or none.
+    pub(super) fn new(dev: &CudaDevice, n: usize, k: usize) -> Result<Self> {
+        Ok(Self(if q8_beside(n, k) { Some(alloc_q8(dev, n, k)?) } else { None }))
+    }
+
+    /// The `q` and `d` addresses as kernel arguments (`0, 0`: write none).
+    pub(super) fn addrs(&self) -> Result<(u64, u64)> {
+        match &self.0 {
+            Some((q, d)) => Ok((addr(q)?, addr(d)?)),
+            None => Ok((0, 0)),
+        }
+    }
+
+    /// Keeps the rounding as the twin of `out`, the f32 output the same launches wrote.
+    pub(super) fn keep_for(self, out: &Tensor) {
+        if let Some((q, d)) = self.0 {
+            remember_q8(out, q, d);
+        }
+    }
+}
+
 /// Keeps `(q, d)` as the q8 rounding of `x` (a contiguous f32 `[n, K]` output just written with
 /// it), dropping the oldest twin past [`TWINS_KEPT`].
-pub(super) fn remember_q8(x: &Tensor, q: Tensor, d: Tensor) {
+fn remember_q8(x: &Tensor, q: Tensor, d: Tensor) {
     TWINS.with(|t| {
         let mut t = t.borrow_mut();
         if t.len() == TWINS_KEPT {
