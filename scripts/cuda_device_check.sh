@@ -22,7 +22,8 @@
 #     qwen3-30b-a3b Q4_K (`--routing local`: the random routers decide, as in llama.cpp) resident
 #     in VRAM, `strata bench` in alternating rounds: this build and the GPU paths turned off
 #     (VARIANTS, default: new, candle-moe, candle-matvec, candle; also no-graphs*), and
-#     dist/strata-cuda-base.xz (the build before them) when carried. LLAMA=1 also builds
+#     dist/strata-cuda-base.xz (the build before them) when carried; DECODE_MODEL: another file
+#     (SmolLM2 put together from its parts: compare-devices on it first). LLAMA=1 also builds
 #     llama.cpp CUDA from dist/llamacpp-src.tar.xz (dist/llamacpp.sh, ~6 min) and runs
 #     llama-bench on the same file in the same rounds.
 #  6. PART=batch (instead of 2-5): continuous batching on the GPU (issue 25), everything in VRAM:
@@ -51,6 +52,26 @@ S=${STRATA:-/tmp/strata-cuda}
 if [ ! -x "$S" ]; then
   # build_cuda.sh's binary is 63 MB, near the 64 MiB a device call carries: it travels xz-compressed.
   python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" dist/strata-cuda.xz "$S" && chmod +x "$S"
+fi
+# SmolLM2 (98 MB) exceeds what one call carries beside the tracked tree: it travels in parts over
+# back-to-back calls on a warm machine (scripts/split_for_device.sh: xfer1/smol.00 with
+# xfer1/smol.sha256 and smol.count, xfer2/smol.01, ...; ignored paths stay there between calls)
+# and is put together here once every part has come.
+SMOL_FILE=models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f $SMOL_FILE ] && [ -f xfer1/smol.count ]; then
+  parts=$(ls xfer*/smol.[0-9]* 2>/dev/null)
+  if [ "$(echo "$parts" | grep -c .)" = "$(cat xfer1/smol.count)" ]; then
+    mkdir -p models
+    # shellcheck disable=SC2086
+    cat $parts > $SMOL_FILE.tmp
+    if [ "$(sha256sum < $SMOL_FILE.tmp | cut -d' ' -f1)" = "$(cat xfer1/smol.sha256)" ]; then
+      mv $SMOL_FILE.tmp $SMOL_FILE && echo "SmolLM2 put together from $(echo $parts)"
+    else
+      echo "SmolLM2 parts do not match their checksum" >&2; rm -f $SMOL_FILE.tmp
+    fi
+  else
+    echo "SmolLM2: $(echo "$parts" | grep -c .) of $(cat xfer1/smol.count) parts here"
+  fi
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 - <<'PY' 2>&1 | tee "$OUT/bandwidth.txt"
@@ -126,6 +147,8 @@ variant_envs() {
     no-pdl) envs=(STRATA_GPU_PDL=0) ;;
     chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
     no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
+    host-routing) envs=(STRATA_GPU_ROUTING=0) ;;
+    mmvq) envs=(STRATA_CUDA_MMVQ=1) ;;
     no-graphs-no-gpu-routing) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ROUTING=0) ;;
     no-graphs-no-gpu-attention) envs=(STRATA_GPU_GRAPHS=0 STRATA_GPU_ATTENTION=0) ;;
     no-graphs-event-tracking) envs=(STRATA_GPU_GRAPHS=0 STRATA_CUDA_EVENT_TRACKING=1) ;;
@@ -317,8 +340,9 @@ if [ "${PART:-}" = decode ]; then
         # STRATA_CPU_DEQUANTIZE=1: the CPU side in f32 (the reference of the f32-activation
         # kernels). Q4_K: the prompt pass (>= TC_ROWS_MIN tokens) rounds activations to f16 on
         # tensor cores, and with the GPU paths off candle's fused experts round them to Q8_1
-        # (documented 6.9e-3): tolerance 5e-2 there.
-        tol=1e-4; [ $q = Q4_K ] && tol=5e-2
+        # (documented 6.9e-3): tolerance 5e-2 there. Q8_0 with the paths on: the dense mat-vecs
+        # round activations to 8 bits (2.69e-2 measured 2026-11-27): 5e-2.
+        tol=1e-4; { [ $q = Q4_K ] || [ $v = on ]; } && tol=5e-2
         echo "tiny-moe $q, GPU paths $v:" | tee -a "$D/check.md"
         env "${envs[@]}" STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-$q.gguf -p "The quick brown fox" -n 32 --tolerance $tol 2>>"$D/compare.err" | tail -2 | tee -a "$D/check.md"
       done
@@ -337,6 +361,21 @@ print('$samp, $n tokens: equal prefix', same, 'of', len(b), '| identical:', a==b
       done
     done
     grep -i "graph" "$D/compare.err" | sort | uniq -c | head -5 | tee -a "$D/check.md"
+    echo "## synthetic routing processes (realistic, uniform) chosen on the host, weighed on the device: tokens and routing vs host routing" | tee -a "$D/check.md"
+    for r in realistic uniform; do
+      "$S" synth --preset tiny-moe --quant Q4_K --routing $r --out /tmp/tiny-$r.gguf >/dev/null 2>&1
+      for samp in "--temp 0" "--temp 1 --seed 7"; do
+        for v in graphs opbyop host; do
+          envs=(X=1); [ $v = opbyop ] && envs=(STRATA_GPU_GRAPHS=0); [ $v = host ] && envs=(STRATA_GPU_ROUTING=0)
+          env "${envs[@]}" "$S" generate -m /tmp/tiny-$r.gguf --device cuda -p "The quick brown fox" -n 300 --ignore-eos $samp --json 2>>"$D/compare.err" > /tmp/gen-$v.json
+        done
+        python3 -c "
+import json; t={v: json.load(open(f'/tmp/gen-{v}.json'))['generated_token_ids'] for v in ('graphs','opbyop','host')}
+same=lambda a,b: sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==p[1], zip(t[a],t[b])))
+print('$r $samp, 300 tokens: graphs = host routing for', same('graphs','host'), '| op by op = host routing for', same('opbyop','host'), '| graphs = op by op:', t['graphs']==t['opbyop'])" | tee -a "$D/check.md"
+      done
+      STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-$r.gguf -p "The quick brown fox" -n 32 --tolerance 5e-2 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+    done
     echo "## speculative decoding on the GPU (verify passes graph-replayed) vs plain decoding, greedy" | tee -a "$D/check.md"
     SP="one two three four five six seven eight nine ten one two three four five six seven eight nine ten one two three"
     "$S" generate -m /tmp/tiny-Q4_K.gguf --device cuda -p "$SP" -n 96 --ignore-eos --temp 0 --json 2>>"$D/compare.err" > /tmp/gen-plain.json
@@ -356,8 +395,17 @@ print('$spec ($v): equal prefix', same, 'of', len(b), '| identical:', g==b, '| s
     done
   fi
   [ -z "${CHECK_ONLY:-}" ] || exit 0
-  M=/tmp/q3-30b-local.gguf
-  [ -f $M ] || { "$S" synth --preset qwen3-30b-a3b --routing local --out $M 2>&1 | tail -1 > "$D/synth.txt"; sync; sleep 3; }
+  M=${DECODE_MODEL:-/tmp/q3-30b-local.gguf}
+  R=local; case $M in *realistic*) R=realistic ;; *uniform*) R=uniform ;; esac # the file name says its routing
+  [ -f $M ] || { "$S" synth --preset qwen3-30b-a3b --routing $R --out $M 2>&1 | tail -1 > "$D/synth.txt"; sync; sleep 3; }
+  if [ "$M" = $SMOL_FILE ] && [ -z "${NO_COMPARE:-}" ]; then
+    # Correctness on the real file first: cuda vs cpu logits and greedy tokens, both sides
+    # rounding activations to 8 bits (our q8 mat-vecs; the CPU's kernels): 5.22e-2, greedy 32/32
+    # measured 2026-11-27; then with candle's DMMV (STRATA_GPU_MATVEC=0, f32 activations) against
+    # the CPU's f32 reference: 1.73e-6, greedy 64/64.
+    "$S" compare-devices -m "$M" -p "The capital of France is" -n 64 --tolerance 1e-1 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+    STRATA_GPU_MATVEC=0 STRATA_CPU_DEQUANTIZE=1 "$S" compare-devices -m "$M" -p "The capital of France is" -n 64 --tolerance 1e-4 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+  fi
   [ -f dist/strata-cuda-base.xz ] && unxz_to dist/strata-cuda-base.xz /tmp/strata-base
   if [ -f /tmp/llama-build.started ]; then
     while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
@@ -496,7 +544,9 @@ for m in qwen3_moe qwen2_moe mixtral olmoe qwen3_next qwen3_5_moe; do
 done
 SMOL=${SMOL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 if [ -f "$SMOL" ]; then
-  "$S" compare-devices -m "$SMOL" -p "The capital of France is" -n 64 --tolerance 1e-2 2>>"$OUT/compare.err" | tail -1 | tee -a "$OUT/compare.md"
+  # q8 activations on both sides (5.22e-2 measured), then DMMV against the f32 reference (PART=decode).
+  "$S" compare-devices -m "$SMOL" -p "The capital of France is" -n 64 --tolerance 1e-1 2>>"$OUT/compare.err" | tail -1 | tee -a "$OUT/compare.md"
+  STRATA_GPU_MATVEC=0 STRATA_CPU_DEQUANTIZE=1 "$S" compare-devices -m "$SMOL" -p "The capital of France is" -n 64 --tolerance 1e-4 2>>"$OUT/compare.err" | tail -1 | tee -a "$OUT/compare.md"
 fi
 echo "## DFlash on cuda (fixture target + draft_memo): greedy tokens equal plain decoding" | tee "$OUT/dflash.md"
 for mode in plain dflash; do

@@ -34,14 +34,16 @@ pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Re
     let vocab = engine.model.config().vocab_size as u32;
     let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let mut cache = engine.new_cache(n + 1)?;
-    // warm-up
-    let prefill = |part: &[u32], cache: &mut strata_models::KvCache| {
-        // Prompt tokens, as the engine's prefill runs them.
-        strata_models::prefill_scope(part.len(), 0, || {
+    // Prompt tokens, as the engine's prefill runs them; the last logits `[vocab]` read to the
+    // host as generation reads them (on a GPU: the pass's end, not its launch).
+    let prefill = |part: &[u32], cache: &mut strata_models::KvCache| -> Result<()> {
+        let out = strata_models::prefill_scope(part.len(), 0, || {
             engine.model.forward(part, cache, Logits::Last, &[])
-        })
+        })?;
+        std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
+        Ok(())
     };
-    prefill(&tokens[..n.min(16)], &mut cache)?;
+    prefill(&tokens[..n.min(16)], &mut cache)?; // warm-up
     let mut runs = Vec::new();
     for _ in 0..reps {
         cache.clear();
@@ -54,17 +56,25 @@ pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Re
     Ok(BenchResult { test: format!("pp{n}"), tokens: n, median_tok_s: median(&runs), runs })
 }
 
-/// Text generation: `n` single-token forwards from an empty cache, `reps` times.
+/// Text generation: `n` single-token forwards from an empty cache, `reps` times. Each step's
+/// logits `[vocab]` are read to the host, as the sampler of a generation reads them (and as
+/// llama-bench waits for each token): on a GPU a step whose pass never synchronizes (a dense
+/// model's replayed graph) would otherwise time only its launch.
 pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResult> {
     let vocab = engine.model.config().vocab_size as u32;
     let mut cache = engine.new_cache(n + 1)?;
     let mut runs = Vec::new();
-    engine.model.forward(&[1], &mut cache, Logits::Last, &[])?;
+    let step = |cache: &mut strata_models::KvCache, token: u32| -> Result<()> {
+        let out = engine.model.forward(&[token], cache, Logits::Last, &[])?;
+        std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
+        Ok(())
+    };
+    step(&mut cache, 1)?;
     for _ in 0..reps {
         cache.clear();
         let t = std::time::Instant::now();
         for i in 0..n as u32 {
-            engine.model.forward(&[(i * 7919 + 13) % vocab], &mut cache, Logits::Last, &[])?;
+            step(&mut cache, (i * 7919 + 13) % vocab)?;
         }
         runs.push(n as f64 / t.elapsed().as_secs_f64());
     }
@@ -85,7 +95,9 @@ pub fn bench_verify(engine: &Engine, width: usize, n: usize, reps: usize) -> Res
             (0..width).map(|j| ((i * width + j) as u32 * 7919 + 13) % vocab).collect();
         let start = cache.len();
         cache.checkpoint();
-        engine.model.forward(&toks, cache, Logits::All, &[])?;
+        // Every position's logits `[width, vocab]` read to the host, as acceptance reads them.
+        let out = engine.model.forward(&toks, cache, Logits::All, &[])?;
+        std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
         cache.rollback(start + 1)?;
         cache.release_checkpoint();
         Ok(())
@@ -136,8 +148,9 @@ pub fn bench_batch_decode(
             .zip(&toks)
             .map(|(cache, t)| BatchSeq { tokens: t, cache, logits: Logits::Last })
             .collect();
+        // Each sequence's logits `[vocab]` read to the host, as its sampler reads them.
         for r in engine.model.forward_batch(&mut seqs, BatchOptions::default())? {
-            r?;
+            std::hint::black_box(r?.logits.flatten_all()?.to_vec1::<f32>()?);
         }
         Ok(())
     };

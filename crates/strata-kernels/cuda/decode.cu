@@ -79,13 +79,16 @@ __device__ __forceinline__ void q8_round_warp(float v, size_t i, bool valid, int
 // logits [n, E] f32; ids [n, keep] u32; weights [n, keep] f32; ids_all / w_all (nullable): the
 // same values also written at [n, keep] offset `all_off` (the pass's routing record).
 // scoring: 0 softmax, 1 sigmoid. norm: renormalise the top-k weights to sum 1. keep <= k: keep the
-// keep best, rescaled to the top-k's total weight (Router::weigh).
+// keep best, rescaled to the top-k's total weight (Router::weigh). chosen (nullable) [n, k]: each
+// row's k experts (distinct) already chosen — a synthetic model's routing process, run on the host
+// — so only they compete: the result is Router::weigh of them (scores still over all E experts).
 #define ROUTE_THREADS 128
 #define ROUTE_MAX_K 32
 
 extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint32_t* __restrict__ ids,
                                           float* __restrict__ weights, uint32_t* __restrict__ ids_all,
-                                          float* __restrict__ w_all, int all_off, int E, int k,
+                                          float* __restrict__ w_all, int all_off,
+                                          const uint32_t* __restrict__ chosen, int E, int k,
                                           int keep, int scoring, int norm) {
     PDL_ENTER();
     extern __shared__ float sc[];  // [E] scores, then removed ones as -1
@@ -109,6 +112,15 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint
         for (int e = lane; e < E; e += WARP) sc[e] = sc[e] / s;
     } else {
         for (int e = lane; e < E; e += WARP) sc[e] = 1.f / (1.f + expf(-l[e]));
+    }
+    if (chosen) {
+        // Experts the row did not choose leave the selection (each lane its own, as below).
+        const uint32_t* c = chosen + (size_t)t * k;
+        for (int e = lane; e < E; e += WARP) {
+            bool in = false;
+            for (int j = 0; j < k; j++) in |= c[j] == (uint32_t)e;
+            if (!in) sc[e] = -1.f;
+        }
     }
     for (int j = 0; j < k; j++) {
         // arg max over the scores left: highest score, then the lower id.

@@ -185,73 +185,108 @@ extern "C" __global__ void moe_down_q4k(const float* a, const uint8_t* down, con
 // token is the same operations in the same order whatever R, T and the warp's other rows and
 // tokens (tested bit for bit), so a short pass's rows equal one-token decode steps.
 // grid (ceil((r0 + r1 + r2) / (4R)), ceil(n / T)), 128 threads.
-template <int R, int T, class In>
-__device__ void mv_q4k_rows(const In in, const uint8_t* __restrict__ w0,
-                            const uint8_t* __restrict__ w1, const uint8_t* __restrict__ w2,
-                            float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
-                            int r0, int r1, int r2, int cols, int n) {
-    const int lane = threadIdx.x % WARP, t0 = blockIdx.y * T, nb = cols / 256;
-    const int first = (blockIdx.x * 4 + threadIdx.x / WARP) * R;
+// A warp's R weight rows among up to three matrices taken end to end (mat-vec kernels): row i's
+// weights (row_bytes apart in its matrix), its output column and the output's row stride, and
+// whether it exists (the same for every lane of the warp).
+template <int R>
+struct WarpRows {
     const uint8_t* row[R];
     float* out[R];
     int stride[R];
     bool live[R];
+
+    __device__ __forceinline__ WarpRows(int first, size_t row_bytes, const uint8_t* w0,
+                                        const uint8_t* w1, const uint8_t* w2, float* y0, float* y1,
+                                        float* y2, int r0, int r1, int r2) {
 #pragma unroll
-    for (int i = 0; i < R; i++) {
-        int r = first + i, rows = r0;
-        const uint8_t* w = w0;
-        float* y = y0;
-        if (r >= r0) {
-            r -= r0;
-            w = w1;
-            y = y1;
-            rows = r1;
-            if (r >= r1) {
-                r -= r1;
-                w = w2;
-                y = y2;
-                rows = r2;
+        for (int i = 0; i < R; i++) {
+            int r = first + i, rows = r0;
+            const uint8_t* w = w0;
+            float* y = y0;
+            if (r >= r0) {
+                r -= r0;
+                w = w1;
+                y = y1;
+                rows = r1;
+                if (r >= r1) {
+                    r -= r1;
+                    w = w2;
+                    y = y2;
+                    rows = r2;
+                }
+            }
+            live[i] = r < rows;
+            row[i] = live[i] ? w + (size_t)r * row_bytes : w0;
+            out[i] = live[i] ? y + r : y0;
+            stride[i] = rows;
+        }
+    }
+
+    // The warp's sums acc[i][u] (one partial per lane) for tokens t0.. (the first `tokens`)
+    // reduced and written by lane 0.
+    template <int T>
+    __device__ __forceinline__ void store(float (&acc)[R][T], int t0, int tokens, int lane) const {
+#pragma unroll
+        for (int u = 0; u < T; u++) {
+            if (u < tokens) {
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    const float v = warp_sum(acc[i][u]);
+                    if (lane == 0 && live[i]) out[i][(size_t)(t0 + u) * stride[i]] = v;
+                }
             }
         }
-        live[i] = r < rows;  // the same for every lane of the warp
-        row[i] = live[i] ? w + (size_t)r * nb * Q4K_BYTES : w0;
-        out[i] = live[i] ? y + r : y0;
-        stride[i] = rows;
     }
-    if (!live[0]) return;
+};
+
+// The frame of the mat-vec kernels: the warp's rows (row_bytes apart), its tokens t0.. (the
+// first `tokens` of T), sums zeroed, `sweep(row, live, t0, tokens, lane, acc)` adding each lane's
+// share, then the reduction and store.
+template <int R, int T, class Sweep>
+__device__ __forceinline__ void mv_frame(size_t row_bytes, const uint8_t* w0, const uint8_t* w1,
+                                         const uint8_t* w2, float* y0, float* y1, float* y2,
+                                         int r0, int r1, int r2, int n, Sweep sweep) {
+    const int lane = threadIdx.x % WARP, t0 = blockIdx.y * T;
+    const int first = (blockIdx.x * 4 + threadIdx.x / WARP) * R;
+    const WarpRows<R> wr(first, row_bytes, w0, w1, w2, y0, y1, y2, r0, r1, r2);
+    if (!wr.live[0]) return;
     const int tokens = min(T, n - t0);
     float acc[R][T];
 #pragma unroll
     for (int i = 0; i < R; i++)
 #pragma unroll
         for (int u = 0; u < T; u++) acc[i][u] = 0.f;
+    sweep(wr.row, wr.live, t0, tokens, lane, acc);
+    wr.store(acc, t0, tokens, lane);
+}
+
+template <int R, int T, class In>
+__device__ void mv_q4k_rows(const In in, const uint8_t* __restrict__ w0,
+                            const uint8_t* __restrict__ w1, const uint8_t* __restrict__ w2,
+                            float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
+                            int r0, int r1, int r2, int cols, int n) {
+    const int nb = cols / 256;
+    auto sweep = [&](const uint8_t* const* row, const bool* live, int t0, int tokens, int lane,
+                     float (&acc)[R][T]) {
 #pragma unroll 2
-    for (int sb = lane >> 3; sb < nb; sb += 4) {
-        Q4kW ws[R];
+        for (int sb = lane >> 3; sb < nb; sb += 4) {
+            Q4kW ws[R];
 #pragma unroll
-        for (int i = 0; i < R; i++)
-            if (live[i]) ws[i] = q4k_w_lane(row[i] + (size_t)sb * Q4K_BYTES, lane & 7);
-        // Guards, not `break`: fully unrolled, acc stays in registers (warp-uniform branches).
+            for (int i = 0; i < R; i++)
+                if (live[i]) ws[i] = q4k_w_lane(row[i] + (size_t)sb * Q4K_BYTES, lane & 7);
+            // Guards, not `break`: fully unrolled, acc stays in registers (warp-uniform branches).
 #pragma unroll
-        for (int u = 0; u < T; u++) {
-            if (u < tokens) {
-                const auto xs = in.load(t0 + u, sb, lane & 7);
+            for (int u = 0; u < T; u++) {
+                if (u < tokens) {
+                    const auto xs = in.load(t0 + u, sb, lane & 7);
 #pragma unroll
-                for (int i = 0; i < R; i++)
-                    if (live[i]) acc[i][u] += In::dot(ws[i], xs);
+                    for (int i = 0; i < R; i++)
+                        if (live[i]) acc[i][u] += In::dot(ws[i], xs);
+                }
             }
         }
-    }
-#pragma unroll
-    for (int u = 0; u < T; u++) {
-        if (u < tokens) {
-#pragma unroll
-            for (int i = 0; i < R; i++) {
-                const float v = warp_sum(acc[i][u]);
-                if (lane == 0 && live[i]) out[i][(size_t)(t0 + u) * stride[i]] = v;
-            }
-        }
-    }
+    };
+    mv_frame<R, T>((size_t)nb * Q4K_BYTES, w0, w1, w2, y0, y1, y2, r0, r1, r2, n, sweep);
 }
 
 #define MV_Q4K_KERNEL(R, T, NAME)                                                                   \

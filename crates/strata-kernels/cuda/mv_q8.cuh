@@ -8,6 +8,9 @@
 //  quantize_q8   q[t, :] (int8), d[t, :/32] (f32) from x[t, :]
 //  mv_q4k_q8_r{R}[t4]  y_m[t, :] = W_m · x_t over q8 x (as mv_q4k_r{R}[t4])
 //  moe_gate_up_q4k_q8, moe_down_q4k_q8  moe_gate_up_q4k / moe_down_q4k over q8 x and q8 a
+//  mv_q4_1_q8_r{R}[t4], mv_q8_0_q8_r{R}[t4]  the same mat-vecs over Q4_1 / Q8_0 weights (llama.cpp's
+//                   vec_dot_q4_1_q8_1 / vec_dot_q8_0_q8_1 arithmetic: dense layers of llama-family
+//                   models such as SmolLM2)
 
 // x [rows, K] f32 → q [rows, K] int8, d [rows, K / 32] f32; one warp per 32 values (a block of
 // 32 consecutive values of one row). grid ceil(rows·K / 128), 128 threads. The division is IEEE
@@ -103,3 +106,101 @@ extern "C" __global__ void moe_down_q4k_q8(const int8_t* aq, const float* ad, co
     PDL_ENTER();
     moe_down(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Weights in 32-value blocks (Q4_1: f16 d, f16 m, 16 bytes of nibbles — value i low nibble of
+// byte i, value 16 + i its high nibble; Q8_0: f16 d, 32 int8) over q8 inputs (one scale per 32
+// values, the same blocks). Four lanes share a block, lane j (0..3) taking 8 of its values; a
+// warp walks 8 blocks per step. A lane's part of a block is ggml's integer dot product scaled
+// once, in a fixed order of IEEE operations (no contraction), so a row's result for a token is
+// the same bits whatever R, T and the launch's other rows and tokens (tested).
+struct Q41 {
+    static constexpr int BYTES = 20;
+    // Byte j·4.. of the nibbles: values 4j..4j+3 (low) and 16+4j.. (high).
+    static __device__ __forceinline__ void x_lane(const int8_t* __restrict__ xb, int j, int& lo,
+                                                  int& hi) {
+        lo = *(const int*)(xb + 4 * j);
+        hi = *(const int*)(xb + 16 + 4 * j);
+    }
+    static __device__ __forceinline__ float dot(const uint8_t* __restrict__ blk, int j, int lo,
+                                                int hi, float xd) {
+        const __half2 dm = *(const __half2*)blk;
+        const int v = *(const int*)(blk + 4 + 4 * j);
+        int s = __dp4a(v & 0x0F0F0F0F, lo, 0);
+        s = __dp4a((v >> 4) & 0x0F0F0F0F, hi, s);
+        const int sx = __dp4a(hi, 0x01010101, __dp4a(lo, 0x01010101, 0));
+        const float d = __low2float(dm), m = __high2float(dm);
+        return __fadd_rn(__fmul_rn(__fmul_rn(d, xd), (float)s), __fmul_rn(__fmul_rn(m, xd), (float)sx));
+    }
+};
+
+struct Q80 {
+    static constexpr int BYTES = 34;
+    // Values 8j..8j+7.
+    static __device__ __forceinline__ void x_lane(const int8_t* __restrict__ xb, int j, int& lo,
+                                                  int& hi) {
+        const int2 v = *(const int2*)(xb + 8 * j);
+        lo = v.x;
+        hi = v.y;
+    }
+    static __device__ __forceinline__ float dot(const uint8_t* __restrict__ blk, int j, int lo,
+                                                int hi, float xd) {
+        // The quants start 2 bytes into a 34-byte block: 16-bit loads (ggml's get_int_b2).
+        const uint16_t* q = (const uint16_t*)(blk + 2 + 8 * j);
+        const int w0 = (int)(q[0] | ((uint32_t)q[1] << 16));
+        const int w1 = (int)(q[2] | ((uint32_t)q[3] << 16));
+        const int s = __dp4a(w1, hi, __dp4a(w0, lo, 0));
+        const float d = __half2float(*(const __half*)blk);
+        return __fmul_rn(__fmul_rn(d, xd), (float)s);
+    }
+};
+
+// y_m[t, r] = W_m[r, :] · x_t for up to three matrices (rows r0, r1, r2 of `cols` values, cols a
+// multiple of 32) over q8 inputs q [n, cols], d [n, cols / 32]; a warp per R rows and T tokens.
+// grid (ceil((r0 + r1 + r2) / (4R)), ceil(n / T)), 128 threads.
+template <class W, int R, int T>
+__device__ void mv_b32_rows(const int8_t* __restrict__ q, const float* __restrict__ d,
+                            const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
+                            const uint8_t* __restrict__ w2, float* __restrict__ y0,
+                            float* __restrict__ y1, float* __restrict__ y2, int r0, int r1, int r2,
+                            int cols, int n) {
+    const int nb = cols / 32;
+    auto sweep = [&](const uint8_t* const* row, const bool* live, int t0, int tokens, int lane,
+                     float (&acc)[R][T]) {
+        const int j = lane & 3;
+        for (int b = lane >> 2; b < nb; b += WARP / 4) {
+#pragma unroll
+            for (int u = 0; u < T; u++) {
+                if (u < tokens) {
+                    int lo, hi;
+                    const size_t t = (size_t)(t0 + u);
+                    W::x_lane(q + t * cols + (size_t)b * 32, j, lo, hi);
+                    const float xd = __ldg(d + t * nb + b);  // read-only path, as before the lambda
+#pragma unroll
+                    for (int i = 0; i < R; i++)
+                        if (live[i])
+                            acc[i][u] += W::dot(row[i] + (size_t)b * W::BYTES, j, lo, hi, xd);
+                }
+            }
+        }
+    };
+    mv_frame<R, T>((size_t)nb * W::BYTES, w0, w1, w2, y0, y1, y2, r0, r1, r2, n, sweep);
+}
+
+#define MV_B32_KERNEL(W, R, T, NAME)                                                                \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
+        const int8_t* q, const float* d, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,  \
+        float* y0, float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                \
+        PDL_ENTER();                                                                              \
+        mv_b32_rows<W, R, T>(q, d, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);                  \
+    }
+// The six launch shapes of one format (rows per warp 1, 2, 4; tokens per warp 1, 4).
+#define MV_B32_KERNELS(W, PREFIX)                 \
+    MV_B32_KERNEL(W, 1, 1, PREFIX##_r1)           \
+    MV_B32_KERNEL(W, 2, 1, PREFIX##_r2)           \
+    MV_B32_KERNEL(W, 4, 1, PREFIX##_r4)           \
+    MV_B32_KERNEL(W, 1, 4, PREFIX##_r1t4)         \
+    MV_B32_KERNEL(W, 2, 4, PREFIX##_r2t4)         \
+    MV_B32_KERNEL(W, 4, 4, PREFIX##_r4t4)
+MV_B32_KERNELS(Q41, mv_q4_1_q8)
+MV_B32_KERNELS(Q80, mv_q8_0_q8)

@@ -241,14 +241,25 @@ pub struct RoutingRecord<'a> {
     pub offset: usize,
 }
 
+/// Experts already chosen for a routing kernel's rows: `ids` u32 holds, from element `offset`,
+/// `[n, k]` — each row's `k` distinct experts (a synthetic model's routing process, run on the
+/// host: `strata_models::synthetic_routing`).
+pub struct ChosenExperts<'a> {
+    pub ids: &'a Tensor,
+    pub offset: usize,
+}
+
 /// Top-k routing on the device: router `logits: [n, E]` f32 → `(ids [n, keep] u32, weights
 /// [n, keep] f32)`. Scores are the softmax over experts (in f32) or the sigmoid of each logit; the
 /// `k` best are chosen, highest first, ties to the lower id; with `norm_topk` their weights are
 /// divided by their sum; `keep < k` keeps the `keep` best rescaled to the top-k's total weight
 /// (`--moe-top-k`). The same function as `strata_models::Router::select` (reference:
-/// transformers `Qwen2MoeTopKRouter`), up to float summation order.
+/// transformers `Qwen2MoeTopKRouter`), up to float summation order. With `chosen`, only each
+/// row's chosen experts compete (scores still over all `E`): `Router::weigh` of them, as the
+/// host's synthetic routing weighs its choice.
 ///
-/// Errors: `k` or `keep` is 0 or above `min(E, 32)`, `keep > k`, or a tensor is off the device.
+/// Errors: `k` or `keep` is 0 or above `min(E, 32)`, `keep > k`, `chosen` or `record` holds too
+/// few entries, or a tensor is off the device or of the wrong type.
 pub fn route_topk(
     logits: &Tensor,
     k: usize,
@@ -256,12 +267,26 @@ pub fn route_topk(
     scoring: Scoring,
     norm_topk: bool,
     record: Option<RoutingRecord<'_>>,
+    chosen: Option<ChosenExperts<'_>>,
 ) -> Result<(Tensor, Tensor)> {
     check_f32(logits, "router logits")?;
     let (n, e) = logits.dims2()?;
     if k == 0 || k > e.min(ROUTE_MAX_K) || keep == 0 || keep > k {
         bail!("route_topk: top-k {k} (keep {keep}) over {e} experts");
     }
+    let chosen_addr = match &chosen {
+        Some(c) => {
+            if c.ids.dtype() != DType::U32 || c.ids.elem_count() < c.offset + n * k {
+                bail!(
+                    "route_topk: chosen experts hold {} u32 of {} entries",
+                    c.ids.elem_count(),
+                    c.offset + n * k
+                );
+            }
+            addr(c.ids)? + (c.offset * 4) as u64
+        }
+        None => 0,
+    };
     let dev = cuda_device(logits)?;
     let ids = alloc::<u32>(dev, (n, keep))?;
     let weights = alloc::<f32>(dev, (n, keep))?;
@@ -291,10 +316,12 @@ pub fn route_topk(
         Arg::Ptr(rec_ids),
         Arg::Ptr(rec_w),
     ];
-    let flags = [off, e, k, keep, matches!(scoring, Scoring::Sigmoid) as usize, norm_topk as usize];
+    args.extend(i32s(&[off]));
+    args.push(Arg::Ptr(chosen_addr));
+    let flags = [e, k, keep, matches!(scoring, Scoring::Sigmoid) as usize, norm_topk as usize];
     args.extend(i32s(&flags));
     // SAFETY: arguments in `moe_route_topk`'s order; sizes checked above (the record holds
-    // `offset + n · keep` entries).
+    // `offset + n · keep` entries, `chosen` `offset + n · k`).
     unsafe { launch(dev, "moe_route_topk", cfg, &args) }?;
     Ok((ids, weights))
 }
@@ -853,46 +880,70 @@ fn aligned16(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`), the mat-vec of a
-/// decode step: [`matvec_q4k_many`] with one matrix.
-pub fn matvec_q4k(x: &Tensor, w: &QTensor) -> Result<Tensor> {
-    Ok(matvec_q4k_many(x, &[w])?.remove(0))
+/// `x: [n, K]` f32 times a quantized matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`), the mat-vec of
+/// a decode step: [`matvec_quant_many`] with one matrix.
+pub fn matvec_quant(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    Ok(matvec_quant_many(x, &[w])?.remove(0))
 }
 
-/// `x: [n, K]` f32 times one to three Q4_K matrices `w_m: [R_m, K]` (a layer's q, k and v
-/// projections) → `[n, R_m]` each, in one launch (`mv_q4k_r*`: a warp per 1, 2 or 4 weight rows
-/// ([`mv_rows`]) reading their quants in 16-byte loads, 8 lanes per super-block, each lane's
-/// inputs loaded once for the warp's rows, ggml's `dequantize_row_q4_K` values; the inputs taken
-/// as [`activations`] says: by default rounded to 8 bits as llama.cpp's MMVQ rounds x to Q8_1,
-/// or f32, the f32 reference's result up to summation order). Rows of `x` go four to a warp when there are
-/// several ([`mv_tokens`]: each weight load serves four tokens): meant for one to a few rows (a
-/// decode step, a short verify pass). A row's result does not depend on the other rows of `x`
-/// nor on the other matrices passed with it (bit for bit, tested), so a short pass's rows equal
-/// the one-row products of decode steps.
+/// Whether [`matvec_quant_many_as`] takes `K`-column matrices of `dtype` with inputs `act`:
+/// Q4_K (`K` a multiple of 256; f32 or q8 inputs), Q4_1 and Q8_0 (`K` a multiple of 32; q8
+/// inputs only).
+pub fn matvec_supports(dtype: GgmlDType, k: usize, act: Activations) -> bool {
+    match dtype {
+        GgmlDType::Q4K => k.is_multiple_of(256),
+        GgmlDType::Q4_1 | GgmlDType::Q8_0 => k.is_multiple_of(32) && act == Activations::Q8,
+        _ => false,
+    }
+}
+
+/// `x: [n, K]` f32 times one to three matrices `w_m: [R_m, K]` of one quantized format (a
+/// layer's q, k and v projections; an MLP's gate and up) → `[n, R_m]` each, in one launch.
+/// Q4_K (`mv_q4k_r*`): a warp per 1, 2 or 4 weight rows ([`mv_rows`]) reading their quants in
+/// 16-byte loads, 8 lanes per super-block, each lane's inputs loaded once for the warp's rows,
+/// ggml's `dequantize_row_q4_K` values; the inputs taken as [`activations`] says: by default
+/// rounded to 8 bits as llama.cpp's MMVQ rounds x to Q8_1, or f32, the f32 reference's result up
+/// to summation order. Q4_1 and Q8_0 (`mv_q4_1_q8_r*`, `mv_q8_0_q8_r*`, q8 inputs): four lanes
+/// per 32-value block, llama.cpp's `vec_dot_q4_1_q8_1` / `vec_dot_q8_0_q8_1` integer sums. Rows
+/// of `x` go four to a warp when there are several ([`mv_tokens`]: each weight load serves four
+/// tokens): meant for one to a few rows (a decode step, a short verify pass). A row's result does
+/// not depend on the other rows of `x` nor on the other matrices passed with it (bit for bit,
+/// tested), so a short pass's rows equal the one-row products of decode steps.
 ///
-/// Errors: no matrix or more than three, a matrix not Q4_K `[R, K]` with `K` a multiple of 256,
-/// `x` not f32 `[n, K]` contiguous on the same CUDA device.
-pub fn matvec_q4k_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
-    matvec_q4k_many_as(x, ws, activations())
+/// Errors: no matrix or more than three, matrices of different formats or one that
+/// [`matvec_supports`] refuses, `x` not f32 `[n, K]` contiguous on the same CUDA device.
+pub fn matvec_quant_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
+    matvec_quant_many_as(x, ws, activations())
 }
 
-/// [`matvec_q4k_many`] with the inputs taken as `act` says ([`Activations::Q8`]: one more
-/// launch, [`quantize_q8`], then integer dot products; each row still independent of the
-/// others and of the launch's shape, bit for bit).
-pub fn matvec_q4k_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Result<Vec<Tensor>> {
+/// [`matvec_quant_many`] with the inputs taken as `act` says ([`Activations::Q8`]: one more
+/// launch, [`quantize_q8`], unless a kept twin serves, then integer dot products; each row still
+/// independent of the others and of the launch's shape, bit for bit).
+pub fn matvec_quant_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Result<Vec<Tensor>> {
     check_f32(x, "x")?;
     let (n, k) = x.dims2()?;
     let mut rows = [0usize; 3];
-    if ws.is_empty() || ws.len() > 3 || !k.is_multiple_of(256) || n > 65535 {
-        bail!("matvec_q4k: x {:?} with {} matrices", x.dims(), ws.len());
+    let dtype = ws.first().map(|w| w.dtype());
+    if ws.is_empty() || ws.len() > 3 || n > 65535 {
+        bail!("matvec_quant: x {:?} with {} matrices", x.dims(), ws.len());
     }
     for (m, w) in ws.iter().enumerate() {
         let (r, wk) = w.shape().dims2()?;
-        if w.dtype() != GgmlDType::Q4K || wk != k {
-            bail!("matvec_q4k: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
+        if Some(w.dtype()) != dtype || wk != k || !matvec_supports(w.dtype(), k, act) {
+            bail!(
+                "matvec_quant: x {:?}, w {:?} {:?} ({act:?})",
+                x.dims(),
+                w.dtype(),
+                w.shape().dims()
+            );
         }
         rows[m] = r;
     }
+    let prefix = match dtype {
+        Some(GgmlDType::Q4_1) => "mv_q4_1",
+        Some(GgmlDType::Q8_0) => "mv_q8_0",
+        _ => "mv_q4k",
+    };
     let dev = cuda_device(x)?;
     let ys = (0..ws.len()).map(|m| alloc::<f32>(dev, (n, rows[m]))).collect::<Result<Vec<_>>>()?;
     let total: usize = rows.iter().sum();
@@ -916,17 +967,18 @@ pub fn matvec_q4k_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Resu
     }
     args.extend(i32s(&[rows[0], rows[1], rows[2], k, n]));
     let name = match tokens {
-        1 => format!("mv_q4k{suffix}_r{per_warp}"),
-        t => format!("mv_q4k{suffix}_r{per_warp}t{t}"),
+        1 => format!("{prefix}{suffix}_r{per_warp}"),
+        t => format!("{prefix}{suffix}_r{per_warp}t{t}"),
     };
-    // SAFETY: arguments in `mv_q4k_r*`'s / `mv_q4k_q8_r*`'s order; each w_m is [R_m, K] Q4_K
-    // (absent ones have 0 rows and are never read), x [n, K] f32 16-byte aligned (or its q8
-    // rounding: q [n, K] bytes from a fresh allocation, d [n, K / 32]), y_m [n, R_m].
+    // SAFETY: arguments in the order of `mv_q4k_r*` / `mv_q4k_q8_r*` / `mv_q4_1_q8_r*` /
+    // `mv_q8_0_q8_r*`; each w_m is [R_m, K] of the kernel's format (absent ones have 0 rows and
+    // are never read), x [n, K] f32 16-byte aligned (or its q8 rounding: q [n, K] bytes from a
+    // fresh allocation, d [n, K / 32]), y_m [n, R_m].
     unsafe { launch(dev, &name, cfg, &args) }?;
     Ok(ys)
 }
 
-/// Tokens per warp of a [`matvec_q4k_many`] launch over `n` rows of `x`: one for a decode step,
+/// Tokens per warp of a [`matvec_quant_many`] launch over `n` rows of `x`: one for a decode step,
 /// four for a short pass (each super-block's weights loaded once for four tokens). A
 /// measurement override: `STRATA_GPU_MV_TOKENS=1|4`. A token's result does not depend on it.
 fn mv_tokens(n: usize) -> usize {
@@ -943,7 +995,7 @@ fn mv_tokens(n: usize) -> usize {
     forced.unwrap_or(4)
 }
 
-/// Weight rows per warp of a [`matvec_q4k_many`] launch of `total` rows and `tokens` tokens per
+/// Weight rows per warp of a [`matvec_quant_many`] launch of `total` rows and `tokens` tokens per
 /// warp (`mv_q4k_r1|2|4`, `mv_q4k_r1|2|4t4`): more rows per warp read each input once for more
 /// rows (the kernel is bound by those L1 reads, ncu), as long as the launch keeps ~2 blocks of 128
 /// threads per SM of an H100 (132 SMs); with several tokens per warp, one row (the warp's work

@@ -116,7 +116,7 @@ impl Attention {
             }
             Qkv::Separate { q, k, v } => {
                 #[cfg(feature = "cuda")]
-                let fused = crate::layers::matvec_q4k_fused(&[q, k, v], x).transpose()?;
+                let fused = crate::layers::matvec_quant_fused(&[q, k, v], x).transpose()?;
                 #[cfg(not(feature = "cuda"))]
                 let fused: Option<Vec<Tensor>> = None;
                 match fused.map(<[Tensor; 3]>::try_from) {

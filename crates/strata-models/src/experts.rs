@@ -132,7 +132,7 @@ impl FusedExperts {
 
 /// SwiGLU's `silu(g) ⊙ u`: one launch of our kernel for f32 tensors on a GPU (`cuda` build),
 /// candle's two ops otherwise.
-fn silu_mul(g: &Tensor, u: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn silu_mul(g: &Tensor, u: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if g.device().is_cuda() && g.dtype() == candle_core::DType::F32 {
         return strata_kernels::cuda::silu_mul(g, u);

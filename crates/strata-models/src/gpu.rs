@@ -44,8 +44,9 @@ pub enum GpuPath {
     /// Dense Q4_K products of 2 to `MATMUL_ROWS_MAX` rows on our kernel
     /// ([`crate::layers::Linear`]).
     Dense,
-    /// One-row dense Q4_K products (decode steps) on our mat-vec kernel, a layer's q/k/v in one
-    /// launch, one-row f32 products (router logits) on ours ([`crate::layers::Linear`]).
+    /// One-row dense Q4_K / Q4_1 / Q8_0 products (decode steps) on our mat-vec kernel, a
+    /// layer's q/k/v in one launch (a dense MLP's gate and up too), one-row f32 products (router
+    /// logits) on ours ([`crate::layers::Linear`]).
     MatVec,
     /// Dense Q4_K products of 2 to [`MATVEC_ROWS_MAX`] rows (short verify passes) on the mat-vec
     /// kernel, four tokens per warp, so each row equals a decode step's product bit for bit
@@ -73,6 +74,22 @@ pub const MATVEC_ROWS_MAX: usize = 8;
 pub fn matvec_rows(rows: usize) -> bool {
     enabled(GpuPath::MatVec)
         && (rows == 1 || ((2..=MATVEC_ROWS_MAX).contains(&rows) && enabled(GpuPath::ShortMatVec)))
+}
+
+/// Rows of `x` up to which a dense Q4_1 / Q8_0 product runs on the mat-vec kernel: these formats
+/// have no multi-row kernel of ours (candle's path dequantizes the whole matrix to f32 for cuBLAS),
+/// so the mat-vec, four tokens per warp, also serves small batches (continuous batching).
+pub const MATVEC_B32_ROWS_MAX: usize = 16;
+
+/// [`matvec_rows`] for a matrix of `dtype`: up to [`MATVEC_B32_ROWS_MAX`] rows for Q4_1 / Q8_0.
+pub fn matvec_rows_of(dtype: candle_core::quantized::GgmlDType, rows: usize) -> bool {
+    use candle_core::quantized::GgmlDType;
+    let b32 = matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q8_0);
+    matvec_rows(rows)
+        || (b32
+            && (2..=MATVEC_B32_ROWS_MAX).contains(&rows)
+            && enabled(GpuPath::MatVec)
+            && enabled(GpuPath::ShortMatVec))
 }
 
 /// Whether `path` is on: its variable is not `0` ([`GpuPath::MoeGrouped`]: is `1`).

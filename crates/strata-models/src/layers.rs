@@ -256,7 +256,7 @@ impl Linear {
             Tensor::cat(&parts, 0)
         } else {
             #[cfg(feature = "cuda")]
-            if let Some(y) = dense_q4k_gpu(w, x).or_else(|| dense_f32_gpu(w, x)) {
+            if let Some(y) = dense_quant_gpu(w, x).or_else(|| dense_f32_gpu(w, x)) {
                 return y;
             }
             w.forward(x)
@@ -365,26 +365,38 @@ impl RmsNorm {
     }
 }
 
-/// Products `x: [n, in]` of several Q4_K projections without biases (a layer's q, k and v) in one
-/// launch on a GPU for the row counts the mat-vec kernel takes ([`crate::gpu::matvec_rows`]:
-/// decode steps, short verify passes; `strata_kernels::cuda::matvec_q4k_many`, the kernel of
-/// [`Linear::forward`] for such rows, so each result equals that projection's own forward) →
-/// `[n, out_m]` each. `None`: another device, format or row count, a bias, or the paths off.
+/// Products `x: [n, in]` of several quantized projections of one format without biases (a
+/// layer's q, k and v; an MLP's gate and up) in one launch on a GPU for the row counts the
+/// mat-vec kernel takes ([`crate::gpu::matvec_rows`]: decode steps, short verify passes;
+/// `strata_kernels::cuda::matvec_quant_many`, the kernel of [`Linear::forward`] for such rows, so
+/// each result equals that projection's own forward) → `[n, out_m]` each. `None`: another
+/// device, a format the kernel lacks ([`strata_kernels::cuda::matvec_supports`]), mixed formats,
+/// another row count, a bias, or the paths off.
 #[cfg(feature = "cuda")]
-pub fn matvec_q4k_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Result<Vec<Tensor>>> {
-    if !x.device().is_cuda() || x.rank() != 2 || !crate::gpu::matvec_rows(x.dims()[0]) {
+pub fn matvec_quant_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Result<Vec<Tensor>>> {
+    use strata_kernels::cuda::{activations, matvec_supports};
+    if !x.device().is_cuda() || x.rank() != 2 {
         return None;
     }
+    let (n, k) = (x.dims()[0], x.dims()[1]);
     let ws = ls
         .iter()
         .map(|l| match (&l.w, &l.b) {
-            (LinearWeight::Candle(QMatMul::QTensor(q)), None) if q.dtype() == GgmlDType::Q4K => {
+            (LinearWeight::Candle(QMatMul::QTensor(q)), None)
+                if matvec_supports(q.dtype(), k, activations()) =>
+            {
                 Some(q.as_ref())
             }
             _ => None,
         })
         .collect::<Option<Vec<&QTensor>>>()?;
-    Some(x.contiguous().and_then(|x| strata_kernels::cuda::matvec_q4k_many(&x, &ws)))
+    if ws.is_empty()
+        || ws.iter().any(|w| w.dtype() != ws[0].dtype())
+        || !crate::gpu::matvec_rows_of(ws[0].dtype(), n)
+    {
+        return None;
+    }
+    Some(x.contiguous().and_then(|x| strata_kernels::cuda::matvec_quant_many(&x, &ws)))
 }
 
 /// An f32 product `x: [.., in]` of the row counts [`crate::gpu::matvec_rows`] takes (a MoE
@@ -415,25 +427,27 @@ fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
     Some(run())
 }
 
-/// A dense Q4_K product of 2 to `MATMUL_ROWS_MAX` rows `x: [.., in]` on a GPU through our kernel
-/// (`strata_kernels::cuda::matmul_q4k`: each weight row dequantized once for all rows, f32
-/// activations; every row's result independent of the others), unless `STRATA_GPU_DENSE=0`:
+/// A dense quantized product `x: [.., in]` on a GPU through our kernels. One row (a decode step)
+/// runs on our mat-vec kernel (`strata_kernels::cuda::matvec_quant`: Q4_K, Q4_1 and Q8_0 over
+/// q8-rounded inputs by default) unless `STRATA_GPU_MATVEC=0` (candle's DMMV kernel), and so do 2
+/// to `gpu::MATVEC_ROWS_MAX` rows (a verify pass, a small batch: each row then equals a decode
+/// step's product) unless `STRATA_GPU_SHORT_MATVEC=0`. Q4_K only: 2 to `MATMUL_ROWS_MAX` rows
+/// beyond those on `strata_kernels::cuda::matmul_q4k` (each weight row dequantized once for all
+/// rows, f32 activations; every row's result independent of the others) unless
+/// `STRATA_GPU_DENSE=0`, and passes of `TC_ROWS_MIN` rows or more (prompts) on tensor cores
+/// (`strata_kernels::cuda::matmul_q4k_tc`: f16 inputs, f32 sums) unless `STRATA_GPU_DENSE_TC=0`;
 /// candle's path (with `STRATA_CUDA_MMVQ` unset) dequantizes the whole matrix to f32 and runs
-/// cuBLAS for more than one row. One row (a decode step) runs on our mat-vec kernel
-/// (`strata_kernels::cuda::matvec_q4k`: 16-byte loads, f32 activations) unless
-/// `STRATA_GPU_MATVEC=0` (candle's DMMV kernel), and so do 2 to `gpu::MATVEC_ROWS_MAX` rows (a
-/// verify pass: each row then equals a decode step's product) unless `STRATA_GPU_SHORT_MATVEC=0`. Passes of `TC_ROWS_MIN` rows or more (prompts) run on tensor cores
-/// (`strata_kernels::cuda::matmul_q4k_tc`: f16 inputs, f32 sums) unless
-/// `STRATA_GPU_DENSE_TC=0`. `None`: another device, format, rank or size.
+/// cuBLAS for more than one row. `None`: another device, format, rank or size.
 #[cfg(feature = "cuda")]
-fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
+fn dense_quant_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
     use strata_kernels::cuda::{
-        matmul_q4k, matmul_q4k_tc, matvec_q4k, moe_grouped_supports, MATMUL_ROWS_MAX,
+        activations, matmul_q4k, matmul_q4k_tc, matvec_quant, matvec_supports,
+        moe_grouped_supports, MATMUL_ROWS_MAX,
     };
     let QMatMul::QTensor(q) = w else { return None };
     let k = *x.dims().last()?;
     let n = x.elem_count() / k.max(1);
-    if !x.device().is_cuda() || q.dtype() != GgmlDType::Q4K {
+    if !x.device().is_cuda() {
         return None;
     }
     // `[.., k]` as `[n, k]`, the product's `[n, R]` back as `[.., R]`.
@@ -443,6 +457,12 @@ fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
         *dims.last_mut().expect("rank ≥ 1") = y.dim(1)?;
         y.reshape(dims)
     };
+    if q.dtype() != GgmlDType::Q4K {
+        // Q4_1 / Q8_0 (llama-family dense layers): our q8 mat-vec for the rows it takes.
+        let ours = matvec_supports(q.dtype(), k, activations())
+            && crate::gpu::matvec_rows_of(q.dtype(), n);
+        return ours.then(|| run(matvec_quant));
+    }
     if n >= strata_kernels::cuda::TC_ROWS_MIN
         && k.is_multiple_of(256)
         && crate::gpu::enabled(crate::gpu::GpuPath::DenseTc)
@@ -450,7 +470,7 @@ fn dense_q4k_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
         return Some(run(matmul_q4k_tc));
     }
     if k.is_multiple_of(256) && crate::gpu::matvec_rows(n) {
-        return Some(run(matvec_q4k));
+        return Some(run(matvec_quant));
     }
     if !(2..=MATMUL_ROWS_MAX).contains(&n)
         || !moe_grouped_supports(k, k)

@@ -103,10 +103,18 @@ impl Mlp {
                 let y = gate_up.forward(x)?;
                 (y.narrow(1, 0, *inter)?, y.narrow(1, *inter, *inter)?)
             }
-            GateUp::Separate { gate, up } => match Self::fused_candle_gate_up(gate, up, x)? {
-                Some(gu) => gu,
-                None => (gate.forward(x)?, up.forward(x)?),
-            },
+            GateUp::Separate { gate, up } => {
+                // On a GPU: gate and up in one mat-vec launch where the kernel takes them.
+                #[cfg(feature = "cuda")]
+                if let Some(gu) = crate::layers::matvec_quant_fused(&[gate, up], x) {
+                    let [g, u]: [Tensor; 2] = gu?.try_into().expect("two products");
+                    return self.down.forward(&crate::experts::silu_mul(&g, &u)?);
+                }
+                match Self::fused_candle_gate_up(gate, up, x)? {
+                    Some(gu) => gu,
+                    None => (gate.forward(x)?, up.forward(x)?),
+                }
+            }
         };
         let g = candle_nn::ops::silu(&g.contiguous()?)?;
         self.down.forward(&(g * u)?)

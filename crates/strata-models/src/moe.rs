@@ -69,7 +69,7 @@ pub struct Router {
     top_k_override: Option<usize>,
     /// A synthetic model's routing process: chooses the experts of passes routed with a
     /// [`SeqRoute`] (the scores still come from `gate`).
-    synthetic: Option<SyntheticRouter>,
+    synthetic: Option<Box<SyntheticRouter>>,
 }
 
 /// Where a pass's tokens sit in their sequence, for a router whose choice depends on it (a
@@ -92,7 +92,7 @@ impl Router {
 
     /// Lets `synthetic` choose the experts of passes routed with a [`SeqRoute`].
     pub fn with_synthetic(mut self, synthetic: Option<SyntheticRouter>) -> Self {
-        self.synthetic = synthetic;
+        self.synthetic = synthetic.map(Box::new);
         self
     }
 
@@ -147,23 +147,14 @@ impl Router {
                     ))
                     .into());
                 }
-                let mut prev: Option<Vec<u32>> = seq
-                    .start
-                    .checked_sub(1)
-                    .and_then(|p| seq.history.get(layer, p))
-                    .map(<[u32]>::to_vec);
-                for (i, row) in logits.iter().enumerate() {
+                let actual =
+                    synthetic_chain(s, layer, seq.start, seq.tokens, seq.history, !predict);
+                for (i, (row, actual)) in logits.iter().zip(actual).enumerate() {
                     let (pos, token) = (seq.start + i, seq.tokens[i]);
-                    let actual = s.route(pos, token, prev.as_deref());
-                    let chosen =
-                        if predict { s.predict(pos, token, &actual) } else { actual.clone() };
-                    if !predict {
-                        seq.history.set(layer, pos, &actual);
-                    }
+                    let chosen = if predict { s.predict(pos, token, &actual) } else { actual };
                     let (ids, w) = self.weigh(&self.scores(row), chosen);
                     routing.expert_ids.extend(ids);
                     routing.weights.extend(w);
-                    prev = Some(actual);
                 }
             }
             _ => {
@@ -177,15 +168,28 @@ impl Router {
         Ok(routing)
     }
 
+    /// The synthetic routing process's choice for a pass's rows (`seq`), recorded in the
+    /// sequence's history: `[seq, k]` expert ids (`k` = the model's top-k), each row's experts
+    /// distinct — what [`Self::route_seq`] chooses (without `predict`) before weighing them by the
+    /// router's scores. The device weighs them the same way ([`Self::route_on_device`] with
+    /// `chosen`). `None` when this router has no synthetic process.
+    pub fn synthetic_choice(&self, layer: usize, seq: SeqRoute<'_>) -> Option<Vec<u32>> {
+        let s = self.synthetic.as_ref()?;
+        let rows = synthetic_chain(s, layer, seq.start, seq.tokens, seq.history, true);
+        Some(rows.concat())
+    }
+
     /// [`Self::route`] on the device: `x: [seq, hidden]` → expert ids `[seq, k]` (u32) and weights
     /// `[seq, k]` (f32), computed by our top-k kernel from the router's logits (the same function
-    /// as [`Self::select`], up to float summation order; tested against it on the device). The
-    /// synthetic routing process is not applied. `record` also receives both.
+    /// as [`Self::select`], up to float summation order; tested against it on the device). With
+    /// `chosen` (a synthetic model's choice, [`Self::synthetic_choice`]) only those experts are
+    /// weighed, as [`Self::route_seq`] weighs them on the host. `record` also receives both.
     #[cfg(feature = "cuda")]
     pub fn route_on_device(
         &self,
         x: &Tensor,
         record: Option<strata_kernels::cuda::RoutingRecord<'_>>,
+        chosen: Option<strata_kernels::cuda::ChosenExperts<'_>>,
     ) -> Result<(Tensor, Tensor)> {
         use strata_kernels::cuda::{route_topk, Scoring};
         let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.contiguous()?;
@@ -193,7 +197,14 @@ impl Router {
             RouterScoring::Softmax => Scoring::Softmax,
             RouterScoring::Sigmoid => Scoring::Sigmoid,
         };
-        Ok(route_topk(&logits, self.top_k, self.top_k(), scoring, self.norm_topk_prob, record)?)
+        let k = self.top_k;
+        Ok(route_topk(&logits, k, self.top_k(), scoring, self.norm_topk_prob, record, chosen)?)
+    }
+
+    /// The model's top-k (before any `--moe-top-k` override): experts a synthetic process
+    /// chooses per token.
+    pub fn model_top_k(&self) -> usize {
+        self.top_k
     }
 
     /// Scores, top-k (ties to the lower expert id), renormalisation for one token's logits `[E]`.
@@ -236,6 +247,31 @@ impl Router {
         }
         (order, w)
     }
+}
+
+/// The experts synthetic process `s` chooses for `tokens` at positions `start..` of layer `layer`,
+/// each row's choice depending on the previous position's (read from `history`, and written there
+/// when `record`).
+fn synthetic_chain(
+    s: &SyntheticRouter,
+    layer: usize,
+    start: usize,
+    tokens: &[u32],
+    history: &mut RoutingHistory,
+    record: bool,
+) -> Vec<Vec<u32>> {
+    let mut prev: Option<Vec<u32>> =
+        start.checked_sub(1).and_then(|p| history.get(layer, p)).map(<[u32]>::to_vec);
+    let mut rows = Vec::with_capacity(tokens.len());
+    for (i, &token) in tokens.iter().enumerate() {
+        let actual = s.route(start + i, token, prev.as_deref());
+        if record {
+            history.set(layer, start + i, &actual);
+        }
+        prev = Some(actual.clone());
+        rows.push(actual);
+    }
+    rows
 }
 
 /// `Σⱼ w[t, j] · y[t, j]` for expert outputs `y: [seq, k, H]` and weights `w: [seq, k]`: one
@@ -294,6 +330,11 @@ impl SparseMoe {
 
     pub fn router(&self) -> &Router {
         &self.router
+    }
+
+    /// The model layer this block belongs to.
+    pub fn layer(&self) -> usize {
+        self.layer
     }
 
     pub fn router_mut(&mut self) -> &mut Router {
@@ -500,14 +541,16 @@ impl SparseMoe {
     /// routing, read back once at its end). `None`: this layer's experts are not resident
     /// [`FusedExperts`] addressed by expert id (the caller routes on the host instead).
     ///
-    /// Only for providers whose [`ExpertProvider::routes_on_device`] is true, and routers
-    /// without a synthetic routing process in use.
+    /// Only for providers whose [`ExpertProvider::routes_on_device`] is true. A synthetic model's
+    /// routing process runs on the host before the pass: its choice comes as `chosen`
+    /// ([`Router::synthetic_choice`]), and only the weighing runs here.
     #[cfg(feature = "cuda")]
     pub fn forward_device_routed(
         &self,
         x: &Tensor,
         experts: &dyn ExpertProvider,
         record: Option<strata_kernels::cuda::RoutingRecord<'_>>,
+        chosen: Option<strata_kernels::cuda::ChosenExperts<'_>>,
     ) -> Option<Result<Tensor>> {
         let call = match experts.fused(self.layer, &[])? {
             Ok(c) if c.rows.is_none() => c,
@@ -515,7 +558,7 @@ impl SparseMoe {
             Err(e) => return Some(Err(e)),
         };
         let run = || {
-            let (ids, w) = self.router.route_on_device(x, record)?;
+            let (ids, w) = self.router.route_on_device(x, record, chosen)?;
             self.fused_output(x, call.experts, &ids, &w.to_dtype(x.dtype())?)
         };
         Some(run())

@@ -18,6 +18,8 @@
 //! sequence in a [`RoutingHistory`]). A sequence therefore routes identically in one prefill
 //! pass or token by token, resident or streamed, on any device, and in a speculative verify pass.
 
+use std::sync::{Arc, Mutex};
+
 use strata_formats::{RoutingMode, SyntheticRouting};
 
 /// Experts each MoE layer chose at every position of one sequence (the state a synthetic router
@@ -116,7 +118,17 @@ pub struct SyntheticRouter {
     top_k: usize,
     /// `[experts]`: `-zipf · ln(rank)` of each expert (ranks a random permutation per layer).
     base: Vec<f64>,
+    /// The drift knots of the segments used last (`knot(e, i)` for every expert `e`, by `i`):
+    /// each costs two hashes, a logarithm and a cosine per expert, and a segment serves
+    /// `drift_period` positions. At most [`KNOTS_KEPT`]; the same values as computed afresh.
+    knots: Arc<Mutex<KeptKnots>>,
 }
+
+/// Drift knots by segment: `(i, [knot(e, i) for every expert e])`.
+type KeptKnots = Vec<(u64, Arc<[f64]>)>;
+
+/// Segments whose drift knots a [`SyntheticRouter`] keeps.
+const KNOTS_KEPT: usize = 4;
 
 impl SyntheticRouter {
     /// The process of MoE layer `layer` with `experts` experts, `top_k` per token.
@@ -127,7 +139,13 @@ impl SyntheticRouter {
             rank.swap(i, j);
         }
         let base = rank.iter().map(|&r| -cfg.zipf * (r as f64).ln()).collect();
-        Self { cfg, layer: layer as u64, top_k: top_k.min(experts), base }
+        Self {
+            cfg,
+            layer: layer as u64,
+            top_k: top_k.min(experts),
+            base,
+            knots: Arc::new(Mutex::new(Vec::new())),
+        }
     }
 
     pub fn config(&self) -> &SyntheticRouting {
@@ -145,6 +163,20 @@ impl SyntheticRouter {
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
     }
 
+    /// `knot(e, i)` for every expert, from the kept segments or computed (and kept).
+    fn knots(&self, i: u64) -> Arc<[f64]> {
+        let mut kept = self.knots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, k)) = kept.iter().find(|(j, _)| *j == i) {
+            return k.clone();
+        }
+        let k: Arc<[f64]> = (0..self.experts()).map(|e| self.knot(e, i)).collect();
+        if kept.len() == KNOTS_KEPT {
+            kept.remove(0);
+        }
+        kept.push((i, k.clone()));
+        k
+    }
+
     /// Unnormalised popularity of every expert at `position`.
     fn popularity(&self, position: usize) -> Vec<f64> {
         if self.cfg.drift == 0.0 {
@@ -152,12 +184,9 @@ impl SyntheticRouter {
         }
         let s = position as f64 / self.cfg.drift_period as f64;
         let (i, f) = (s.floor() as u64, s.fract());
+        let (a, b) = (self.knots(i), self.knots(i + 1));
         (0..self.experts())
-            .map(|e| {
-                (self.base[e]
-                    + self.cfg.drift * ((1.0 - f) * self.knot(e, i) + f * self.knot(e, i + 1)))
-                .exp()
-            })
+            .map(|e| (self.base[e] + self.cfg.drift * ((1.0 - f) * a[e] + f * b[e])).exp())
             .collect()
     }
 
@@ -290,6 +319,26 @@ mod tests {
         v.sort_unstable();
         v.dedup();
         v.len() == ids.len()
+    }
+
+    #[test]
+    fn kept_drift_knots_give_the_fresh_popularity() {
+        let r = SyntheticRouter::new(SyntheticRouting::realistic(9), 2, 64, 8);
+        let fresh = |p: usize| {
+            let s = p as f64 / r.cfg.drift_period as f64;
+            let (i, f) = (s.floor() as u64, s.fract());
+            (0..64)
+                .map(|e| {
+                    (r.base[e] + r.cfg.drift * ((1.0 - f) * r.knot(e, i) + f * r.knot(e, i + 1)))
+                        .exp()
+                })
+                .collect::<Vec<f64>>()
+        };
+        // Forward, far ahead (evicting), and back to an evicted segment.
+        for p in [0, 1, 255, 256, 700, 5000, 9000, 20_000, 3, 300] {
+            assert_eq!(r.popularity(p), fresh(p), "position {p}");
+        }
+        assert!(r.knots.lock().unwrap().len() <= KNOTS_KEPT);
     }
 
     #[test]

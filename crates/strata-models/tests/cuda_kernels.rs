@@ -79,7 +79,7 @@ fn route_topk_matches_the_host_router() {
                         let x =
                             Tensor::from_vec(rng.vec(n * hidden, 1.0), (n, hidden), &dev).unwrap();
                         let host = router.route(&x, 0).unwrap();
-                        let (ids, weights) = router.route_on_device(&x, None).unwrap();
+                        let (ids, weights) = router.route_on_device(&x, None, None).unwrap();
                         let ids = ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
                         let weights = weights.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                         let ctx =
@@ -96,6 +96,65 @@ fn route_topk_matches_the_host_router() {
     assert_eq!(cases, 4 * 3 * 2 * 2 * 2);
 }
 
+/// A synthetic model's routing: the host's process chooses, the device weighs the choice
+/// (`Router::synthetic_choice` → `route_on_device` with `chosen`) — the same ids, in the same
+/// order, and weights as the host path (`route_seq`), for realistic and uniform processes, with
+/// and without renormalisation and `--moe-top-k`, over two passes (the second continuing the
+/// first's history), the choice read at an offset in a larger buffer.
+#[test]
+fn route_topk_weighs_a_synthetic_choice_as_the_host_does() {
+    use strata_formats::SyntheticRouting;
+    use strata_models::{RoutingHistory, SeqRoute, SyntheticRouter};
+    let dev = cuda();
+    let mut rng = Rng(0x51_7e);
+    let (experts, hidden, k, layer) = (128usize, 64usize, 8usize, 3usize);
+    let mut cases = 0;
+    for cfg in [SyntheticRouting::realistic(11), SyntheticRouting::uniform(12)] {
+        for scoring in [RouterScoring::Softmax, RouterScoring::Sigmoid] {
+            for norm in [false, true] {
+                for keep in [None, Some(2)] {
+                    let w =
+                        Tensor::from_vec(rng.vec(experts * hidden, 0.5), (experts, hidden), &dev)
+                            .unwrap();
+                    let gate = Linear::new(Weight::Dense(w), None).unwrap();
+                    let mut router = Router::new(gate, k, norm, scoring)
+                        .with_synthetic(Some(SyntheticRouter::new(cfg, layer, experts, k)));
+                    router.set_top_k_override(keep);
+                    let (mut h_host, mut h_dev) =
+                        (RoutingHistory::new(8, k), RoutingHistory::new(8, k));
+                    let mut start = 0;
+                    for n in [5usize, 1] {
+                        let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + 37 * i).collect();
+                        let x =
+                            Tensor::from_vec(rng.vec(n * hidden, 1.0), (n, hidden), &dev).unwrap();
+                        let seq = SeqRoute { start, tokens: &tokens, history: &mut h_host };
+                        let host = router.route_seq(&x, layer, Some(seq), false).unwrap();
+                        let seq = SeqRoute { start, tokens: &tokens, history: &mut h_dev };
+                        let mut ids = vec![0u32; 3 * k]; // an offset inside a larger buffer
+                        ids.extend(router.synthetic_choice(layer, seq).unwrap());
+                        let buf = Tensor::new(ids, &dev).unwrap();
+                        let chosen = gpu::ChosenExperts { ids: &buf, offset: 3 * k };
+                        let (d_ids, d_w) = router.route_on_device(&x, None, Some(chosen)).unwrap();
+                        let d_ids = d_ids.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+                        let d_w = d_w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                        let ctx =
+                            format!("{:?} {scoring:?} norm {norm} keep {keep:?} n {n}", cfg.mode);
+                        assert_eq!(d_ids, host.expert_ids, "{ctx}");
+                        let err = max_rel(&d_w, &host.weights);
+                        assert!(err < 1e-5, "{ctx}: weights off by {err}");
+                        for p in start..start + n {
+                            assert_eq!(h_dev.get(layer, p), h_host.get(layer, p), "{ctx}: history");
+                        }
+                        start += n;
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 2 * 2 * 2 * 2 * 2);
+}
+
 #[test]
 fn route_topk_writes_the_record_and_refuses_bad_k() {
     let dev = cuda();
@@ -106,20 +165,25 @@ fn route_topk_writes_the_record_and_refuses_bad_k() {
     let rec_w = Tensor::zeros(3 * n * k, DType::F32, &dev).unwrap();
     let record = gpu::RoutingRecord { ids: &rec_ids, weights: &rec_w, offset: n * k };
     let (ids, w) =
-        gpu::route_topk(&logits, k, k, gpu::Scoring::Softmax, true, Some(record)).unwrap();
+        gpu::route_topk(&logits, k, k, gpu::Scoring::Softmax, true, Some(record), None).unwrap();
     let all = rec_ids.to_vec1::<u32>().unwrap();
     assert_eq!(&all[n * k..2 * n * k], ids.flatten_all().unwrap().to_vec1::<u32>().unwrap());
     assert!(all[..n * k].iter().chain(&all[2 * n * k..]).all(|&v| v == 0), "outside the slot");
     let all_w = rec_w.to_vec1::<f32>().unwrap();
     assert_eq!(&all_w[n * k..2 * n * k], w.flatten_all().unwrap().to_vec1::<f32>().unwrap());
     for bad in [0, e + 1, 33] {
-        assert!(
-            gpu::route_topk(&logits, bad, bad.max(1), gpu::Scoring::Softmax, true, None).is_err()
-        );
+        assert!(gpu::route_topk(&logits, bad, bad.max(1), gpu::Scoring::Softmax, true, None, None)
+            .is_err());
     }
-    assert!(gpu::route_topk(&logits, 2, 3, gpu::Scoring::Softmax, true, None).is_err());
+    assert!(gpu::route_topk(&logits, 2, 3, gpu::Scoring::Softmax, true, None, None).is_err());
     let small = gpu::RoutingRecord { ids: &rec_ids, weights: &rec_w, offset: 3 * n * k - 1 };
-    assert!(gpu::route_topk(&logits, k, k, gpu::Scoring::Softmax, true, Some(small)).is_err());
+    assert!(gpu::route_topk(&logits, k, k, gpu::Scoring::Softmax, true, Some(small), None).is_err());
+    let few = Tensor::zeros(n * k - 1, DType::U32, &dev).unwrap();
+    let chosen = gpu::ChosenExperts { ids: &few, offset: 0 };
+    assert!(
+        gpu::route_topk(&logits, k, k, gpu::Scoring::Softmax, true, None, Some(chosen)).is_err(),
+        "chosen experts shorter than the rows"
+    );
 }
 
 #[test]
@@ -307,7 +371,7 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
         // The decode mat-vec on f32 inputs, from an aligned tensor and from one starting 4 bytes
         // in (copied).
         let f32mv = |x: &Tensor, ws: &[&QTensor]| {
-            gpu::matvec_q4k_many_as(x, ws, gpu::Activations::F32).unwrap()
+            gpu::matvec_quant_many_as(x, ws, gpu::Activations::F32).unwrap()
         };
         let err = max_rel(&flat(&f32mv(&xt, &[&wq])[0]), &want);
         assert!(err < 1e-5, "matvec_q4k off by {err} (R {r} K {k} n {n})");
@@ -318,7 +382,7 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
         // On q8 inputs: the f64 product over the dequantized weights and the host's own q8
         // rounding of x (the kernel's integer sums are exact; only the scaling rounds).
         let q8 = |x: &Tensor, ws: &[&QTensor]| {
-            gpu::matvec_q4k_many_as(x, ws, gpu::Activations::Q8).unwrap()
+            gpu::matvec_quant_many_as(x, ws, gpu::Activations::Q8).unwrap()
         };
         let want_q8 = matmul_ref(&deq, &q8_round(&x), r, k);
         let err = max_rel(&flat(&q8(&xt, &[&wq])[0]), &want_q8);
@@ -358,8 +422,72 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     let wq = QTensor::quantize_onto(&w, GgmlDType::Q4K, &dev).unwrap();
     assert!(gpu::matmul_q4k(&x, &wq).is_err());
     let x = Tensor::zeros((1, 512), DType::F32, &dev).unwrap();
-    assert!(gpu::matvec_q4k(&x, &wq).is_err(), "K 512 against a matrix of 256 columns");
-    assert!(gpu::matvec_q4k_many(&x, &[]).is_err());
+    assert!(gpu::matvec_quant(&x, &wq).is_err(), "K 512 against a matrix of 256 columns");
+    assert!(gpu::matvec_quant_many(&x, &[]).is_err());
+}
+
+/// The Q4_1 and Q8_0 mat-vecs (llama-family dense layers; q8 inputs) equal the f64 product over
+/// the dequantized weights (candle's CPU dequantizer) and the host's q8 rounding of x within f32
+/// rounding; several matrices in one launch and each row of a short pass are bit for bit their
+/// own launch's / a one-row launch's; f32 inputs and mixed formats are refused.
+#[test]
+fn matvec_q4_1_and_q8_0_match_the_reference_and_rows_are_independent() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let (dev, cpu) = (cuda(), Device::Cpu);
+    let mut rng = Rng(0x41_80);
+    let random = |dims: &[usize], dt: GgmlDType, rng: &mut Rng| {
+        let w = Tensor::from_vec(rng.vec(dims.iter().product(), 1.0), dims, &cpu).unwrap();
+        let deq = QTensor::quantize(&w, dt).unwrap().dequantize(&cpu).unwrap();
+        (QTensor::quantize_onto(&w, dt, &dev).unwrap(), flat(&deq.flatten_all().unwrap()))
+    };
+    let mut cases = 0;
+    for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        // SmolLM2's shapes (576 = 18 blocks: a warp's last step half idle), row counts of the 2-
+        // and 4-rows-per-warp decode launches (an lm_head's), a single block per row.
+        for &(r, k, n) in &[
+            (576usize, 576usize, 1usize),
+            (192, 1536, 5),
+            (4400, 64, 2),
+            (4400, 64, 1),
+            (2200, 96, 1),
+            (9, 32, 8),
+        ] {
+            let (w, deq) = random(&[r, k], dt, &mut rng);
+            let x = rng.vec(n * k, 2.0);
+            let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
+            let mv = |x: &Tensor, ws: &[&QTensor]| {
+                gpu::matvec_quant_many_as(x, ws, gpu::Activations::Q8).unwrap()
+            };
+            let want = matmul_ref(&deq, &q8_round(&x), r, k);
+            let got = flat(&mv(&xt, &[&w])[0]);
+            let err = max_rel(&got, &want);
+            assert!(err < 1e-5, "{dt:?} mat-vec off by {err} (R {r} K {k} n {n})");
+            let (w2, _) = random(&[r + 3, k], dt, &mut rng);
+            let (w3, _) = random(&[5, k], dt, &mut rng);
+            let many = mv(&xt, &[&w, &w2, &w3]);
+            for (y, m) in many.iter().zip([&w, &w2, &w3]) {
+                assert_eq!(flat(y), flat(&mv(&xt, &[m])[0]), "{dt:?} many vs alone (R {r} K {k})");
+            }
+            for t in 0..n {
+                let row = xt.narrow(0, t, 1).unwrap().contiguous().unwrap();
+                let one = flat(&mv(&row, &[&w])[0]);
+                assert_eq!(one, got[t * r..(t + 1) * r], "{dt:?} row {t} of {n} (R {r} K {k})");
+            }
+            assert!(
+                gpu::matvec_quant_many_as(&xt, &[&w], gpu::Activations::F32).is_err(),
+                "{dt:?} takes q8 inputs only"
+            );
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 12);
+    let x = Tensor::zeros((1, 64), DType::F32, &dev).unwrap();
+    let (a, _) = random(&[4, 64], GgmlDType::Q4_1, &mut rng);
+    let (b, _) = random(&[4, 64], GgmlDType::Q8_0, &mut rng);
+    assert!(gpu::matvec_quant_many_as(&x, &[&a, &b], gpu::Activations::Q8).is_err(), "mixed");
+    let x48 = Tensor::zeros((1, 48), DType::F32, &dev).unwrap();
+    assert!(!gpu::matvec_supports(GgmlDType::Q4_1, 48, gpu::Activations::Q8));
+    assert!(gpu::matvec_quant(&x48, &a).is_err(), "K 48");
 }
 
 /// `x: [n, k] · wᵀ` for `w: [r, k]`, summed in f64 and rounded to f32: the mat-vec kernels'
@@ -502,10 +630,10 @@ fn fused_q8_twins_equal_quantize_q8_of_the_output() {
     let ones = Tensor::ones(2048, DType::F32, &dev).unwrap();
     let (_, xn) = gpu::add_rms_norm(&outs[1], &outs[1], &ones, 1e-6).unwrap();
     assert!(gpu::q8_twin(&xn).is_some());
-    let with_twin = flat(&gpu::matvec_q4k(&xn, &w).unwrap());
+    let with_twin = flat(&gpu::matvec_quant(&xn, &w).unwrap());
     gpu::release_q8_twins();
     assert!(gpu::q8_twin(&xn).is_none(), "released");
-    let fresh = flat(&gpu::matvec_q4k(&xn, &w).unwrap());
+    let fresh = flat(&gpu::matvec_quant(&xn, &w).unwrap());
     assert_eq!(with_twin, fresh, "a twin's product equals a fresh rounding's");
 }
 

@@ -157,8 +157,15 @@ impl Transformer {
             .collect();
         let ctx = RouteCtx { ranges: &ranges, starts: &starts, tokens: &tokens };
         #[cfg(feature = "cuda")]
-        let mut on_device =
-            super::device_routing::DeviceRouting::for_pass(self, &caches, tokens.len(), end)?;
+        let mut on_device = {
+            use super::device_routing::{synthetic_choices, DeviceRouting};
+            let seqs: Vec<(usize, &[u32])> =
+                ranges.iter().zip(&starts).map(|(r, &s)| (s, &tokens[r.clone()])).collect();
+            let chosen = synthetic_choices(self, &mut caches, &seqs, end)
+                .map(|ids| Tensor::new(ids, &self.device))
+                .transpose()?;
+            DeviceRouting::for_pass(self, &caches, tokens.len(), end, chosen)?
+        };
         if let (Some(p), Some(j)) = (&self.prefetcher, self.next_moe_layer(0, end)) {
             self.prefetch_batch(p, j, &x, &ctx, &mut caches)?;
         }

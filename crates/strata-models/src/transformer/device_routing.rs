@@ -5,6 +5,13 @@
 //! one record on the device, read back once when the pass ends, so [`ForwardOutput::routing`]
 //! stays what the host path gives.
 //!
+//! A synthetic model's routing process (`strata synth --routing realistic|uniform`) chooses its
+//! experts from the token ids, positions and the sequence's history alone, never from the hidden
+//! states: the host runs it for every MoE layer before the pass ([`synthetic_choices`]), one copy
+//! takes the choice to the device, and the kernel weighs the chosen experts by the router's
+//! scores — so such models route on the device too (and take the graph path), like the trained
+//! models they stand in for.
+//!
 //! [`ForwardOutput::routing`]: super::ForwardOutput
 
 use candle_core::{DType, Tensor};
@@ -12,7 +19,7 @@ use candle_core::{DType, Tensor};
 use super::{FeedForward, Transformer};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::moe::{LayerRouting, SparseMoe};
+use crate::moe::{LayerRouting, SeqRoute, SparseMoe};
 
 /// One pass's device routing: the record `[moe_layers · rows · top_k]` and which layer wrote
 /// which slot of it.
@@ -21,45 +28,95 @@ pub(super) struct DeviceRouting {
     weights: Tensor,
     rows: usize,
     top_k: usize,
+    /// A synthetic model's choice: `[moe_layers · rows · model_top_k]` u32 (layers in order).
+    chosen: Option<(Tensor, usize)>,
     /// `(layer, slot)` in the order the layers ran.
     written: Vec<usize>,
 }
 
+/// The MoE layers among `0..end` when a pass through them can route on the device: a CUDA
+/// model, `STRATA_GPU_ROUTING` not `0`, no prefetcher (it reads each layer's routing on the host)
+/// and a provider whose fused experts take expert ids as they are
+/// ([`crate::ExpertProvider::routes_on_device`]); `None` otherwise or without MoE layers.
+pub(super) fn device_routed_layers(model: &Transformer, end: usize) -> Option<Vec<&SparseMoe>> {
+    if !model.device.is_cuda()
+        || !crate::gpu::enabled(crate::gpu::GpuPath::Routing)
+        || model.prefetcher.is_some()
+        || !model.experts.routes_on_device()
+    {
+        return None;
+    }
+    let moe: Vec<&SparseMoe> = model.layers[..end]
+        .iter()
+        .filter_map(|l| match &l.ffn {
+            FeedForward::Moe(m) => Some(m),
+            FeedForward::Dense(_) => None,
+        })
+        .collect();
+    (!moe.is_empty()).then_some(moe)
+}
+
+/// A synthetic model's choice for a pass: for every MoE layer among `0..end` (in order), every
+/// sequence's rows (`seqs`: its first position and tokens, in the pass's row order), the
+/// `model_top_k` experts its routing process picks — `[moe_layers · rows · model_top_k]`,
+/// recorded in each sequence's history as the host path records it. `None` when not every
+/// sequence carries a routing history (no synthetic process, or a mixed batch) or the pass
+/// cannot route on the device.
+pub(super) fn synthetic_choices(
+    model: &Transformer,
+    caches: &mut [&mut KvCache],
+    seqs: &[(usize, &[u32])],
+    end: usize,
+) -> Option<Vec<u32>> {
+    if caches.is_empty() || !caches.iter().all(|c| c.has_routing_history()) {
+        return None;
+    }
+    let layers = device_routed_layers(model, end)?;
+    let mut out = Vec::new();
+    for moe in layers {
+        for (c, &(start, tokens)) in caches.iter_mut().zip(seqs) {
+            let history = c.routing_history_mut()?;
+            let seq = SeqRoute { start, tokens, history };
+            out.extend(moe.router().synthetic_choice(moe.layer(), seq)?);
+        }
+    }
+    Some(out)
+}
+
 impl DeviceRouting {
-    /// `Some` when this pass of `rows` rows through layers `0..end` can route on the device: a
-    /// CUDA model, `STRATA_GPU_ROUTING` not `0`, no prefetcher (it reads each layer's routing on
-    /// the host), a provider whose fused experts take expert ids as they are
-    /// ([`crate::ExpertProvider::routes_on_device`]), and no sequence routed by a synthetic
-    /// model's routing process (it chooses on the host).
+    /// `Some` when this pass of `rows` rows through layers `0..end` can route on the device
+    /// ([`device_routed_layers`]), and every sequence routed by a synthetic model's routing
+    /// process comes with its choice (`chosen`: [`synthetic_choices`]' output on the device).
     pub(super) fn for_pass(
         model: &Transformer,
         caches: &[&mut KvCache],
         rows: usize,
         end: usize,
+        chosen: Option<Tensor>,
     ) -> Result<Option<Self>> {
-        if !model.device.is_cuda()
-            || !crate::gpu::enabled(crate::gpu::GpuPath::Routing)
-            || model.prefetcher.is_some()
-            || !model.experts.routes_on_device()
-            || caches.iter().any(|c| c.has_routing_history())
-        {
+        let Some(moe) = device_routed_layers(model, end) else { return Ok(None) };
+        if chosen.is_none() && caches.iter().any(|c| c.has_routing_history()) {
             return Ok(None);
         }
-        let moe: Vec<&SparseMoe> = model.layers[..end]
-            .iter()
-            .filter_map(|l| match &l.ffn {
-                FeedForward::Moe(m) => Some(m),
-                FeedForward::Dense(_) => None,
-            })
-            .collect();
-        let Some(first) = moe.first() else { return Ok(None) };
-        let top_k = first.router().top_k();
+        let router = moe[0].router();
+        let top_k = router.top_k();
         let n = moe.len() * rows * top_k;
+        if let Some(c) = &chosen {
+            let need = moe.len() * rows * router.model_top_k();
+            if c.elem_count() != need {
+                return Err(candle_core::Error::msg(format!(
+                    "device routing: {} chosen experts for a pass needing {need}",
+                    c.elem_count()
+                ))
+                .into());
+            }
+        }
         Ok(Some(Self {
             ids: Tensor::zeros(n, DType::U32, &model.device)?,
             weights: Tensor::zeros(n, DType::F32, &model.device)?,
             rows,
             top_k,
+            chosen: chosen.map(|c| (c, router.model_top_k())),
             written: Vec::new(),
         }))
     }
@@ -79,7 +136,11 @@ impl DeviceRouting {
             weights: &self.weights,
             offset: slot * self.rows * self.top_k,
         };
-        let out = moe.forward_device_routed(xn, model.experts.as_ref(), Some(record))?;
+        let chosen = self.chosen.as_ref().map(|(ids, k)| strata_kernels::cuda::ChosenExperts {
+            ids,
+            offset: slot * self.rows * k,
+        });
+        let out = moe.forward_device_routed(xn, model.experts.as_ref(), Some(record), chosen)?;
         if out.is_ok() {
             self.written.push(layer);
         }

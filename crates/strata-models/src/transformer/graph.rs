@@ -15,8 +15,11 @@
 //! A graph's launches are the op-by-op pass's (`forward_batch` for one sequence), so its logits
 //! are the same bits.
 //!
+//! A synthetic model's routing process runs on the host before each pass and its choice is
+//! written beside the tokens (`device_routing::synthetic_choices`).
+//!
 //! Not taken (the op-by-op path runs instead): several sequences, more tokens, hidden-state taps,
-//! a partial layer count, a prefetcher, synthetic routing processes, Gated DeltaNet layers, a
+//! a partial layer count, a prefetcher, Gated DeltaNet layers, a
 //! layer our kernels lack, cudarc event tracking on, or `STRATA_GPU_GRAPHS=0`. A capture that
 //! fails turns the path off for that sequence (logged once).
 
@@ -26,7 +29,7 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Device, Tensor};
 
-use super::device_routing::DeviceRouting;
+use super::device_routing::{synthetic_choices, DeviceRouting};
 use super::{residual_scaled, FeedForward, ForwardOutput, Logits, Mixer, Transformer};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
@@ -46,6 +49,10 @@ pub struct DecodeGraphs {
     tokens: Tensor,
     /// u32 `[1]`: the pass's first position, read by the attention kernels.
     pos: Tensor,
+    /// A synthetic model's choice of experts (`device_routing::synthetic_choices`), u32
+    /// `[moe_layers · GRAPH_ROWS_MAX · model_top_k]`: the pass's first `moe_layers · rows ·
+    /// model_top_k` written before each pass, read by the routing kernels.
+    chosen: Option<Tensor>,
     graphs: HashMap<Key, Captured>,
     /// Shapes of several tokens run once op by op: captured when they come again.
     seen: HashSet<Key>,
@@ -146,7 +153,7 @@ impl Transformer {
         logits: Logits,
         cache: &mut KvCache,
     ) -> Result<Option<ForwardOutput>> {
-        if cache.has_routing_history() || tokens.is_empty() || tokens.len() > GRAPH_ROWS_MAX {
+        if tokens.is_empty() || tokens.len() > GRAPH_ROWS_MAX {
             return Ok(None);
         }
         let mut g = match cache.take_graphs() {
@@ -154,6 +161,7 @@ impl Transformer {
             None => Box::new(DecodeGraphs {
                 tokens: Tensor::zeros(GRAPH_ROWS_MAX, DType::U32, &self.device)?,
                 pos: Tensor::zeros(1, DType::U32, &self.device)?,
+                chosen: None,
                 graphs: HashMap::new(),
                 seen: HashSet::new(),
                 failed: false,
@@ -185,6 +193,7 @@ impl Transformer {
         let key = (rows, last_only, last);
         strata_kernels::cuda::write_u32s(&g.tokens, tokens)?;
         strata_kernels::cuda::write_u32(&g.pos, pos as u32)?;
+        let chosen = self.write_synthetic_choice(cache, tokens, g)?;
         cache.set_device_position(Some((g.pos.clone(), last + 1 - rows)));
         let ids = g.tokens.narrow(0, 0, rows)?;
         if let Some(c) = g.graphs.get(&key) {
@@ -207,10 +216,10 @@ impl Transformer {
         // Run it (candle's parameter uploads cached for the capture, kernels' modules loaded),
         // then capture the same launches for the next passes of this shape.
         let _htod = dev.enable_cuda_graph_htod_cache();
-        let (logits, routing) = self.decode_body(cache, &ids, last_only)?;
+        let (logits, routing) = self.decode_body(cache, &ids, last_only, chosen.clone())?;
         let routing = routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
         if capture {
-            match self.capture(dev, cache, &ids, last_only) {
+            match self.capture(dev, cache, &ids, last_only, chosen) {
                 Ok(c) => {
                     g.graphs.insert(key, c);
                 }
@@ -223,19 +232,45 @@ impl Transformer {
         Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
     }
 
+    /// A synthetic model's choice for this pass ([`synthetic_choices`]), recorded in the
+    /// sequence's history and written into the graphs' `chosen` buffer (allocated at the first
+    /// pass): that buffer's first entries, `None` for other models.
+    fn write_synthetic_choice(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        g: &mut DecodeGraphs,
+    ) -> Result<Option<Tensor>> {
+        let start = cache.len();
+        let mut caches = [cache];
+        let Some(ids) = synthetic_choices(self, &mut caches, &[(start, tokens)], self.layers.len())
+        else {
+            return Ok(None);
+        };
+        if g.chosen.is_none() {
+            let per_row = ids.len() / tokens.len();
+            let n = per_row * GRAPH_ROWS_MAX;
+            g.chosen = Some(Tensor::zeros(n, DType::U32, &self.device)?);
+        }
+        let buf = g.chosen.as_ref().expect("allocated above");
+        strata_kernels::cuda::write_u32s(buf, &ids)?;
+        Ok(Some(buf.narrow(0, 0, ids.len())?))
+    }
+
     fn capture(
         &self,
         dev: &candle_core::cuda_backend::CudaDevice,
         cache: &mut KvCache,
         tokens: &Tensor,
         last_only: bool,
+        chosen: Option<Tensor>,
     ) -> Result<Captured> {
         // q8 twins held from before must not be dropped inside the capture (a free of memory the
         // graph did not allocate); the eager pass before released them already.
         strata_kernels::cuda::release_q8_twins();
         let stream = dev.cuda_stream();
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
-        let body = self.decode_body(cache, tokens, last_only);
+        let body = self.decode_body(cache, tokens, last_only, chosen);
         let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = stream.end_capture(flags).w();
         let (logits, routing) = body?;
@@ -262,8 +297,9 @@ impl Transformer {
         cache: &mut KvCache,
         tokens: &Tensor,
         last_only: bool,
+        chosen: Option<Tensor>,
     ) -> Result<(Tensor, Option<DeviceRouting>)> {
-        let out = self.decode_launches(cache, tokens, last_only);
+        let out = self.decode_launches(cache, tokens, last_only, chosen);
         strata_kernels::cuda::release_q8_twins();
         out
     }
@@ -273,6 +309,7 @@ impl Transformer {
         cache: &mut KvCache,
         tokens: &Tensor,
         last_only: bool,
+        chosen: Option<Tensor>,
     ) -> Result<(Tensor, Option<DeviceRouting>)> {
         let scales = self.cfg.scales;
         let rows = tokens.dim(0)?;
@@ -280,7 +317,7 @@ impl Transformer {
         if scales.embedding != 1.0 {
             x = (x * scales.embedding)?;
         }
-        let mut routing = DeviceRouting::for_pass(self, &[], rows, self.layers.len())?;
+        let mut routing = DeviceRouting::for_pass(self, &[], rows, self.layers.len(), chosen)?;
         // As `forward_batch`: the next layer's attention norm comes with the residual add.
         let mut next_xn: Option<Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
