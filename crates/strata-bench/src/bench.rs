@@ -29,6 +29,14 @@ fn median(xs: &[f64]) -> f64 {
     }
 }
 
+/// Reads a pass's logits to the host, as generation's sampler (or speculative acceptance) reads
+/// them: on a GPU the pass has then ended, not only been launched (a dense model's replayed graph
+/// never synchronizes otherwise).
+fn read_logits(out: &strata_models::ForwardOutput) -> Result<()> {
+    std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
+    Ok(())
+}
+
 /// Prompt processing: `n` tokens in one forward pass (chunked by `chunk`), `reps` times.
 pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Result<BenchResult> {
     let vocab = engine.model.config().vocab_size as u32;
@@ -40,7 +48,7 @@ pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Re
         let out = strata_models::prefill_scope(part.len(), 0, || {
             engine.model.forward(part, cache, Logits::Last, &[])
         })?;
-        std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
+        read_logits(&out)?;
         Ok(())
     };
     prefill(&tokens[..n.min(16)], &mut cache)?; // warm-up
@@ -66,7 +74,7 @@ pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResul
     let mut runs = Vec::new();
     let step = |cache: &mut strata_models::KvCache, token: u32| -> Result<()> {
         let out = engine.model.forward(&[token], cache, Logits::Last, &[])?;
-        std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
+        read_logits(&out)?;
         Ok(())
     };
     step(&mut cache, 1)?;
@@ -97,7 +105,7 @@ pub fn bench_verify(engine: &Engine, width: usize, n: usize, reps: usize) -> Res
         cache.checkpoint();
         // Every position's logits `[width, vocab]` read to the host, as acceptance reads them.
         let out = engine.model.forward(&toks, cache, Logits::All, &[])?;
-        std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
+        read_logits(&out)?;
         cache.rollback(start + 1)?;
         cache.release_checkpoint();
         Ok(())
@@ -150,7 +158,7 @@ pub fn bench_batch_decode(
             .collect();
         // Each sequence's logits `[vocab]` read to the host, as its sampler reads them.
         for r in engine.model.forward_batch(&mut seqs, BatchOptions::default())? {
-            std::hint::black_box(r?.logits.flatten_all()?.to_vec1::<f32>()?);
+            read_logits(&r?)?;
         }
         Ok(())
     };
