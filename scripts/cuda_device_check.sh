@@ -101,11 +101,18 @@ if [ "${PART:-}" = batch ]; then
       "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out $M30 2>&1 | tail -1
     fi
     # Grouped MoE kernels (STRATA_GPU_MOE_GROUPED=1, opt-in) and candle's indexed_moe_forward, alternating.
+    # STRATA_BENCH_SPLIT=1: each batch's time per step and the part of it until the pass
+    # returned (the host's launches up to the first synchronisation).
     for g in ${GROUPED:-1 0 1}; do
       echo "## $M: batched decode in the engine, STRATA_GPU_MOE_GROUPED=$g" | tee -a "$OUT/batch.md"
-      STRATA_GPU_MOE_GROUPED=$g "$S" bench -m "$M" --device cuda --stream-experts off -p 64 -n 64 \
-        -r 2 --batch 2,4,8,16 2>&1 | grep '^|' | tee -a "$OUT/batch.md"
+      STRATA_BENCH_SPLIT=1 STRATA_GPU_MOE_GROUPED=$g "$S" bench -m "$M" --device cuda \
+        --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep -E '^\||per step' \
+        | tee -a "$OUT/batch.md"
     done
+    # The one-sequence step op by op (no graph) beside the batches: a batch's pass has no graph.
+    echo "## $M: the same, STRATA_GPU_GRAPHS=0" | tee -a "$OUT/batch.md"
+    STRATA_BENCH_SPLIT=1 STRATA_GPU_GRAPHS=0 "$S" bench -m "$M" --device cuda --stream-experts off \
+      -p 64 -n 64 -r 2 --batch 16 2>&1 | grep -E '^\||per step' | tee -a "$OUT/batch.md"
     for g in ${SERVER_GROUPED:-1 0}; do
       echo "## $M: server, 1 vs ${CLIENTS:-16} streaming clients, STRATA_GPU_MOE_GROUPED=$g" \
         | tee -a "$OUT/batch.md"

@@ -148,6 +148,9 @@ pub fn bench_batch_decode(
     let vocab = engine.model.config().vocab_size as u32;
     let mut caches =
         (0..batch.max(1)).map(|_| engine.new_cache(n + 2)).collect::<Result<Vec<_>>>()?;
+    // Seconds until the pass returned (on a GPU: the host's launches, up to its first
+    // synchronisation) and until its logits were read, summed over steps.
+    let split = std::cell::Cell::new((0f64, 0f64));
     let step = |caches: &mut [strata_models::KvCache], i: u32| -> Result<()> {
         let toks: Vec<[u32; 1]> =
             (0..caches.len() as u32).map(|s| [(i * 7919 + s * 104_729 + 13) % vocab]).collect();
@@ -157,9 +160,13 @@ pub fn bench_batch_decode(
             .map(|(cache, t)| BatchSeq { tokens: t, cache, logits: Logits::Last })
             .collect();
         // Each sequence's logits `[vocab]` read to the host, as its sampler reads them.
-        for r in engine.model.forward_batch(&mut seqs, BatchOptions::default())? {
+        let t = std::time::Instant::now();
+        let outs = engine.model.forward_batch(&mut seqs, BatchOptions::default())?;
+        let returned = t.elapsed().as_secs_f64();
+        for r in outs {
             read_logits(&r?)?;
         }
+        split.set((split.get().0 + returned, split.get().1 + t.elapsed().as_secs_f64()));
         Ok(())
     };
     step(&mut caches, 0)?; // warm-up
@@ -171,6 +178,16 @@ pub fn bench_batch_decode(
             step(&mut caches, i)?;
         }
         runs.push((n * caches.len()) as f64 / t.elapsed().as_secs_f64());
+    }
+    if std::env::var("STRATA_BENCH_SPLIT").is_ok_and(|v| v == "1") {
+        let (returned, total) = split.get();
+        let steps = (n * reps + 1) as f64;
+        eprintln!(
+            "tg{n} x{}: per step {:.3} ms, of which {:.3} ms until the pass returned",
+            caches.len(),
+            total * 1e3 / steps,
+            returned * 1e3 / steps
+        );
     }
     Ok(BenchResult {
         test: format!("tg{n} x{}", caches.len()),

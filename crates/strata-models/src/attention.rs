@@ -11,6 +11,8 @@ use crate::kv_cache::KvCache;
 use crate::layers::{Linear, RmsNorm, WeightLoader};
 use crate::rope::RotaryEmbedding;
 
+mod cpu_batch;
+
 /// The q, k and v projections: stacked into one matrix (one activation quantization, one dispatch)
 /// when the format allows, the separate copies then dropped.
 #[derive(Debug, Clone)]
@@ -140,6 +142,10 @@ impl Attention {
         let batched = self.attend_batch_gpu(&q, &k, &v, layer, parts, rope)?;
         #[cfg(not(feature = "cuda"))]
         let batched: Option<Tensor> = None;
+        let batched = match batched {
+            Some(out) => Some(out),
+            None => self.attend_short_cpu(&q, &k, &v, layer, parts, rope)?,
+        };
         let mut outs = Vec::with_capacity(parts.len());
         match batched {
             Some(out) => outs.push(out),

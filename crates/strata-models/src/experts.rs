@@ -82,8 +82,8 @@ impl FusedExperts {
     }
 
     /// `x: [seq, H]`, `ids: [seq, k]`, `weights: [seq, k]` (on the device) → the weighted sum of
-    /// the selected experts' outputs `[seq, H]` by our Q4_K kernels on a GPU: passes of at least
-    /// `TC_ROWS_MIN` tokens (prompts) on tensor cores, grouped by expert
+    /// the selected experts' outputs `[seq, H]` by our Q4_K kernels on a GPU: passes of more than
+    /// `MOE_ROWS_MAX` tokens (prompts, large batches) on tensor cores, grouped by expert
     /// (`strata_kernels::cuda::moe_q4k_tc`: f16 inputs, f32 sums; `STRATA_GPU_MOE_TC=0` turns it
     /// off); of the rest (f32 activations), with `STRATA_GPU_MOE_GROUPED=1`, passes of 2 to `MOE_GROUPED_ROWS_MAX` tokens (batched
     /// decode, verify) grouped by expert (`strata_kernels::cuda::moe_q4k_grouped`: each selected
@@ -106,7 +106,11 @@ impl FusedExperts {
         }
         let (experts, inter, hidden) = self.gate.shape().dims3().ok()?;
         let (g, u, d) = (&self.gate, &self.up, &self.down);
-        if seq >= k::TC_ROWS_MIN && experts <= MOE_GROUPED_MAX_EXPERTS && enabled(GpuPath::MoeTc) {
+        // Tensor cores past what the decode kernel takes: a batch of 16 rows spreads its 128
+        // pairs over ~70 experts, too few per expert for 64-pair tiles (16 sequences of the
+        // 30B: 508 tok/s on tensor cores, 584 on `moe_q4k`).
+        let tc_rows = seq >= k::TC_ROWS_MIN && (seq > k::MOE_ROWS_MAX || !enabled(GpuPath::Moe));
+        if tc_rows && experts <= MOE_GROUPED_MAX_EXPERTS && enabled(GpuPath::MoeTc) {
             return Some(x.contiguous().and_then(|x| k::moe_q4k_tc(&x, g, u, d, ids, weights)));
         }
         if (2..=MOE_GROUPED_ROWS_MAX).contains(&seq)

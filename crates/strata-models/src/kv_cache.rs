@@ -253,6 +253,55 @@ impl KvCache {
         Ok(Some(out))
     }
 
+    /// CPU attention of several sequences' short passes (up to [`crate::EXACT_ROWS_MAX`] rows
+    /// each: a continuous batch's decode rows) in one parallel region
+    /// (`strata_kernels::attention::attend_sequences`): `seqs[i] = (cache, q, first)` with
+    /// `q: [seq_i, n_heads · head_dim]`, row `j` over positions `0..first + j` of `cache`'s
+    /// `layer`. Returns `[Σ seq_i, n_heads · head_dim]`, each row equal to [`Self::attend_tokens`]
+    /// of its sequence alone. `None` when a cache is not on the CPU.
+    pub fn attend_sequences(
+        layer: usize,
+        seqs: &[(&KvCache, &[f32], usize)],
+        n_heads: usize,
+        scale: f32,
+    ) -> candle_core::Result<Option<Vec<f32>>> {
+        use strata_kernels::attention::{KvLayout, SeqAttend};
+        let mut guards = Vec::with_capacity(seqs.len());
+        for (cache, _, _) in seqs {
+            let s = cache.kv_slot(layer)?;
+            let (ks, kl) = cache.k[s].storage_and_layout();
+            let (vs, vl) = cache.v[s].storage_and_layout();
+            let (_, n_kv_heads, capacity, head_dim) = cache.k[s].dims4()?;
+            let layout = KvLayout { n_kv_heads, capacity, head_dim };
+            guards.push((ks, kl.start_offset(), vs, vl.start_offset(), layout));
+        }
+        let mut items = Vec::with_capacity(seqs.len());
+        let mut rows = 0;
+        for ((_, q, first), (ks, ko, vs, vo, kv)) in seqs.iter().zip(&guards) {
+            let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&**ks, &**vs)
+            else {
+                return Ok(None);
+            };
+            let seq = q.len() / (n_heads * kv.head_dim);
+            if seq > crate::attention::EXACT_ROWS_MAX {
+                candle_core::bail!("attend_sequences takes passes of at most EXACT_ROWS_MAX rows");
+            }
+            rows += seq;
+            items.push(SeqAttend {
+                q,
+                k: &kc.as_slice::<f32>()?[*ko..],
+                v: &vc.as_slice::<f32>()?[*vo..],
+                kv: *kv,
+                seq,
+                first_len: *first,
+            });
+        }
+        let hd = guards.first().map_or(0, |g| g.4.head_dim);
+        let mut out = vec![0f32; rows * n_heads * hd];
+        strata_kernels::attention::attend_sequences(&items, n_heads, scale, &mut out);
+        Ok(Some(out))
+    }
+
     /// A copy of positions `start..start + len` of every attention layer's keys and values (and a
     /// synthetic model's routing history there): a block of a prefix cache. Errors when the
     /// range is not cached.

@@ -434,7 +434,7 @@ fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
 /// step's product) unless `STRATA_GPU_SHORT_MATVEC=0`. Q4_K only: 2 to `MATMUL_ROWS_MAX` rows
 /// beyond those on `strata_kernels::cuda::matmul_q4k` (each weight row dequantized once for all
 /// rows, f32 activations; every row's result independent of the others) unless
-/// `STRATA_GPU_DENSE=0`, and passes of `TC_ROWS_MIN` rows or more (prompts) on tensor cores
+/// `STRATA_GPU_DENSE=0`, and longer passes (prompts, from `TC_ROWS_MIN` rows) on tensor cores
 /// (`strata_kernels::cuda::matmul_q4k_tc`: f16 inputs, f32 sums) unless `STRATA_GPU_DENSE_TC=0`;
 /// candle's path (with `STRATA_CUDA_MMVQ` unset) dequantizes the whole matrix to f32 and runs
 /// cuBLAS for more than one row. `None`: another device, format, rank or size.
@@ -463,14 +463,14 @@ fn dense_quant_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor
             && crate::gpu::matvec_rows_of(q.dtype(), n);
         return ours.then(|| run(matvec_quant));
     }
+    if k.is_multiple_of(256) && crate::gpu::matvec_rows(n) {
+        return Some(run(matvec_quant));
+    }
     if n >= strata_kernels::cuda::TC_ROWS_MIN
         && k.is_multiple_of(256)
         && crate::gpu::enabled(crate::gpu::GpuPath::DenseTc)
     {
         return Some(run(matmul_q4k_tc));
-    }
-    if k.is_multiple_of(256) && crate::gpu::matvec_rows(n) {
-        return Some(run(matvec_quant));
     }
     if !(2..=MATMUL_ROWS_MAX).contains(&n)
         || !moe_grouped_supports(k, k)

@@ -123,12 +123,23 @@ impl RotaryEmbedding {
 
     /// Rotates `x: [1, heads, seq, head_dim]` for positions `pos..pos+seq`.
     pub fn apply(&self, x: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
-        let (_, _, seq, head_dim) = x.dims4()?;
-        let cos = self.cos.narrow(0, pos, seq)?;
-        let sin = self.sin.narrow(0, pos, seq)?;
+        let seq = x.dim(2)?;
+        self.rotate(x, &self.cos.narrow(0, pos, seq)?, &self.sin.narrow(0, pos, seq)?)
+    }
+
+    /// Rotates `x: [1, heads, rows, head_dim]`, row `i` for position `positions[i]`
+    /// (`positions: [rows]` u32; the rows of several sequences in one call). Each row's result
+    /// equals [`Self::apply`] at that position.
+    pub fn apply_at(&self, x: &Tensor, positions: &Tensor) -> candle_core::Result<Tensor> {
+        self.rotate(x, &self.cos.index_select(positions, 0)?, &self.sin.index_select(positions, 0)?)
+    }
+
+    /// `x: [1, heads, rows, head_dim]` with `cos`, `sin: [rows, rope_dim / 2]`.
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        let head_dim = x.dim(3)?;
         let rot = |t: &Tensor| match self.style {
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(t, &cos, &sin),
-            RopeStyle::Neox => candle_nn::rotary_emb::rope(t, &cos, &sin),
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(t, cos, sin),
+            RopeStyle::Neox => candle_nn::rotary_emb::rope(t, cos, sin),
         };
         if self.rope_dim == head_dim {
             return rot(&x.contiguous()?);

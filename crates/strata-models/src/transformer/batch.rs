@@ -48,8 +48,8 @@ pub struct BatchOptions<'a> {
 impl Transformer {
     /// Runs every sequence's tokens in one pass and commits them to its cache.
     ///
-    /// Returns one result per sequence, in order: its logits (`[1 or tokens, vocab]`), hidden
-    /// states and routing, or its own error — the cache is full, a token is outside the
+    /// Returns one result per sequence, in order: its logits (`[1 or tokens, vocab]`; on the host
+    /// when several sequences ran on a GPU, read in one copy), hidden states and routing, or its own error — the cache is full, a token is outside the
     /// vocabulary, or (with [`BatchOptions::isolate_expert_errors`]) one of its experts could not
     /// be read; such a sequence's cache is left as it was in length, but may hold partial entries
     /// (clear it, or roll back, before reuse). The outer error fails the whole batch (a kernel
@@ -259,6 +259,13 @@ impl Transformer {
         let mut logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
         if scales.logits != 1.0 {
             logits = (logits * scales.logits)?;
+        }
+        // Several sequences on a GPU: the batch's logits come to the host in one copy. (Each
+        // sequence's rows are a view of the batch's tensor, and reading a view of a device
+        // tensor copies its whole buffer: 16 sequences' reads of 16 rows each moved 16× the
+        // logits, 155 MB per step for a 152k vocabulary.)
+        if live.len() > 1 && !self.device.is_cpu() {
+            logits = logits.to_device(&candle_core::Device::Cpu)?;
         }
         // Device routing is read back after the lm_head's launch: the one wait of the pass.
         #[cfg(feature = "cuda")]

@@ -1,0 +1,72 @@
+//! CPU attention of a continuous batch's short passes (decode rows, short verify passes): the
+//! q/k norms and RoPE once over every sequence's rows, each sequence's keys and values written to
+//! its own cache, then one parallel region over all sequences
+//! (`strata_kernels::attention::attend_sequences`) — instead of a dozen tensor ops and one
+//! barrier per sequence and layer.
+
+use candle_core::Tensor;
+
+use super::{Attention, SeqPart, EXACT_ROWS_MAX};
+use crate::error::Result;
+use crate::kv_cache::KvCache;
+use crate::rope::RotaryEmbedding;
+
+impl Attention {
+    /// Projections `q: [rows, nh·hd]`, `k, v: [rows, nkv·hd]` of every part's rows (parts in
+    /// row order, part `s` at positions `parts[s].cache.len()..` of its own cache) →
+    /// `[rows, nh·hd]` (before the output projection), keys and values written to each cache.
+    /// Every row's result equals attending its sequence alone (the same per-head arithmetic as
+    /// `KvCache::attend_tokens`). `None`: not on the CPU, or a part longer than
+    /// [`EXACT_ROWS_MAX`] rows (a prompt chunk: attended per sequence by the blocked kernel).
+    pub(super) fn attend_short_cpu(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        layer: usize,
+        parts: &mut [SeqPart<'_>],
+        rope: &RotaryEmbedding,
+    ) -> Result<Option<Tensor>> {
+        let rows = q.dim(0)?;
+        let mut next = 0;
+        let short = parts.iter().all(|p| {
+            let ok = p.rows.start == next && p.rows.len() <= EXACT_ROWS_MAX;
+            next = p.rows.end;
+            ok
+        });
+        if !q.device().is_cpu() || !short || next != rows {
+            return Ok(None);
+        }
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let mut pos: Vec<u32> = Vec::with_capacity(rows);
+        for p in parts.iter() {
+            let len = p.cache.len();
+            pos.extend((len..len + p.rows.len()).map(|i| i as u32));
+        }
+        let positions = Tensor::new(pos.as_slice(), q.device())?;
+        // [1, heads, rows, hd] for candle's RoPE.
+        let heads = |t: &Tensor, n: usize, norm: &Option<_>| -> candle_core::Result<Tensor> {
+            self.split_heads(t, n, norm)?.transpose(0, 1)?.unsqueeze(0)?.contiguous()
+        };
+        let q = rope.apply_at(&heads(q, nh, &self.q_norm)?, &positions)?;
+        let k = rope.apply_at(&heads(k, nkv, &self.k_norm)?, &positions)?;
+        let v = heads(v, nkv, &None)?;
+        for p in parts.iter_mut() {
+            let (start, n) = (p.rows.start, p.rows.len());
+            p.cache.append(layer, &k.narrow(2, start, n)?, &v.narrow(2, start, n)?)?;
+        }
+        let qv = q.squeeze(0)?.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let width = nh * hd; // [rows, nh, hd] row-major
+        let seqs: Vec<(&KvCache, &[f32], usize)> = parts
+            .iter()
+            .map(|p| {
+                let q = &qv[p.rows.start * width..p.rows.end * width];
+                (&*p.cache, q, p.cache.len() + 1)
+            })
+            .collect();
+        let Some(out) = KvCache::attend_sequences(layer, &seqs, nh, self.scale as f32)? else {
+            return Ok(None);
+        };
+        Ok(Some(Tensor::from_vec(out, (rows, width), q.device())?))
+    }
+}
