@@ -354,6 +354,14 @@ if [ "${PART:-}" = decode ]; then
         env "${envs[@]}" STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-$q.gguf -p "The quick brown fox" -n 32 --tolerance $tol 2>>"$D/compare.err" | tail -2 | tee -a "$D/check.md"
       done
     done
+    # A captured pass that is never replayed (a sequence ending right after its capture): freeing
+    # its outputs unlaunched failed later calls (CUDA_ERROR_INVALID_VALUE, fixed 2026-11-27).
+    echo "## passes captured and never replayed (-r 1: the second pass of a shape is the last)" | tee -a "$D/check.md"
+    for p in 1 4 16; do
+      if timeout 60 "$S" bench -m /tmp/tiny-Q4_K.gguf --device cuda --stream-experts off -p $p -n 0 -r 1 \
+        >/tmp/capture-once.txt 2>&1; then r=ok; else r="FAILED: $(grep -m1 -i error /tmp/capture-once.txt)"; fi
+      echo "pp$p, one rep: $r" | tee -a "$D/check.md"
+    done
     echo "## decode steps replayed from CUDA graphs vs launched op by op (generated token ids)" | tee -a "$D/check.md"
     for samp in "--temp 0" "--temp 1 --seed 7"; do
       for n in 64 700; do # 700: past two bucket boundaries (255, 511), so three captures

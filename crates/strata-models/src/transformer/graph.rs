@@ -196,29 +196,19 @@ impl Transformer {
         let chosen = self.write_synthetic_choice(cache, tokens, g)?;
         cache.set_device_position(Some((g.pos.clone(), last + 1 - rows)));
         let ids = g.tokens.narrow(0, 0, rows)?;
-        if let Some(c) = g.graphs.get(&key) {
-            let t0 = std::time::Instant::now();
-            let stream = dev.cuda_stream();
-            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let start = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
-            c.graph.0.launch().w()?;
-            let end = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
-            let logits = c.logits.copy()?;
+        if !g.graphs.contains_key(&key) {
+            // A pass of several tokens runs op by op the first time its shape comes.
+            let capture = rows == 1 || !g.seen.insert(key);
+            // Run it (candle's parameter uploads cached for the capture, kernels' modules
+            // loaded), then capture the same launches for the next passes of this shape.
+            let _htod = dev.enable_cuda_graph_htod_cache();
+            let (logits, routing) = self.decode_body(cache, &ids, last_only, chosen.clone())?;
             let routing =
-                c.routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
-            if let (Some(a), Some(b)) = (start, end) {
-                g.timed.add(a.elapsed_ms(&b).w()? as f64, t0.elapsed().as_secs_f64() * 1e3);
+                routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
+            let eager = ForwardOutput { logits, hidden_states: Vec::new(), routing };
+            if !capture {
+                return Ok(Some(eager));
             }
-            return Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
-        }
-        // A pass of several tokens runs op by op the first time its shape comes.
-        let capture = rows == 1 || !g.seen.insert(key);
-        // Run it (candle's parameter uploads cached for the capture, kernels' modules loaded),
-        // then capture the same launches for the next passes of this shape.
-        let _htod = dev.enable_cuda_graph_htod_cache();
-        let (logits, routing) = self.decode_body(cache, &ids, last_only, chosen.clone())?;
-        let routing = routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
-        if capture {
             match self.capture(dev, cache, &ids, last_only, chosen) {
                 Ok(c) => {
                     g.graphs.insert(key, c);
@@ -226,8 +216,26 @@ impl Transformer {
                 Err(e) => {
                     g.failed = true;
                     eprintln!("strata: CUDA graph capture failed, decoding op by op: {e}");
+                    return Ok(Some(eager));
                 }
             }
+            // A new graph is launched at once and its outputs returned: the memory its capture
+            // allocated exists only once it has run, and freeing its outputs unlaunched (a
+            // sequence that ends right after a capture) failed later calls with
+            // CUDA_ERROR_INVALID_VALUE. The launch repeats the eager pass over the same inputs:
+            // the same cache entries again.
+        }
+        let c = g.graphs.get(&key).expect("captured above");
+        let t0 = std::time::Instant::now();
+        let stream = dev.cuda_stream();
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
+        c.graph.0.launch().w()?;
+        let end = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
+        let logits = c.logits.copy()?;
+        let routing = c.routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
+        if let (Some(a), Some(b)) = (start, end) {
+            g.timed.add(a.elapsed_ms(&b).w()? as f64, t0.elapsed().as_secs_f64() * 1e3);
         }
         Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
     }
