@@ -185,6 +185,13 @@ impl Attention {
             return Ok(out);
         }
         let seq = q.dim(0)?;
+        if seq <= EXACT_ROWS_MAX {
+            // CPU decode and verify passes: the batch path with this one sequence.
+            let mut one = [SeqPart { rows: 0..seq, cache: &mut *cache, mask: None }];
+            if let Some(out) = self.attend_short_cpu(q, k, v, layer, &mut one, rope)? {
+                return Ok(out);
+            }
+        }
         let pos = cache.len();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // [1, heads, seq, hd] for candle's RoPE and matmuls.
@@ -198,11 +205,11 @@ impl Attention {
         let k = rope.apply(&k, pos)?;
         let (k_all, v_all) = cache.append(layer, &k, &v)?;
         if q.device().is_cpu() {
-            // Straight over the cache storage. Up to EXACT_ROWS_MAX rows one query row at a time
-            // over its causal prefix with the decode kernel: the logits of a short multi-token pass
-            // (speculative verification) are bit-identical to decoding the same tokens one by one,
-            // so greedy speculation reproduces plain decoding exactly. Longer passes (prefill):
-            // the blocked causal kernel, no seq × seq tensors.
+            // Prefill straight over the cache storage: the blocked causal kernel, no seq × seq
+            // tensors. (Up to EXACT_ROWS_MAX rows took `attend_short_cpu` above: one query row at
+            // a time over its causal prefix with the decode kernel, so the logits of a short
+            // multi-token pass — speculative verification — are bit-identical to decoding the
+            // same tokens one by one and greedy speculation reproduces plain decoding exactly.)
             let qv = q.flatten_all()?.to_vec1::<f32>()?; // [nh, seq, hd]
             let mut rows = vec![0f32; seq * nh * hd]; // [seq, nh, hd]
             for i in 0..seq {
@@ -212,7 +219,7 @@ impl Attention {
                 }
             }
             let out = cache
-                .attend_tokens(layer, &rows, seq, nh, self.scale as f32, pos + 1)?
+                .attend_prefill(layer, &rows, seq, nh, self.scale as f32, pos + 1)?
                 .ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
             return Ok(Tensor::from_vec(out, (seq, nh * hd), q.device())?);
         }

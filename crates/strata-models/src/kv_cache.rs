@@ -218,13 +218,13 @@ impl KvCache {
             .ok_or_else(|| candle_core::Error::Msg(format!("layer {layer} has no KV cache")))
     }
 
-    /// CPU attention of `seq` consecutive query rows `q: [seq, n_heads · head_dim]` of `layer`,
-    /// row `i` over positions `0..first + i` (decode: `first = len + 1`, the token just appended
-    /// included); returns `[seq, n_heads · head_dim]`. Up to [`crate::EXACT_ROWS_MAX`] rows
-    /// (decode, verify) every row's result equals decoding that token alone
-    /// (`strata_kernels::attention`); longer passes (prefill) run the blocked kernel
-    /// (`strata_kernels::attention_prefill`). `None` when the cache is not on the CPU.
-    pub fn attend_tokens(
+    /// CPU attention of a prompt pass (more than [`crate::EXACT_ROWS_MAX`] rows):
+    /// `q: [seq, n_heads · head_dim]` of `layer`, row `i` over positions `0..first + i` (the
+    /// tokens just appended included), by the blocked kernel
+    /// (`strata_kernels::attention_prefill`); returns `[seq, n_heads · head_dim]`. Shorter passes
+    /// (decode, verify) go through [`Self::attend_sequences`]. `None` when the cache is not on
+    /// the CPU.
+    pub fn attend_prefill(
         &self,
         layer: usize,
         q: &[f32],
@@ -233,48 +233,56 @@ impl KvCache {
         scale: f32,
         first: usize,
     ) -> candle_core::Result<Option<Vec<f32>>> {
-        let layer = self.kv_slot(layer)?;
-        let (ks, kl) = self.k[layer].storage_and_layout();
-        let (vs, vl) = self.v[layer].storage_and_layout();
+        let (ks, ko, vs, vo, layout) = self.layer_storage(layer)?;
         let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&*ks, &*vs) else {
             return Ok(None);
         };
-        let k = &kc.as_slice::<f32>()?[kl.start_offset()..];
-        let v = &vc.as_slice::<f32>()?[vl.start_offset()..];
-        let (_, n_kv_heads, capacity, head_dim) = self.k[layer].dims4()?;
-        let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
-        let mut out = vec![0f32; seq * n_heads * head_dim];
-        let attend = if seq <= crate::attention::EXACT_ROWS_MAX {
-            strata_kernels::attention::attend_tokens
-        } else {
-            strata_kernels::attention_prefill::attend_prefill
-        };
-        attend(q, k, v, layout, n_heads, seq, first, scale, &mut out);
+        let (k, v) = (&kc.as_slice::<f32>()?[ko..], &vc.as_slice::<f32>()?[vo..]);
+        let mut out = vec![0f32; seq * n_heads * layout.head_dim];
+        strata_kernels::attention_prefill::attend_prefill(
+            q, k, v, layout, n_heads, seq, first, scale, &mut out,
+        );
         Ok(Some(out))
     }
 
+    /// Layer `layer`'s key and value storage (read guards and start offsets) and its layout.
+    #[allow(clippy::type_complexity)]
+    fn layer_storage(
+        &self,
+        layer: usize,
+    ) -> candle_core::Result<(
+        impl std::ops::Deref<Target = candle_core::Storage> + '_,
+        usize,
+        impl std::ops::Deref<Target = candle_core::Storage> + '_,
+        usize,
+        strata_kernels::attention::KvLayout,
+    )> {
+        let s = self.kv_slot(layer)?;
+        let (ks, kl) = self.k[s].storage_and_layout();
+        let (vs, vl) = self.v[s].storage_and_layout();
+        let (_, n_kv_heads, capacity, head_dim) = self.k[s].dims4()?;
+        let layout = strata_kernels::attention::KvLayout { n_kv_heads, capacity, head_dim };
+        Ok((ks, kl.start_offset(), vs, vl.start_offset(), layout))
+    }
+
     /// CPU attention of several sequences' short passes (up to [`crate::EXACT_ROWS_MAX`] rows
-    /// each: a continuous batch's decode rows) in one parallel region
+    /// each: decode rows, verify passes, a continuous batch's decode rows) in one parallel region
     /// (`strata_kernels::attention::attend_sequences`): `seqs[i] = (cache, q, first)` with
     /// `q: [seq_i, n_heads · head_dim]`, row `j` over positions `0..first + j` of `cache`'s
-    /// `layer`. Returns `[Σ seq_i, n_heads · head_dim]`, each row equal to [`Self::attend_tokens`]
-    /// of its sequence alone. `None` when a cache is not on the CPU.
+    /// `layer`. Returns `[Σ seq_i, n_heads · head_dim]`; every row's arithmetic is the same
+    /// whatever the batch, so a verify pass equals decoding its tokens one by one and a batched
+    /// sequence equals itself alone. `None` when a cache is not on the CPU.
     pub fn attend_sequences(
         layer: usize,
         seqs: &[(&KvCache, &[f32], usize)],
         n_heads: usize,
         scale: f32,
     ) -> candle_core::Result<Option<Vec<f32>>> {
-        use strata_kernels::attention::{KvLayout, SeqAttend};
-        let mut guards = Vec::with_capacity(seqs.len());
-        for (cache, _, _) in seqs {
-            let s = cache.kv_slot(layer)?;
-            let (ks, kl) = cache.k[s].storage_and_layout();
-            let (vs, vl) = cache.v[s].storage_and_layout();
-            let (_, n_kv_heads, capacity, head_dim) = cache.k[s].dims4()?;
-            let layout = KvLayout { n_kv_heads, capacity, head_dim };
-            guards.push((ks, kl.start_offset(), vs, vl.start_offset(), layout));
-        }
+        use strata_kernels::attention::SeqAttend;
+        let guards = seqs
+            .iter()
+            .map(|(c, _, _)| c.layer_storage(layer))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let mut items = Vec::with_capacity(seqs.len());
         let mut rows = 0;
         for ((_, q, first), (ks, ko, vs, vo, kv)) in seqs.iter().zip(&guards) {

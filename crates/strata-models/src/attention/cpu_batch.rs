@@ -15,8 +15,8 @@ impl Attention {
     /// Projections `q: [rows, nh·hd]`, `k, v: [rows, nkv·hd]` of every part's rows (parts in
     /// row order, part `s` at positions `parts[s].cache.len()..` of its own cache) →
     /// `[rows, nh·hd]` (before the output projection), keys and values written to each cache.
-    /// Every row's result equals attending its sequence alone (the same per-head arithmetic as
-    /// `KvCache::attend_tokens`). `None`: not on the CPU, or a part longer than
+    /// Every row's result equals attending its sequence alone, and a multi-row pass equals
+    /// decoding its tokens one by one (`KvCache::attend_sequences`). `None`: not on the CPU, or a part longer than
     /// [`EXACT_ROWS_MAX`] rows (a prompt chunk: attended per sequence by the blocked kernel).
     pub(super) fn attend_short_cpu(
         &self,

@@ -49,9 +49,9 @@ impl Transformer {
     /// Runs every sequence's tokens in one pass and commits them to its cache.
     ///
     /// Returns one result per sequence, in order: its logits (`[1 or tokens, vocab]`; on the host
-    /// when several sequences ran on a GPU, read in one copy), hidden states and routing, or its own error — the cache is full, a token is outside the
-    /// vocabulary, or (with [`BatchOptions::isolate_expert_errors`]) one of its experts could not
-    /// be read; such a sequence's cache is left as it was in length, but may hold partial entries
+    /// when several sequences ran on a GPU, read in one copy), hidden states and routing, or its
+    /// own error — the cache is full, a token is outside the vocabulary, or (with
+    /// [`BatchOptions::isolate_expert_errors`]) one of its experts could not be read; such a sequence's cache is left as it was in length, but may hold partial entries
     /// (clear it, or roll back, before reuse). The outer error fails the whole batch (a kernel
     /// error, [`ModelError::Interrupted`]): every cache's length is unchanged then, but layers
     /// already run have written their entries and recurrent state.
