@@ -27,8 +27,10 @@
 #     llama.cpp CUDA from dist/llamacpp-src.tar.xz (dist/llamacpp.sh, ~6 min) and runs
 #     llama-bench on the same file in the same rounds.
 #  6. PART=batch (instead of 2-5): continuous batching on the GPU (issue 25), everything in VRAM:
-#     the kernel tests (unless BENCH_ONLY), then `strata bench --batch 2,4,8,16` (batched decode in
-#     the engine) with the opt-in grouped MoE kernels on and off (GROUPED, default "1 0 1"), then
+#     the kernel tests and `compare-devices --batch 4 / 16` (batched = alone on the device, batched
+#     steps captured as graphs and op by op; unless BENCH_ONLY), then `strata bench --batch
+#     2,4,8,16` (batched decode in the engine) with the opt-in grouped MoE kernels on and off
+#     (GROUPED, default "1 0 1"), batched steps op by op and captured (alternating), then
 #     1 vs CLIENTS (16) streaming clients through `strata serve --parallel CLIENTS`
 #     (scripts/bench_batching.sh, no llama-server; SERVER_GROUPED, default "1 0"), for each of
 #     MODELS (default: SmolLM2 when carried in models/ — its 96 MB exceed what a call carries —
@@ -92,6 +94,29 @@ if [ "${PART:-}" = batch ]; then
     /tmp/cuda-kernels-test --test-threads=1 > "$OUT/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$OUT/batch.md"
     grep -E "^test |test result|panicked|off by" "$OUT/kernels.txt" | tee -a "$OUT/batch.md"
   fi
+  # Batched decoding on the device = each sequence decoded alone there (compare-devices --batch:
+  # greedy tokens and logits), with batched steps captured as graphs and op by op
+  # (STRATA_GPU_BATCH_GRAPHS=0), on tiny-moe Q4_K (device routing; realistic routing: the host's
+  # synthetic choice written before each step) and SmolLM2 when carried. (--tolerance 1: the
+  # CPU-vs-GPU bounds are PART=decode's; here the batch check's own bound, 1e-5, decides.)
+  if [ -z "${BENCH_ONLY:-}" ]; then
+    echo "## batched = alone (compare-devices --batch)" | tee -a "$OUT/batch.md"
+    for r in local realistic; do
+      [ -f /tmp/tiny-bq-$r.gguf ] || "$S" synth --preset tiny-moe --quant Q4_K --routing $r --out /tmp/tiny-bq-$r.gguf >/dev/null 2>&1
+    done
+    for M in /tmp/tiny-bq-local.gguf /tmp/tiny-bq-realistic.gguf models/SmolLM2-135M-Instruct.Q4_1.gguf; do
+      [ -f "$M" ] || continue
+      for bg in 1 0; do
+        for b in 4 16; do
+          echo "$(basename "$M") batch $b STRATA_GPU_BATCH_GRAPHS=$bg:" | tee -a "$OUT/batch.md"
+          STRATA_GPU_BATCH_GRAPHS=$bg STRATA_GPU_GRAPH_STATS=1 timeout 300 "$S" compare-devices -m "$M" \
+            --prompt "The quick brown fox jumps over the lazy dog. Once upon a time" -n 40 --batch $b --tolerance 1 \
+            > "$OUT/cmp-batch.log" 2>&1; echo "exit $?" | tee -a "$OUT/batch.md"
+          grep -E '^\||captured|error' "$OUT/cmp-batch.log" | tail -6 | tee -a "$OUT/batch.md"
+        done
+      done
+    done
+  fi
   M30=/tmp/q3-30b-realistic.gguf
   for M in ${MODELS:-models/SmolLM2-135M-Instruct.Q4_1.gguf $M30}; do
     if [ "$M" != "$M30" ] && [ ! -f "$M" ]; then
@@ -109,10 +134,14 @@ if [ "${PART:-}" = batch ]; then
         --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep -E '^\||per step' \
         | tee -a "$OUT/batch.md"
     done
-    # The one-sequence step op by op (no graph) beside the batches: a batch's pass has no graph.
-    echo "## $M: the same, STRATA_GPU_GRAPHS=0" | tee -a "$OUT/batch.md"
-    STRATA_BENCH_SPLIT=1 STRATA_GPU_GRAPHS=0 "$S" bench -m "$M" --device cuda --stream-experts off \
-      -p 64 -n 64 -r 2 --batch 16 2>&1 | grep -E '^\||per step' | tee -a "$OUT/batch.md"
+    # Batched steps op by op (STRATA_GPU_BATCH_GRAPHS=0; one sequence still graph-replayed)
+    # after the default (captured), then the default again: alternating.
+    for bg in 0 1; do
+      echo "## $M: batched decode, STRATA_GPU_BATCH_GRAPHS=$bg" | tee -a "$OUT/batch.md"
+      STRATA_BENCH_SPLIT=1 STRATA_GPU_BATCH_GRAPHS=$bg "$S" bench -m "$M" --device cuda \
+        --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep -E '^\||per step' \
+        | tee -a "$OUT/batch.md"
+    done
     for g in ${SERVER_GROUPED:-1 0}; do
       echo "## $M: server, 1 vs ${CLIENTS:-16} streaming clients, STRATA_GPU_MOE_GROUPED=$g" \
         | tee -a "$OUT/batch.md"

@@ -1,6 +1,8 @@
 //! `strata compare-devices`: the same model on the CPU and on another device (`--device cuda`):
 //! every position's logits over a prompt (max |Δ| ÷ max |cpu logit| and relative L2), and greedy
-//! tokens from both. The H100 acceptance check of the CUDA backend (scripts/cuda_device_check.sh).
+//! tokens from both; with `--batch N`, batched decoding on the device against decoding alone
+//! there (`compare_batch`). The H100 acceptance check of the CUDA backend
+//! (scripts/cuda_device_check.sh).
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -36,6 +38,16 @@ pub struct CompareArgs {
     /// predictions copied ahead whatever their precision.
     #[arg(long)]
     pub gpu_expert_cache: Option<strata_engine::CacheBudget>,
+    /// Also decode this many sequences together on the device (one forward pass per step, as
+    /// `serve --parallel` batches them; prompts cut from the prompt cycled to 240+ tokens, the
+    /// last sequence leaving halfway) and compare each with decoding it alone there: greedy
+    /// tokens equal and logits within --batch-tolerance, or exit 1.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Fail (exit 1) when a batched step's logits differ from the sequence's alone by more than
+    /// this (max |Δ| ÷ max |logit|).
+    #[arg(long, default_value_t = 1e-5)]
+    pub batch_tolerance: f64,
 }
 
 pub fn run(a: CompareArgs) -> Result<()> {
@@ -108,6 +120,11 @@ pub fn run(a: CompareArgs) -> Result<()> {
             x.prefetch_reads,
             x.prefetch_used
         );
+    }
+    // The batched check runs whatever the devices' difference: it compares the device with
+    // itself.
+    if let Some(n) = a.batch {
+        crate::compare_batch::batched_equals_alone(&dev, &ids, n, a.tokens, a.batch_tolerance)?;
     }
     if worst_rel > a.tolerance {
         bail!("logits differ by {worst_rel:.2e} (relative) > --tolerance {}", a.tolerance);

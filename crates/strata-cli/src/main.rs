@@ -1,6 +1,7 @@
 //! `strata`: an LLM inference server and CLI for MoE models that stream expert weights.
 
 mod compare;
+mod compare_batch;
 mod default_model;
 mod generate;
 mod info;

@@ -437,6 +437,12 @@ impl RowTable {
         Ok(())
     }
 
+    /// The table's words: per row its position, then the cache k and v addresses (low word
+    /// first) — u32 `[rows, 5]` row-major, what [`Rows::in_buffer`] expects.
+    pub fn words(&self) -> &[u32] {
+        &self.words
+    }
+
     /// The table on `device` (one host-to-device copy), for [`Position::Rows`].
     pub fn upload(&self, device: &Device) -> Result<Rows> {
         let rows = self.words.len() / 5;
@@ -445,6 +451,26 @@ impl RowTable {
             max: self.max,
             shape: self.shape.clone().unwrap_or_default(),
         })
+    }
+}
+
+impl Rows {
+    /// A row table the caller keeps on the device and rewrites before each launch (a captured
+    /// CUDA graph's: its positions and caches change from step to step, the launches stay):
+    /// `table` u32 `[rows, 5]` contiguous as [`RowTable::words`] lays it out, every position in
+    /// it at most `max` (the launches' split counts cover positions `0..=max`), every cache of
+    /// shape `cache_shape` (`[1, n_kv_heads, capacity, head_dim]`).
+    ///
+    /// Errors: `table` not u32 `[rows, 5]` or not contiguous.
+    pub fn in_buffer(table: Tensor, max: usize, cache_shape: &[usize]) -> Result<Rows> {
+        if table.dtype() != DType::U32 || table.dims2()?.1 != 5 || !table.is_contiguous() {
+            bail!(
+                "row table: expected contiguous u32 [rows, 5], got {:?} {:?}",
+                table.dtype(),
+                table.dims()
+            );
+        }
+        Ok(Rows { table, max, shape: cache_shape.to_vec() })
     }
 }
 

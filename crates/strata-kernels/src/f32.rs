@@ -31,6 +31,28 @@ pub fn matmul_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], m: usize, out:
     });
 }
 
+/// `out[i] = silu(g[i]) · u[i]`, with candle's `silu` arithmetic (`g / (1 + e^(−g))`, then the
+/// product: the same bits as candle's `silu(g) * u`), in chunks over the barrier pool — the MLP
+/// activation of a CPU pass without candle's two ops (its unary op spreads over rayon's pool,
+/// whose wake-ups cost more than the work for a decode step's few rows).
+///
+/// # Panics
+/// When the three slices' lengths differ.
+pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(g.len() == u.len() && g.len() == out.len(), "silu_mul: lengths differ");
+    const CHUNK: usize = 2048;
+    let ptr = SendPtr(out.as_mut_ptr());
+    let n = g.len();
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
+        let p = ptr;
+        for i in range.start * CHUNK..(range.end * CHUNK).min(n) {
+            let silu = g[i] / (1.0 + (-g[i]).exp());
+            // SAFETY: each index is written by exactly one task; out has n elements.
+            unsafe { *p.0.add(i) = silu * u[i] };
+        }
+    });
+}
+
 fn select() -> fn(&[f32], &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
@@ -86,6 +108,22 @@ unsafe fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn silu_mul_equals_candles_silu_then_mul() {
+        use candle_core::{Device, Tensor};
+        let n = 5000;
+        let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.13).sin() * 12.0).collect();
+        let u: Vec<f32> = (0..n).map(|i| (i as f32 * 0.71).cos() * 3.0).collect();
+        let mut out = vec![0f32; n];
+        silu_mul(&g, &u, &mut out);
+        let (gt, ut) = (
+            Tensor::new(g.as_slice(), &Device::Cpu).unwrap(),
+            Tensor::new(u.as_slice(), &Device::Cpu).unwrap(),
+        );
+        let want = (gt.silu().unwrap() * ut).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(out, want);
+    }
 
     #[test]
     fn matches_f64_reference_and_is_row_count_independent() {

@@ -104,6 +104,57 @@ impl Attention {
         parts: &mut [SeqPart<'_>],
         rope: &RotaryEmbedding,
     ) -> Result<Tensor> {
+        let (q, k, v, gate) = self.project(x)?;
+        #[cfg(feature = "cuda")]
+        let batched = self.attend_batch_gpu(&q, &k, &v, layer, parts, rope)?;
+        #[cfg(not(feature = "cuda"))]
+        let batched: Option<Tensor> = None;
+        let batched = match batched {
+            Some(out) => Some(out),
+            None => self.attend_short_cpu(&q, &k, &v, layer, parts, rope)?,
+        };
+        let mut outs = Vec::with_capacity(parts.len());
+        match batched {
+            Some(out) => outs.push(out),
+            None => {
+                for p in parts.iter_mut() {
+                    let (start, n) = (p.rows.start, p.rows.len());
+                    let pick = |t: &Tensor| t.narrow(0, start, n);
+                    let (q, k, v) = (pick(&q)?, pick(&k)?, pick(&v)?);
+                    outs.push(self.attend(&q, &k, &v, layer, p.cache, rope, p.mask.as_ref())?);
+                }
+            }
+        }
+        let out = if outs.len() == 1 { outs.pop().unwrap_or(q) } else { Tensor::cat(&outs, 0)? };
+        self.output(out, gate.as_ref())
+    }
+
+    /// [`Self::forward_batch`] with every row's position and cache in `rows`, a row table the
+    /// caller wrote on the device (a captured CUDA graph of a batched decode step:
+    /// `crate::transformer::batch_graph`): `x: [rows, hidden]` → `[rows, hidden]`. `cache` is
+    /// one of the table's caches for this layer (its shape checked; the kernels take each row's
+    /// own from the table).
+    ///
+    /// Errors: the attention cannot run on our kernels ([`Self::gpu_decodable`]), the table's
+    /// rows or caches disagree with `x` and `cache`, a kernel error.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn forward_rows(
+        &self,
+        x: &Tensor,
+        rows: &strata_kernels::cuda::Rows,
+        cache: strata_kernels::cuda::LayerKv<'_>,
+        rope: &RotaryEmbedding,
+    ) -> Result<Tensor> {
+        let (q, k, v, gate) = self.project(x)?;
+        let pos = strata_kernels::cuda::Position::Rows(rows);
+        let out = self.rope_attend_gpu(&q, &k, &v, rope, pos, cache)?;
+        self.output(out, gate.as_ref())
+    }
+
+    /// The q/k/v projections of `x: [rows, hidden]` over all rows: `q: [rows, nh·hd]`,
+    /// `k, v: [rows, nkv·hd]`, and the output gate's `[rows, nh·hd]` of gated attention.
+    #[allow(clippy::type_complexity)]
+    fn project(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
         let rows = x.dim(0)?;
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let qw = if self.output_gate { 2 * nh * hd } else { nh * hd };
@@ -138,28 +189,13 @@ impl Attention {
         } else {
             (q, None)
         };
-        #[cfg(feature = "cuda")]
-        let batched = self.attend_batch_gpu(&q, &k, &v, layer, parts, rope)?;
-        #[cfg(not(feature = "cuda"))]
-        let batched: Option<Tensor> = None;
-        let batched = match batched {
-            Some(out) => Some(out),
-            None => self.attend_short_cpu(&q, &k, &v, layer, parts, rope)?,
-        };
-        let mut outs = Vec::with_capacity(parts.len());
-        match batched {
-            Some(out) => outs.push(out),
-            None => {
-                for p in parts.iter_mut() {
-                    let (start, n) = (p.rows.start, p.rows.len());
-                    let pick = |t: &Tensor| t.narrow(0, start, n);
-                    let (q, k, v) = (pick(&q)?, pick(&k)?, pick(&v)?);
-                    outs.push(self.attend(&q, &k, &v, layer, p.cache, rope, p.mask.as_ref())?);
-                }
-            }
-        }
-        let out = if outs.len() == 1 { outs.pop().unwrap_or(q) } else { Tensor::cat(&outs, 0)? };
-        let out = match &gate {
+        Ok((q, k, v, gate))
+    }
+
+    /// The attention's output `out: [rows, nh·hd]` through the output gate (when there is one)
+    /// and the output projection → `[rows, hidden]`.
+    fn output(&self, out: Tensor, gate: Option<&Tensor>) -> Result<Tensor> {
+        let out = match gate {
             Some(g) => (out * candle_nn::ops::sigmoid(g)?)?,
             None => out,
         };

@@ -3,7 +3,8 @@
 //! before/after measurement or to rule it out: `STRATA_GPU_ROUTING=0` (router top-k on the host,
 //! one synchronisation per MoE layer), `STRATA_GPU_ATTENTION=0` (decode attention through
 //! candle's matmul + softmax), `STRATA_GPU_GRAPHS=0` (decode steps launched op by op instead of
-//! replayed from a captured CUDA graph), `STRATA_GPU_DENSE=0` (dense Q4_K products of 2 to
+//! replayed from a captured CUDA graph), `STRATA_GPU_BATCH_GRAPHS=0` (only batched decode steps
+//! of several sequences op by op), `STRATA_GPU_DENSE=0` (dense Q4_K products of 2 to
 //! `MATMUL_ROWS_MAX` rows through candle: the whole matrix dequantized to f32, then cuBLAS),
 //! `STRATA_GPU_MOE_TC=0` / `STRATA_GPU_DENSE_TC=0` (the Q4_K experts / dense Q4_K products of
 //! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums),
@@ -63,6 +64,9 @@ pub enum GpuPath {
     /// The decode step captured once per context bucket as a CUDA graph and replayed
     /// (`Transformer`'s graph path).
     Graphs,
+    /// Batched decode steps of several sequences captured as CUDA graphs too (needs
+    /// [`GpuPath::Graphs`]).
+    BatchGraphs,
 }
 
 /// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
@@ -99,6 +103,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static ROUTING: OnceLock<bool> = OnceLock::new();
     static ATTENTION: OnceLock<bool> = OnceLock::new();
     static GRAPHS: OnceLock<bool> = OnceLock::new();
+    static BATCH_GRAPHS: OnceLock<bool> = OnceLock::new();
     static MOE: OnceLock<bool> = OnceLock::new();
     static MOE_GROUPED: OnceLock<bool> = OnceLock::new();
     static DENSE: OnceLock<bool> = OnceLock::new();
@@ -111,6 +116,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
         GpuPath::Graphs => (&GRAPHS, "STRATA_GPU_GRAPHS"),
+        GpuPath::BatchGraphs => (&BATCH_GRAPHS, "STRATA_GPU_BATCH_GRAPHS"),
         GpuPath::Moe => (&MOE, "STRATA_GPU_MOE"),
         GpuPath::MoeGrouped => (&MOE_GROUPED, "STRATA_GPU_MOE_GROUPED"),
         GpuPath::Dense => (&DENSE, "STRATA_GPU_DENSE"),

@@ -127,11 +127,63 @@ impl RotaryEmbedding {
         self.rotate(x, &self.cos.narrow(0, pos, seq)?, &self.sin.narrow(0, pos, seq)?)
     }
 
-    /// Rotates `x: [1, heads, rows, head_dim]`, row `i` for position `positions[i]`
-    /// (`positions: [rows]` u32; the rows of several sequences in one call). Each row's result
-    /// equals [`Self::apply`] at that position.
-    pub fn apply_at(&self, x: &Tensor, positions: &Tensor) -> candle_core::Result<Tensor> {
-        self.rotate(x, &self.cos.index_select(positions, 0)?, &self.sin.index_select(positions, 0)?)
+    /// Rotates `x: [1, heads, rows, head_dim]`, row `i` for position `positions[i]` (the rows of
+    /// several sequences in one call). Each row's result equals [`Self::apply`] at that position,
+    /// bit for bit: on the CPU the same products and sums as candle's `rope` / `rope_i` in one
+    /// serial loop over the few rows of a decode step (candle's spreads a multi-row call over
+    /// rayon's pool, whose wake-ups took ~10% of a CPU batch step beside our own pool), elsewhere
+    /// candle's kernel over the gathered table rows.
+    ///
+    /// Errors: a position past the tables, `x` not `[1, heads, positions.len(), head_dim]`.
+    pub fn apply_at(&self, x: &Tensor, positions: &[u32]) -> candle_core::Result<Tensor> {
+        let (_, _, rows, _) = x.dims4()?;
+        if rows != positions.len() || positions.iter().any(|&p| p as usize >= self.max_positions())
+        {
+            candle_core::bail!(
+                "rope: {} positions for {rows} rows of {:?}",
+                positions.len(),
+                x.dims()
+            );
+        }
+        if !x.device().is_cpu() {
+            let at = Tensor::new(positions, x.device())?;
+            return self.rotate(
+                x,
+                &self.cos.index_select(&at, 0)?,
+                &self.sin.index_select(&at, 0)?,
+            );
+        }
+        self.rotate_rows_cpu(x, positions)
+    }
+
+    /// [`Self::apply_at`] on the CPU (f32).
+    fn rotate_rows_cpu(&self, x: &Tensor, positions: &[u32]) -> candle_core::Result<Tensor> {
+        let (b, heads, rows, hd) = x.dims4()?;
+        let mut v = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let half = self.rope_dim / 2;
+        // The tables in place (contiguous `[max_positions, half]` f32 on the CPU, `Self::new`).
+        let (cg, sg) = (self.cos.storage_and_layout(), self.sin.storage_and_layout());
+        let (candle_core::Storage::Cpu(cs), candle_core::Storage::Cpu(ss)) = (&*cg.0, &*sg.0)
+        else {
+            candle_core::bail!("rope: tables not on the CPU");
+        };
+        let cos = &cs.as_slice::<f32>()?[cg.1.start_offset()..];
+        let sin = &ss.as_slice::<f32>()?[sg.1.start_offset()..];
+        for (i, x) in v.chunks_exact_mut(hd).take(b * heads * rows).enumerate() {
+            let p = positions[i % rows] as usize;
+            let (c, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+            for j in 0..half {
+                // candle's `rope_i` pairs (2j, 2j + 1), `rope` pairs (j, j + rope_dim / 2).
+                let (a, z) = match self.style {
+                    RopeStyle::Interleaved => (2 * j, 2 * j + 1),
+                    RopeStyle::Neox => (j, j + half),
+                };
+                let (x0, x1) = (x[a], x[z]);
+                x[a] = x0 * c[j] - x1 * s[j];
+                x[z] = x0 * s[j] + x1 * c[j];
+            }
+        }
+        Tensor::from_vec(v, (b, heads, rows, hd), x.device())
     }
 
     /// `x: [1, heads, rows, head_dim]` with `cos`, `sin: [rows, rope_dim / 2]`.
@@ -147,5 +199,43 @@ impl RotaryEmbedding {
         let head = rot(&x.narrow(D::Minus1, 0, self.rope_dim)?.contiguous()?)?;
         let tail = x.narrow(D::Minus1, self.rope_dim, head_dim - self.rope_dim)?;
         Tensor::cat(&[&head, &tail], D::Minus1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `apply_at` over rows at scattered positions equals `apply` of each row alone (candle's
+    /// kernels), bit for bit, for both pair layouts and a partial rotary dimension.
+    #[test]
+    fn apply_at_equals_apply_per_row() {
+        let dev = Device::Cpu;
+        for (style, rope_dim) in
+            [(RopeStyle::Neox, 64), (RopeStyle::Interleaved, 64), (RopeStyle::Neox, 32)]
+        {
+            let rope =
+                RotaryEmbedding::new(10_000.0, rope_dim, &RopeScaling::None, style, 512, &dev)
+                    .unwrap();
+            let (heads, hd) = (3, 64);
+            let positions = [0u32, 7, 300, 511, 42];
+            let rows = positions.len();
+            let vals: Vec<f32> =
+                (0..heads * rows * hd).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.031).collect();
+            let x = Tensor::from_vec(vals, (1, heads, rows, hd), &dev).unwrap();
+            let got = rope.apply_at(&x, &positions).unwrap();
+            for (r, &p) in positions.iter().enumerate() {
+                let one = x.narrow(2, r, 1).unwrap();
+                let want = rope.apply(&one, p as usize).unwrap();
+                let have = got.narrow(2, r, 1).unwrap();
+                let (w, h) = (
+                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    have.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert_eq!(w, h, "{style:?} rope_dim {rope_dim}, row {r} at {p}");
+            }
+            assert!(rope.apply_at(&x, &positions[..2]).is_err());
+            assert!(rope.apply_at(&x, &[0, 1, 2, 3, 512]).is_err());
+        }
     }
 }

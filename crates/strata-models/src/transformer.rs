@@ -27,6 +27,8 @@ use crate::rope::RotaryEmbedding;
 
 mod batch;
 #[cfg(feature = "cuda")]
+mod batch_graph;
+#[cfg(feature = "cuda")]
 mod device_routing;
 #[cfg(feature = "cuda")]
 mod graph;
@@ -93,6 +95,10 @@ pub struct Transformer {
     /// Predicts the next MoE layer's experts for a streaming provider (`None`: no prediction).
     prefetcher: Option<Prefetcher>,
     device: Device,
+    /// Batched decode steps captured as CUDA graphs, shared by every sequence
+    /// ([`batch_graph`]).
+    #[cfg(feature = "cuda")]
+    batch_graphs: std::sync::Mutex<Option<batch_graph::BatchGraphs>>,
 }
 
 impl Transformer {
@@ -191,6 +197,8 @@ impl Transformer {
             experts,
             prefetcher: None,
             device: device.clone(),
+            #[cfg(feature = "cuda")]
+            batch_graphs: std::sync::Mutex::new(None),
         };
         model.set_prefetch(PrefetchMode::default());
         Ok(model)

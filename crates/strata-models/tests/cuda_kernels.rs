@@ -789,7 +789,7 @@ fn moe_q4k_matches_the_f32_reference() {
     let (dev, cpu) = (cuda(), Device::Cpu);
     let mut rng = Rng(0x5eed);
     // (16, 256, 512, 9, 4) and (4, 256, 256, 5, 2): tokens share experts (n·k > E), for the
-    // grouped kernels.
+    // grouped kernels; (8, 256, 256, 16, 8): every token takes every expert.
     for &(e, h, i, n, k) in &[
         (8usize, 256usize, 512usize, 1usize, 2usize),
         (16, 512, 256, 4, 4),
@@ -797,6 +797,7 @@ fn moe_q4k_matches_the_f32_reference() {
         (16, 256, 512, 9, 4),
         (128, 512, 256, 16, 8),
         (4, 256, 256, 5, 2),
+        (8, 256, 256, 16, 8),
     ] {
         let q = |rows: usize, cols: usize, rng: &mut Rng| random_q4k(&[e, rows, cols], rng, &dev);
         let ((gq, g), (uq, u), (dq, d)) = (q(i, h, &mut rng), q(i, h, &mut rng), q(h, i, &mut rng));

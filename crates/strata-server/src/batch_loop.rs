@@ -68,11 +68,16 @@ fn run(
             continue;
         }
         let stop = || s.is_shut_down();
+        let t = Instant::now();
         let step = std::panic::catch_unwind(AssertUnwindSafe(|| b.step(&stop)));
+        let step_ms = t.elapsed().as_secs_f64() * 1e3;
         match step {
             Ok(Ok(stats)) => {
                 metrics.observe(&stats, b.prefix_stats());
-                log.add(&stats);
+                log.add(&stats, step_ms);
+                if !b.has_work() {
+                    log.flush(); // the end of a busy period
+                }
             }
             Ok(Err(e)) => {
                 let msg = e.to_string();
@@ -183,9 +188,15 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
     b.submit(Submission { req: job.req, n: job.n, sink: Box::new(sink), cancel: job.cancel });
 }
 
-/// Logs the batch's figures every few seconds while it works.
+/// Logs the batch's figures every few seconds while it works, and when it runs out of work:
+/// per step the forward pass (`pass_ms`), the whole step with sampling and the tokens' emission
+/// (`step_ms`), and the time from one step's start to the next with the admission of new
+/// requests (`loop_ms`); `tok_s` over the busy time since the last line.
 struct StepLog {
-    since: Instant,
+    /// When the first step counted here started.
+    since: Option<Instant>,
+    /// When the last step ended.
+    last_end: Option<Instant>,
     steps: u64,
     sequences: u64,
     rows: u64,
@@ -193,12 +204,14 @@ struct StepLog {
     distinct: f64,
     bytes: u64,
     pass_ms: f64,
+    step_ms: f64,
 }
 
 impl StepLog {
     fn new() -> Self {
         Self {
-            since: Instant::now(),
+            since: None,
+            last_end: None,
             steps: 0,
             sequences: 0,
             rows: 0,
@@ -206,13 +219,18 @@ impl StepLog {
             distinct: 0.0,
             bytes: 0,
             pass_ms: 0.0,
+            step_ms: 0.0,
         }
     }
 
-    fn add(&mut self, st: &StepStats) {
+    /// Counts a step that took `step_ms` and ended now.
+    fn add(&mut self, st: &StepStats, step_ms: f64) {
         if st.sequences == 0 {
             return;
         }
+        let now = Instant::now();
+        self.since.get_or_insert(now - Duration::from_secs_f64(step_ms / 1e3));
+        self.last_end = Some(now);
         self.steps += 1;
         self.sequences += st.sequences as u64;
         self.rows += st.rows as u64;
@@ -220,18 +238,25 @@ impl StepLog {
         self.distinct += st.distinct_experts_per_layer;
         self.bytes += st.expert_bytes_read;
         self.pass_ms += st.pass_ms;
-        let elapsed = self.since.elapsed();
-        if elapsed < Duration::from_secs(5) {
-            return;
+        self.step_ms += step_ms;
+        if self.since.is_some_and(|s| s.elapsed() >= Duration::from_secs(5)) {
+            self.flush();
         }
-        let n = self.steps as f64;
+    }
+
+    /// Logs what was counted since the last line, if anything.
+    fn flush(&mut self) {
+        let (Some(since), Some(end)) = (self.since, self.last_end) else { return };
+        let busy = end.duration_since(since).as_secs_f64().max(1e-9);
+        let n = self.steps.max(1) as f64;
         tracing::info!(
             steps = self.steps,
             batch_size = format!("{:.2}", self.sequences as f64 / n),
             rows_per_step = format!("{:.1}", self.rows as f64 / n),
-            tok_s = format!("{:.1}", self.generated as f64 / elapsed.as_secs_f64()),
-            pass_ms = format!("{:.1}", self.pass_ms / n),
-            step_ms = format!("{:.1}", elapsed.as_secs_f64() * 1e3 / n),
+            tok_s = format!("{:.1}", self.generated as f64 / busy),
+            pass_ms = format!("{:.2}", self.pass_ms / n),
+            step_ms = format!("{:.2}", self.step_ms / n),
+            loop_ms = format!("{:.2}", busy * 1e3 / n),
             distinct_experts_per_layer = format!("{:.1}", self.distinct / n),
             expert_bytes_per_token = self.bytes / self.generated.max(1),
             "batch"

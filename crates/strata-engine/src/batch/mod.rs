@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use candle_core::DType;
 use strata_models::{BatchOptions, BatchSeq, KvCache, Logits};
 
 pub use prefix_cache::{PrefixCache, PrefixHit, PrefixStats};
@@ -340,15 +341,32 @@ impl Batcher {
             s.experts_prefilled = self.engine.model.experts().stats();
             forks = true;
         }
-        let logits: Vec<f32> = match logits.flatten_all().and_then(|l| l.to_vec1()) {
-            Ok(l) => l,
-            Err(e) => {
-                finished.push((id, Err(e.into())));
-                return 0;
+        let copied;
+        let guard = logits.storage_and_layout();
+        let logits: &[f32] = match (&*guard.0, guard.1.contiguous_offsets()) {
+            // On the host already (a batch's logits come in one copy): no copy per sequence.
+            (candle_core::Storage::Cpu(c), Some((a, b))) if logits.dtype() == DType::F32 => {
+                match c.as_slice::<f32>() {
+                    Ok(v) => &v[a..b],
+                    Err(e) => {
+                        finished.push((id, Err(e.into())));
+                        return 0;
+                    }
+                }
             }
+            _ => match logits.flatten_all().and_then(|l| l.to_dtype(DType::F32)?.to_vec1()) {
+                Ok(l) => {
+                    copied = l;
+                    &copied
+                }
+                Err(e) => {
+                    finished.push((id, Err(e.into())));
+                    return 0;
+                }
+            },
         };
         let mut emitted = 1;
-        self.sample_into(i, &logits, finished);
+        self.sample_into(i, logits, finished);
         if forks {
             // The request's other choices copy this prompt's cache and sample from its logits.
             let group = self.running[i].group.clone();
@@ -366,7 +384,7 @@ impl Batcher {
                     continue;
                 }
                 self.running[j].experts_prefilled = self.running[i].experts_prefilled;
-                self.sample_into(j, &logits, finished);
+                self.sample_into(j, logits, finished);
                 emitted += 1;
             }
         }

@@ -43,13 +43,12 @@ impl Attention {
             let len = p.cache.len();
             pos.extend((len..len + p.rows.len()).map(|i| i as u32));
         }
-        let positions = Tensor::new(pos.as_slice(), q.device())?;
         // [1, heads, rows, hd] for candle's RoPE.
         let heads = |t: &Tensor, n: usize, norm: &Option<_>| -> candle_core::Result<Tensor> {
             self.split_heads(t, n, norm)?.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };
-        let q = rope.apply_at(&heads(q, nh, &self.q_norm)?, &positions)?;
-        let k = rope.apply_at(&heads(k, nkv, &self.k_norm)?, &positions)?;
+        let q = rope.apply_at(&heads(q, nh, &self.q_norm)?, &pos)?;
+        let k = rope.apply_at(&heads(k, nkv, &self.k_norm)?, &pos)?;
         let v = heads(v, nkv, &None)?;
         for p in parts.iter_mut() {
             let (start, n) = (p.rows.start, p.rows.len());

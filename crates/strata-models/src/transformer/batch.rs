@@ -64,6 +64,10 @@ impl Transformer {
         if let Some(out) = self.try_decode_graphed(seqs, &opts)? {
             return Ok(vec![Ok(out)]);
         }
+        #[cfg(feature = "cuda")]
+        if let Some(outs) = self.try_batch_graphed(seqs, &opts)? {
+            return Ok(outs);
+        }
         let mut results: Vec<Option<Result<ForwardOutput>>> = Vec::with_capacity(seqs.len());
         let mut live = Vec::new(); // indices of sequences that run
         for (i, s) in seqs.iter().enumerate() {
@@ -372,7 +376,7 @@ fn duplicate(e: &ModelError) -> ModelError {
 }
 
 /// The rows `r` of a batch's routing.
-fn slice_routing(lr: &LayerRouting, r: &Range<usize>) -> LayerRouting {
+pub(super) fn slice_routing(lr: &LayerRouting, r: &Range<usize>) -> LayerRouting {
     let k = lr.top_k;
     LayerRouting {
         layer: lr.layer,

@@ -64,7 +64,7 @@ pub struct DecodeGraphs {
 
 /// Replays timed under `STRATA_GPU_GRAPH_STATS=1`: their count and summed GPU and host ms.
 #[derive(Debug, Default)]
-struct ReplayStats {
+pub(super) struct ReplayStats {
     n: usize,
     gpu_ms: f64,
     host_ms: f64,
@@ -72,7 +72,7 @@ struct ReplayStats {
 
 impl ReplayStats {
     /// Adds one replay; every 64 replays prints the means on stderr.
-    fn add(&mut self, gpu_ms: f64, host_ms: f64) {
+    pub(super) fn add(&mut self, gpu_ms: f64, host_ms: f64) {
         self.n += 1;
         self.gpu_ms += gpu_ms;
         self.host_ms += host_ms;
@@ -90,10 +90,20 @@ impl ReplayStats {
 }
 
 /// One captured step and the graph-owned outputs it rewrites at every replay.
-struct Captured {
-    graph: SendGraph,
-    logits: Tensor,
-    routing: Option<DeviceRouting>,
+pub(super) struct Captured {
+    pub(super) graph: SendGraph,
+    pub(super) logits: Tensor,
+    pub(super) routing: Option<DeviceRouting>,
+}
+
+/// Where a captured pass's attention layers find their positions and KV caches.
+pub(super) enum PassKv<'a> {
+    /// One sequence whose position lives on the device ([`KvCache::set_device_position`]).
+    One(&'a mut KvCache),
+    /// A batch of sequences (`super::batch_graph`): each layer's row table on the device
+    /// (`tables[layer]`), and one of the batch's caches, whose layer caches have the shape of
+    /// every cache in the tables.
+    Rows { tables: &'a [strata_kernels::cuda::Rows], like: &'a KvCache },
 }
 
 impl std::fmt::Debug for Captured {
@@ -103,14 +113,14 @@ impl std::fmt::Debug for Captured {
 }
 
 /// A CUDA graph that may move between threads with its sequence.
-struct SendGraph(CudaGraph);
+pub(super) struct SendGraph(pub(super) CudaGraph);
 // SAFETY: the graph is launched only through `&mut KvCache` (one thread at a time), and cudarc
 // binds the context to the launching thread.
 unsafe impl Send for SendGraph {}
 unsafe impl Sync for SendGraph {}
 
 /// Positions `0..=max` one graph serves, for a step at `pos` in a cache of `capacity` tokens.
-fn bucket(pos: usize, capacity: usize) -> usize {
+pub(super) fn bucket(pos: usize, capacity: usize) -> usize {
     let mut max = strata_kernels::cuda::ATTN_CHUNK;
     while max <= pos {
         max *= 2;
@@ -202,14 +212,15 @@ impl Transformer {
             // Run it (candle's parameter uploads cached for the capture, kernels' modules
             // loaded), then capture the same launches for the next passes of this shape.
             let _htod = dev.enable_cuda_graph_htod_cache();
-            let (logits, routing) = self.decode_body(cache, &ids, last_only, chosen.clone())?;
+            let (logits, routing) =
+                self.decode_body(&mut PassKv::One(cache), &ids, last_only, chosen.clone())?;
             let routing =
                 routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
             let eager = ForwardOutput { logits, hidden_states: Vec::new(), routing };
             if !capture {
                 return Ok(Some(eager));
             }
-            match self.capture(dev, cache, &ids, last_only, chosen) {
+            match self.capture(dev, &mut PassKv::One(cache), &ids, last_only, chosen) {
                 Ok(c) => {
                     g.graphs.insert(key, c);
                 }
@@ -226,18 +237,12 @@ impl Transformer {
             // the same cache entries again.
         }
         let c = g.graphs.get(&key).expect("captured above");
-        let t0 = std::time::Instant::now();
-        let stream = dev.cuda_stream();
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
-        c.graph.0.launch().w()?;
-        let end = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
-        let logits = c.logits.copy()?;
-        let routing = c.routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
-        if let (Some(a), Some(b)) = (start, end) {
-            g.timed.add(a.elapsed_ms(&b).w()? as f64, t0.elapsed().as_secs_f64() * 1e3);
-        }
-        Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
+        replay(dev, c, &mut g.timed, |c| {
+            let logits = c.logits.copy()?;
+            let routing = c.routing.as_ref().map(DeviceRouting::read).transpose()?;
+            let routing = routing.unwrap_or_default();
+            Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
+        })
     }
 
     /// A synthetic model's choice for this pass ([`synthetic_choices`]), recorded in the
@@ -265,10 +270,10 @@ impl Transformer {
         Ok(Some(buf.narrow(0, 0, ids.len())?))
     }
 
-    fn capture(
+    pub(super) fn capture(
         &self,
         dev: &candle_core::cuda_backend::CudaDevice,
-        cache: &mut KvCache,
+        kv: &mut PassKv<'_>,
         tokens: &Tensor,
         last_only: bool,
         chosen: Option<Tensor>,
@@ -278,7 +283,7 @@ impl Transformer {
         strata_kernels::cuda::release_q8_twins();
         let stream = dev.cuda_stream();
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
-        let body = self.decode_body(cache, tokens, last_only, chosen);
+        let body = self.decode_body(kv, tokens, last_only, chosen);
         let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = stream.end_capture(flags).w();
         let (logits, routing) = body?;
@@ -297,24 +302,25 @@ impl Transformer {
     }
 
     /// The launches of one pass of `tokens: [rows]` (everything on the device; the op-by-op pass
-    /// of `forward_batch` restricted to one sequence): logits `[rows, vocab]`, or `[1, vocab]`
+    /// of `forward_batch` restricted to one sequence, or to a batch of one-token decode steps
+    /// whose positions and caches are in row tables, [`PassKv`]): logits `[rows, vocab]`, or `[1, vocab]`
     /// for the last row with `last_only`, and the pass's device routing record. The q8 twins the
     /// pass's kernels kept are released at its end (inside a capture: before it ends).
-    fn decode_body(
+    pub(super) fn decode_body(
         &self,
-        cache: &mut KvCache,
+        kv: &mut PassKv<'_>,
         tokens: &Tensor,
         last_only: bool,
         chosen: Option<Tensor>,
     ) -> Result<(Tensor, Option<DeviceRouting>)> {
-        let out = self.decode_launches(cache, tokens, last_only, chosen);
+        let out = self.decode_launches(kv, tokens, last_only, chosen);
         strata_kernels::cuda::release_q8_twins();
         out
     }
 
     fn decode_launches(
         &self,
-        cache: &mut KvCache,
+        kv: &mut PassKv<'_>,
         tokens: &Tensor,
         last_only: bool,
         chosen: Option<Tensor>,
@@ -336,7 +342,14 @@ impl Transformer {
             let Mixer::Attention(a) = &layer.mixer else {
                 return Err(not_graphable("a recurrent layer"));
             };
-            let h = a.forward(&xn, i, cache, &self.rope)?;
+            let h = match kv {
+                PassKv::One(cache) => a.forward(&xn, i, cache, &self.rope)?,
+                PassKv::Rows { tables, like } => {
+                    let (k, v) = like.layer_kv(i)?;
+                    let cache = strata_kernels::cuda::LayerKv { k, v };
+                    a.forward_rows(&xn, &tables[i], cache, &self.rope)?
+                }
+            };
             // The residual add and the FFN norm: one launch on a GPU.
             let (sum, xn) =
                 layer.ffn_norm.add_forward(&x, &residual_scaled(h, scales.residual)?)?;
@@ -360,6 +373,27 @@ impl Transformer {
         }
         Ok((logits, routing))
     }
+}
+
+/// Launches `c`'s graph and takes its outputs with `read` (they live until the graph's next
+/// launch); under `STRATA_GPU_GRAPH_STATS=1` the replay is timed into `timed`.
+pub(super) fn replay<T>(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    c: &Captured,
+    timed: &mut ReplayStats,
+    read: impl FnOnce(&Captured) -> Result<T>,
+) -> Result<T> {
+    let t0 = std::time::Instant::now();
+    let stream = dev.cuda_stream();
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
+    c.graph.0.launch().w()?;
+    let end = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
+    let out = read(c)?;
+    if let (Some(a), Some(b)) = (start, end) {
+        timed.add(a.elapsed_ms(&b).w()? as f64, t0.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(out)
 }
 
 /// `STRATA_GPU_GRAPH_STATS=1`: each capture's nodes by type, and every 64 replays the mean GPU

@@ -1,0 +1,97 @@
+//! `strata compare-devices --batch N`: on the compared device, N sequences decoded together (one
+//! forward pass per step over all of them, as the server's continuous batching runs them) against
+//! each decoded alone — greedy tokens and every step's logits. The prompts are the compared
+//! prompt cycled to different lengths (at least [`PROMPT_MIN`] tokens, so longer runs cross the
+//! 256-position bucket of captured CUDA graphs), and the last sequence leaves halfway, so the
+//! batch changes size as requests end.
+
+use anyhow::{bail, Result};
+use strata_engine::sampling::argmax;
+use strata_engine::Engine;
+use strata_models::{BatchOptions, BatchSeq, KvCache, Logits};
+
+/// The shortest prompt of a sequence in the batch, tokens.
+pub const PROMPT_MIN: usize = 240;
+
+/// Decodes `batch` sequences for `steps` greedy tokens together and alone on `e`'s device and
+/// prints one table row. Errors: a sequence's tokens differ, or a step's logits differ by more
+/// than `tolerance` (max |Δ| ÷ max |logit| of the sequence alone), or a model error.
+pub fn batched_equals_alone(
+    e: &Engine,
+    ids: &[u32],
+    batch: usize,
+    steps: usize,
+    tolerance: f64,
+) -> Result<()> {
+    if ids.is_empty() || batch < 2 {
+        bail!("--batch needs a prompt and at least 2 sequences");
+    }
+    let base = ids.len().max(PROMPT_MIN);
+    let prompts: Vec<Vec<u32>> =
+        (0..batch).map(|s| ids.iter().cycle().take(base + 5 * s).copied().collect()).collect();
+    // The last sequence leaves halfway.
+    let steps_of = |s: usize| if s + 1 == batch { steps / 2 } else { steps };
+    let cap = base + 5 * batch + steps + 1;
+    let alone: Vec<Vec<Vec<f32>>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(s, p)| decode(e, &[p.as_slice()], &[steps_of(s)], cap).map(|mut v| v.remove(0)))
+        .collect::<Result<_>>()?;
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let counts: Vec<usize> = (0..batch).map(steps_of).collect();
+    let together = decode(e, &refs, &counts, cap)?;
+    let (mut worst, mut same, mut total) = (0f64, 0usize, 0usize);
+    for (a, b) in alone.iter().zip(&together) {
+        for (x, y) in a.iter().zip(b) {
+            let scale = x.iter().fold(0f64, |m, &v| m.max(v.abs() as f64)).max(1e-12);
+            let diff = x.iter().zip(y).fold(0f64, |m, (&p, &q)| m.max((p - q).abs() as f64));
+            worst = worst.max(diff / scale);
+            same += usize::from(argmax(x) == argmax(y));
+            total += 1;
+        }
+    }
+    println!("| sequences | steps (last one) | max |Δlogit| ÷ max |logit| vs alone | greedy tokens equal |");
+    println!("|---|---|---|---|");
+    println!("| {batch} | {steps} ({}) | {worst:.2e} | {same}/{total} |", steps / 2);
+    if same != total || worst > tolerance {
+        bail!("batched decoding differs from decoding alone: {same}/{total} tokens, {worst:.2e}");
+    }
+    Ok(())
+}
+
+/// Prefills each of `prompts` alone, then decodes them greedily together, sequence `s` for
+/// `steps[s]` tokens (a sequence leaves the batch when its count is reached): every step's
+/// logits per sequence.
+fn decode(
+    e: &Engine,
+    prompts: &[&[u32]],
+    steps: &[usize],
+    cap: usize,
+) -> Result<Vec<Vec<Vec<f32>>>> {
+    let mut caches: Vec<KvCache> =
+        prompts.iter().map(|_| e.new_cache(cap)).collect::<Result<_, _>>()?;
+    let mut next = Vec::with_capacity(prompts.len());
+    for (p, c) in prompts.iter().zip(caches.iter_mut()) {
+        let out = e.model.forward(p, c, Logits::Last, &[])?;
+        next.push(argmax(&out.logits.flatten_all()?.to_vec1::<f32>()?));
+    }
+    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
+    for step in 0..steps.iter().copied().max().unwrap_or(0) {
+        let members: Vec<usize> = (0..prompts.len()).filter(|&s| step < steps[s]).collect();
+        let toks: Vec<[u32; 1]> = members.iter().map(|&s| [next[s]]).collect();
+        let mut seqs: Vec<BatchSeq<'_>> = caches
+            .iter_mut()
+            .enumerate()
+            .filter(|(s, _)| members.contains(s))
+            .zip(&toks)
+            .map(|((_, cache), t)| BatchSeq { tokens: t, cache, logits: Logits::Last })
+            .collect();
+        let outs = e.model.forward_batch(&mut seqs, BatchOptions::default())?;
+        for (&s, out) in members.iter().zip(outs) {
+            let row = out?.logits.flatten_all()?.to_vec1::<f32>()?;
+            next[s] = argmax(&row);
+            logits[s].push(row);
+        }
+    }
+    Ok(logits)
+}

@@ -1,0 +1,234 @@
+//! Batched decode steps as CUDA graphs (`cuda` build): a pass of one token for each of 2 to
+//! [`GRAPH_ROWS_MAX`] sequences (continuous batching's decode step) of a model the one-sequence
+//! graph path takes ([`super::graph`]) is captured once per (sequences, context bucket) and
+//! replayed, so a batched step costs one graph launch instead of ~11 launches per layer and
+//! their CPU-side cost (measured before this: a SmolLM2 step took 2.7–3.3 ms for any batch size
+//! on an H100, slower at two sequences than one graph-replayed sequence).
+//!
+//! What changes between steps lives in device buffers written before each launch: the tokens,
+//! every layer's row table ([`strata_kernels::cuda::Rows`]: per row its position and its
+//! sequence's layer cache addresses — which sequences share a step does not matter to the graph)
+//! and a synthetic model's choice of experts. The bucket (positions up to 256·2ʲ − 1, as for one
+//! sequence) holds the step's largest position: the attention kernels' split count is fixed at
+//! capture, chunks past a row's length add nothing. The graphs live in the model, shared by every
+//! sequence; a shape is captured the second time it comes (a batch size seen once runs op by
+//! op). Graph memory is auto-freed on launch: the logits `[rows, vocab]` are brought to the host
+//! in one copy and the routing record read back after each launch.
+//!
+//! Each row's launches are the op-by-op batched pass's (`forward_batch` over one-token
+//! sequences: the same kernels over the same rows), so the logits are the same bits.
+//!
+//! Not taken (the op-by-op path runs instead): one sequence (its own graphs), more than
+//! [`GRAPH_ROWS_MAX`] sequences, a sequence with more than one token (prefill chunks, verify
+//! passes), caches of different capacities, hidden-state taps, a partial layer count, a batch
+//! mixing synthetic-routing and other sequences, `STRATA_GPU_BATCH_GRAPHS=0`, or anything
+//! [`Transformer::graph_decodable`] refuses. A capture that fails turns the path off for the model (logged once).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::PoisonError;
+
+use candle_core::{DType, Device, Tensor};
+use strata_kernels::cuda::{self as gpu, Rows};
+
+use super::batch::{slice_routing, BatchOptions, BatchSeq};
+use super::device_routing::{synthetic_choices, DeviceRouting};
+use super::graph::{bucket, replay, Captured, PassKv, ReplayStats, GRAPH_ROWS_MAX};
+use super::{ForwardOutput, Transformer};
+use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
+
+/// A captured step: its sequences (rows) and the largest position it serves (the bucket).
+type Key = (usize, usize);
+
+/// The model's captured batched steps and the device buffers they read.
+#[derive(Debug)]
+pub(crate) struct BatchGraphs {
+    /// u32 `[GRAPH_ROWS_MAX]`: the step's tokens, one per sequence (the first `rows`).
+    tokens: Tensor,
+    /// u32 `[layers · GRAPH_ROWS_MAX · 5]`: every layer's row table, layer `l`'s at
+    /// `l · rows · 5` for a step of `rows` sequences.
+    tables: Tensor,
+    /// A synthetic model's choice of experts, u32 `[moe_layers · GRAPH_ROWS_MAX · model_top_k]`
+    /// (the first `moe_layers · rows · model_top_k` written before each step).
+    chosen: Option<Tensor>,
+    graphs: HashMap<Key, Captured>,
+    /// Shapes run once op by op: captured when they come again.
+    seen: HashSet<Key>,
+    /// A capture failed: batched steps run op by op.
+    failed: bool,
+    /// Replays timed under `STRATA_GPU_GRAPH_STATS=1`.
+    timed: ReplayStats,
+}
+
+impl Transformer {
+    /// One decode token for each of `seqs` (2 to [`GRAPH_ROWS_MAX`] sequences) through a
+    /// captured batched step; `None` when the batch cannot take this path (the caller runs the
+    /// op-by-op pass). On success every cache advances by one and each result holds the
+    /// sequence's logits `[1, vocab]` (on the host) and routing.
+    pub(super) fn try_batch_graphed(
+        &self,
+        seqs: &mut [BatchSeq<'_>],
+        opts: &BatchOptions<'_>,
+    ) -> Result<Option<Vec<Result<ForwardOutput>>>> {
+        let n = seqs.len();
+        if !(2..=GRAPH_ROWS_MAX).contains(&n)
+            || !opts.hidden_layers.is_empty()
+            || opts.n_layers.is_some_and(|l| l < self.layers.len())
+        {
+            return Ok(None);
+        }
+        let cap = seqs[0].cache.capacity();
+        let synthetic = seqs.iter().filter(|s| s.cache.has_routing_history()).count();
+        let plain = seqs.iter().all(|s| {
+            s.tokens.len() == 1
+                && (s.tokens[0] as usize) < self.cfg.vocab_size
+                && s.cache.check_room(1).is_ok()
+                && s.cache.capacity() == cap
+                && s.cache.device_position().is_none()
+        });
+        if !plain
+            || (synthetic != 0 && synthetic != n)
+            || !crate::gpu::enabled(crate::gpu::GpuPath::BatchGraphs)
+            || !self.graph_decodable()
+        {
+            return Ok(None);
+        }
+        let Device::Cuda(dev) = &self.device else { return Ok(None) };
+        let mut guard = self.batch_graphs.lock().unwrap_or_else(PoisonError::into_inner);
+        let longest = seqs.iter().map(|s| s.cache.len()).max().unwrap_or(0);
+        let key = (n, bucket(longest, cap));
+        let captured = guard.as_ref().is_some_and(|g| g.graphs.contains_key(&key));
+        if !captured {
+            let first = guard.as_mut().is_none_or(|g| g.failed || g.seen.insert(key));
+            if first {
+                if guard.is_none() {
+                    *guard = Some(self.new_batch_graphs()?);
+                    guard.as_mut().expect("set above").seen.insert(key);
+                }
+                return Ok(None);
+            }
+        }
+        if opts.stop.is_some_and(|stop| stop()) {
+            return Err(ModelError::Interrupted);
+        }
+        let g = guard.as_mut().expect("allocated at the first batched step");
+        let tokens: Vec<u32> = seqs.iter().map(|s| s.tokens[0]).collect();
+        gpu::write_u32s(&g.tokens, &tokens)?;
+        let tables = self.write_row_tables(g, seqs, key.1)?;
+        let chosen = self.write_batch_choice(g, seqs, &tokens)?;
+        if synthetic != 0 && chosen.is_none() {
+            return Ok(None); // no MoE layer routes on the device: nothing was recorded
+        }
+        let ids = g.tokens.narrow(0, 0, n)?;
+        let like: &KvCache = seqs[0].cache;
+        let mut kv = PassKv::Rows { tables: &tables, like };
+        if !captured {
+            // Run the step (parameter uploads cached for the capture), capture the same
+            // launches, then launch the new graph at once (as for one sequence: its memory
+            // exists only once it has run); the launch rewrites the same cache entries.
+            let _htod = dev.enable_cuda_graph_htod_cache();
+            let eager = self.decode_body(&mut kv, &ids, false, chosen.clone())?;
+            match self.capture(dev, &mut kv, &ids, false, chosen) {
+                Ok(c) => {
+                    g.graphs.insert(key, c);
+                }
+                Err(e) => {
+                    g.failed = true;
+                    eprintln!("strata: CUDA graph capture of a batched step failed: {e}");
+                    let (logits, routing) = eager;
+                    let routing = routing.as_ref().map(DeviceRouting::read).transpose()?;
+                    return finish(seqs, &logits, routing.unwrap_or_default()).map(Some);
+                }
+            }
+        }
+        let c = g.graphs.get(&key).expect("captured above");
+        replay(dev, c, &mut g.timed, |c| {
+            let routing = c.routing.as_ref().map(DeviceRouting::read).transpose()?;
+            finish(seqs, &c.logits, routing.unwrap_or_default()).map(Some)
+        })
+    }
+
+    fn new_batch_graphs(&self) -> Result<BatchGraphs> {
+        let table_words = self.layers.len() * GRAPH_ROWS_MAX * 5;
+        Ok(BatchGraphs {
+            tokens: Tensor::zeros(GRAPH_ROWS_MAX, DType::U32, &self.device)?,
+            tables: Tensor::zeros(table_words, DType::U32, &self.device)?,
+            chosen: None,
+            graphs: HashMap::new(),
+            seen: HashSet::new(),
+            failed: false,
+            timed: ReplayStats::default(),
+        })
+    }
+
+    /// Writes every layer's row table for this step (one host-to-device copy) and returns views
+    /// of them, positions at most `max`.
+    fn write_row_tables(
+        &self,
+        g: &BatchGraphs,
+        seqs: &[BatchSeq<'_>],
+        max: usize,
+    ) -> Result<Vec<Rows>> {
+        let n = seqs.len();
+        let mut words = Vec::with_capacity(self.layers.len() * n * 5);
+        let mut shapes = Vec::with_capacity(self.layers.len());
+        for layer in 0..self.layers.len() {
+            let mut table = gpu::RowTable::default();
+            for s in seqs {
+                let (k, v) = s.cache.layer_kv(layer)?;
+                table.push(s.cache.len(), 1, gpu::LayerKv { k, v })?;
+            }
+            words.extend_from_slice(table.words());
+            shapes.push(seqs[0].cache.layer_kv(layer)?.0.dims().to_vec());
+        }
+        gpu::write_u32s(&g.tables, &words)?;
+        let mut out = Vec::with_capacity(shapes.len());
+        for (layer, shape) in shapes.iter().enumerate() {
+            let view = g.tables.narrow(0, layer * n * 5, n * 5)?.reshape((n, 5))?;
+            out.push(Rows::in_buffer(view, max, shape)?);
+        }
+        Ok(out)
+    }
+
+    /// A synthetic model's choice for this step ([`synthetic_choices`], recorded in each
+    /// sequence's history) written into `g.chosen`: a view of its first entries; `None` for
+    /// other models.
+    fn write_batch_choice(
+        &self,
+        g: &mut BatchGraphs,
+        seqs: &mut [BatchSeq<'_>],
+        tokens: &[u32],
+    ) -> Result<Option<Tensor>> {
+        let pass: Vec<(usize, &[u32])> =
+            seqs.iter().zip(tokens.chunks(1)).map(|(s, t)| (s.cache.len(), t)).collect();
+        let mut caches: Vec<&mut KvCache> = seqs.iter_mut().map(|s| &mut *s.cache).collect();
+        let Some(ids) = synthetic_choices(self, &mut caches, &pass, self.layers.len()) else {
+            return Ok(None);
+        };
+        if g.chosen.is_none() {
+            let per_row = ids.len() / tokens.len();
+            g.chosen = Some(Tensor::zeros(per_row * GRAPH_ROWS_MAX, DType::U32, &self.device)?);
+        }
+        let buf = g.chosen.as_ref().expect("allocated above");
+        gpu::write_u32s(buf, &ids)?;
+        Ok(Some(buf.narrow(0, 0, ids.len())?))
+    }
+}
+
+/// Each sequence's result from a step's logits `[rows, vocab]` (on the device; brought to the
+/// host in one copy) and routing; every cache advances by its one token.
+fn finish(
+    seqs: &mut [BatchSeq<'_>],
+    logits: &Tensor,
+    routing: Vec<crate::moe::LayerRouting>,
+) -> Result<Vec<Result<ForwardOutput>>> {
+    let logits = logits.to_device(&Device::Cpu)?;
+    let mut out = Vec::with_capacity(seqs.len());
+    for (k, s) in seqs.iter_mut().enumerate() {
+        s.cache.advance(1);
+        let routing = routing.iter().map(|lr| slice_routing(lr, &(k..k + 1))).collect();
+        let logits = logits.narrow(0, k, 1)?;
+        out.push(Ok(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
+    }
+    Ok(out)
+}
