@@ -134,12 +134,20 @@ impl FusedExperts {
     }
 }
 
-/// SwiGLU's `silu(g) ⊙ u`: one launch of our kernel for f32 tensors on a GPU (`cuda` build),
-/// candle's two ops otherwise.
+/// SwiGLU's `silu(g) ⊙ u` for `g`, `u: [rows, inter]`: one launch of our kernel for f32 tensors
+/// on a GPU (`cuda` build); for f32 on the CPU one pass over the barrier pool
+/// ([`strata_kernels::f32::silu_mul`]: candle's arithmetic, the same bits, without its rayon
+/// wake-ups); candle's two ops otherwise.
 pub(crate) fn silu_mul(g: &Tensor, u: &Tensor) -> candle_core::Result<Tensor> {
     #[cfg(feature = "cuda")]
     if g.device().is_cuda() && g.dtype() == candle_core::DType::F32 {
         return strata_kernels::cuda::silu_mul(g, u);
+    }
+    if g.device().is_cpu() && g.dtype() == candle_core::DType::F32 {
+        let (gv, uv) = (g.flatten_all()?.to_vec1::<f32>()?, u.flatten_all()?.to_vec1::<f32>()?);
+        let mut out = vec![0f32; gv.len()];
+        strata_kernels::f32::silu_mul(&gv, &uv, &mut out);
+        return Tensor::from_vec(out, g.shape(), g.device());
     }
     candle_nn::ops::silu(g)? * u
 }

@@ -116,19 +116,12 @@ impl Mlp {
                 }
             }
         };
-        if x.device().is_cpu() && g.dtype() == candle_core::DType::F32 {
-            return self.down.forward(&silu_mul_cpu(&g, &u)?);
+        // On the CPU the shared SwiGLU helper (the same bits as candle's ops, off rayon's pool);
+        // on a GPU candle's ops, as before.
+        if x.device().is_cpu() {
+            return self.down.forward(&crate::experts::silu_mul(&g, &u)?);
         }
         let g = candle_nn::ops::silu(&g.contiguous()?)?;
         self.down.forward(&(g * u)?)
     }
-}
-
-/// `silu(g) · u` for `g`, `u: [rows, inter]` f32 on the CPU in one pass over the barrier pool
-/// ([`strata_kernels::f32::silu_mul`]: candle's arithmetic, the same bits).
-fn silu_mul_cpu(g: &Tensor, u: &Tensor) -> candle_core::Result<Tensor> {
-    let (gv, uv) = (g.flatten_all()?.to_vec1::<f32>()?, u.flatten_all()?.to_vec1::<f32>()?);
-    let mut out = vec![0f32; gv.len()];
-    strata_kernels::f32::silu_mul(&gv, &uv, &mut out);
-    Tensor::from_vec(out, g.shape(), g.device())
 }

@@ -127,16 +127,17 @@ impl RotaryEmbedding {
         self.rotate(x, &self.cos.narrow(0, pos, seq)?, &self.sin.narrow(0, pos, seq)?)
     }
 
-    /// Rotates `x: [1, heads, rows, head_dim]`, row `i` for position `positions[i]` (the rows of
-    /// several sequences in one call). Each row's result equals [`Self::apply`] at that position,
-    /// bit for bit: on the CPU the same products and sums as candle's `rope` / `rope_i` in one
-    /// serial loop over the few rows of a decode step (candle's spreads a multi-row call over
-    /// rayon's pool, whose wake-ups took ~10% of a CPU batch step beside our own pool), elsewhere
-    /// candle's kernel over the gathered table rows.
+    /// Rotates `x: [1, heads, rows, head_dim]` on the CPU, row `i` for position `positions[i]`
+    /// (the rows of several sequences in one call: a CPU batch's decode rows). Each row's result
+    /// equals [`Self::apply`] at that position, bit for bit: the same products and sums as
+    /// candle's `rope` / `rope_i`, in one serial loop over the few rows (candle's kernel spreads a
+    /// multi-row call over rayon's pool, whose wake-ups took ~10% of a CPU batch step beside our
+    /// own pool).
     ///
-    /// Errors: a position past the tables, `x` not `[1, heads, positions.len(), head_dim]`.
+    /// Errors: a position past the tables, `x` not `[1, heads, positions.len(), head_dim]`, not
+    /// on the CPU.
     pub fn apply_at(&self, x: &Tensor, positions: &[u32]) -> candle_core::Result<Tensor> {
-        let (_, _, rows, _) = x.dims4()?;
+        let (b, heads, rows, hd) = x.dims4()?;
         if rows != positions.len() || positions.iter().any(|&p| p as usize >= self.max_positions())
         {
             candle_core::bail!(
@@ -145,30 +146,16 @@ impl RotaryEmbedding {
                 x.dims()
             );
         }
-        if !x.device().is_cpu() {
-            let at = Tensor::new(positions, x.device())?;
-            return self.rotate(
-                x,
-                &self.cos.index_select(&at, 0)?,
-                &self.sin.index_select(&at, 0)?,
-            );
-        }
-        self.rotate_rows_cpu(x, positions)
-    }
-
-    /// [`Self::apply_at`] on the CPU (f32).
-    fn rotate_rows_cpu(&self, x: &Tensor, positions: &[u32]) -> candle_core::Result<Tensor> {
-        let (b, heads, rows, hd) = x.dims4()?;
-        let mut v = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let half = self.rope_dim / 2;
-        // The tables in place (contiguous `[max_positions, half]` f32 on the CPU, `Self::new`).
+        // The tables in place (contiguous `[max_positions, half]` f32, `Self::new`).
         let (cg, sg) = (self.cos.storage_and_layout(), self.sin.storage_and_layout());
         let (candle_core::Storage::Cpu(cs), candle_core::Storage::Cpu(ss)) = (&*cg.0, &*sg.0)
         else {
-            candle_core::bail!("rope: tables not on the CPU");
+            candle_core::bail!("rope: apply_at runs on the CPU");
         };
         let cos = &cs.as_slice::<f32>()?[cg.1.start_offset()..];
         let sin = &ss.as_slice::<f32>()?[sg.1.start_offset()..];
+        let mut v = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         for (i, x) in v.chunks_exact_mut(hd).take(b * heads * rows).enumerate() {
             let p = positions[i % rows] as usize;
             let (c, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);

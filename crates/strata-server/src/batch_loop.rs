@@ -68,13 +68,12 @@ fn run(
             continue;
         }
         let stop = || s.is_shut_down();
-        let t = Instant::now();
+        let started = Instant::now();
         let step = std::panic::catch_unwind(AssertUnwindSafe(|| b.step(&stop)));
-        let step_ms = t.elapsed().as_secs_f64() * 1e3;
         match step {
             Ok(Ok(stats)) => {
                 metrics.observe(&stats, b.prefix_stats());
-                log.add(&stats, step_ms);
+                log.add(&stats, started);
                 if !b.has_work() {
                     log.flush(); // the end of a busy period
                 }
@@ -223,13 +222,13 @@ impl StepLog {
         }
     }
 
-    /// Counts a step that took `step_ms` and ended now.
-    fn add(&mut self, st: &StepStats, step_ms: f64) {
+    /// Counts a step that began at `started` and ended now.
+    fn add(&mut self, st: &StepStats, started: Instant) {
         if st.sequences == 0 {
             return;
         }
         let now = Instant::now();
-        self.since.get_or_insert(now - Duration::from_secs_f64(step_ms / 1e3));
+        self.since.get_or_insert(started);
         self.last_end = Some(now);
         self.steps += 1;
         self.sequences += st.sequences as u64;
@@ -238,7 +237,7 @@ impl StepLog {
         self.distinct += st.distinct_experts_per_layer;
         self.bytes += st.expert_bytes_read;
         self.pass_ms += st.pass_ms;
-        self.step_ms += step_ms;
+        self.step_ms += now.duration_since(started).as_secs_f64() * 1e3;
         if self.since.is_some_and(|s| s.elapsed() >= Duration::from_secs(5)) {
             self.flush();
         }

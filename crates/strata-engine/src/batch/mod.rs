@@ -341,29 +341,28 @@ impl Batcher {
             s.experts_prefilled = self.engine.model.experts().stats();
             forks = true;
         }
+        // On the host already (a batch's logits come in one copy): each sequence's row is
+        // borrowed, not copied.
         let copied;
         let guard = logits.storage_and_layout();
-        let logits: &[f32] = match (&*guard.0, guard.1.contiguous_offsets()) {
-            // On the host already (a batch's logits come in one copy): no copy per sequence.
+        let host: candle_core::Result<&[f32]> = match (&*guard.0, guard.1.contiguous_offsets()) {
             (candle_core::Storage::Cpu(c), Some((a, b))) if logits.dtype() == DType::F32 => {
-                match c.as_slice::<f32>() {
-                    Ok(v) => &v[a..b],
-                    Err(e) => {
-                        finished.push((id, Err(e.into())));
-                        return 0;
-                    }
-                }
+                c.as_slice::<f32>().map(|v| &v[a..b])
             }
             _ => match logits.flatten_all().and_then(|l| l.to_dtype(DType::F32)?.to_vec1()) {
                 Ok(l) => {
                     copied = l;
-                    &copied
+                    Ok(copied.as_slice())
                 }
-                Err(e) => {
-                    finished.push((id, Err(e.into())));
-                    return 0;
-                }
+                Err(e) => Err(e),
             },
+        };
+        let logits = match host {
+            Ok(l) => l,
+            Err(e) => {
+                finished.push((id, Err(e.into())));
+                return 0;
+            }
         };
         let mut emitted = 1;
         self.sample_into(i, logits, finished);

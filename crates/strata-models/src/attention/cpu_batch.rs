@@ -43,7 +43,7 @@ impl Attention {
             let len = p.cache.len();
             pos.extend((len..len + p.rows.len()).map(|i| i as u32));
         }
-        // [1, heads, rows, hd] for candle's RoPE.
+        // [1, heads, rows, hd] for `RotaryEmbedding::apply_at` and the cache writes.
         let heads = |t: &Tensor, n: usize, norm: &Option<_>| -> candle_core::Result<Tensor> {
             self.split_heads(t, n, norm)?.transpose(0, 1)?.unsqueeze(0)?.contiguous()
         };

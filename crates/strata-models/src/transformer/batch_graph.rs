@@ -97,21 +97,18 @@ impl Transformer {
         let mut guard = self.batch_graphs.lock().unwrap_or_else(PoisonError::into_inner);
         let longest = seqs.iter().map(|s| s.cache.len()).max().unwrap_or(0);
         let key = (n, bucket(longest, cap));
-        let captured = guard.as_ref().is_some_and(|g| g.graphs.contains_key(&key));
-        if !captured {
-            let first = guard.as_mut().is_none_or(|g| g.failed || g.seen.insert(key));
-            if first {
-                if guard.is_none() {
-                    *guard = Some(self.new_batch_graphs()?);
-                    guard.as_mut().expect("set above").seen.insert(key);
-                }
-                return Ok(None);
-            }
+        let g = match guard.as_mut() {
+            Some(g) => g,
+            None => guard.insert(self.new_batch_graphs()?),
+        };
+        let captured = g.graphs.contains_key(&key);
+        // A shape seen for the first time runs op by op; so does everything after a failure.
+        if !captured && (g.failed || g.seen.insert(key)) {
+            return Ok(None);
         }
         if opts.stop.is_some_and(|stop| stop()) {
             return Err(ModelError::Interrupted);
         }
-        let g = guard.as_mut().expect("allocated at the first batched step");
         let tokens: Vec<u32> = seqs.iter().map(|s| s.tokens[0]).collect();
         gpu::write_u32s(&g.tokens, &tokens)?;
         let tables = self.write_row_tables(g, seqs, key.1)?;
@@ -205,13 +202,7 @@ impl Transformer {
         let Some(ids) = synthetic_choices(self, &mut caches, &pass, self.layers.len()) else {
             return Ok(None);
         };
-        if g.chosen.is_none() {
-            let per_row = ids.len() / tokens.len();
-            g.chosen = Some(Tensor::zeros(per_row * GRAPH_ROWS_MAX, DType::U32, &self.device)?);
-        }
-        let buf = g.chosen.as_ref().expect("allocated above");
-        gpu::write_u32s(buf, &ids)?;
-        Ok(Some(buf.narrow(0, 0, ids.len())?))
+        self.write_choice(&mut g.chosen, &ids, tokens.len()).map(Some)
     }
 }
 

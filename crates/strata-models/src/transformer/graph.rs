@@ -260,14 +260,25 @@ impl Transformer {
         else {
             return Ok(None);
         };
-        if g.chosen.is_none() {
-            let per_row = ids.len() / tokens.len();
-            let n = per_row * GRAPH_ROWS_MAX;
-            g.chosen = Some(Tensor::zeros(n, DType::U32, &self.device)?);
+        self.write_choice(&mut g.chosen, &ids, tokens.len()).map(Some)
+    }
+
+    /// Writes a pass's synthetic choice `ids` (`rows` rows' worth) into `buf`, allocated at the
+    /// first pass for [`GRAPH_ROWS_MAX`] rows: a view of its first `ids.len()` entries, what the
+    /// routing kernels read (the graphs' launches keep reading the same buffer).
+    pub(super) fn write_choice(
+        &self,
+        buf: &mut Option<Tensor>,
+        ids: &[u32],
+        rows: usize,
+    ) -> Result<Tensor> {
+        if buf.is_none() {
+            let n = ids.len() / rows * GRAPH_ROWS_MAX;
+            *buf = Some(Tensor::zeros(n, DType::U32, &self.device)?);
         }
-        let buf = g.chosen.as_ref().expect("allocated above");
-        strata_kernels::cuda::write_u32s(buf, &ids)?;
-        Ok(Some(buf.narrow(0, 0, ids.len())?))
+        let buf = buf.as_ref().expect("allocated above");
+        strata_kernels::cuda::write_u32s(buf, ids)?;
+        Ok(buf.narrow(0, 0, ids.len())?)
     }
 
     pub(super) fn capture(
