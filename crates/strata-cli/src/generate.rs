@@ -47,6 +47,11 @@ pub struct GenerateArgs {
     /// the `routing` field with --json, a table on stderr otherwise). Plain decoding only.
     #[arg(long)]
     pub routing_report: bool,
+    /// MoE models: write every decoded token's experts per MoE layer to this JSON file
+    /// (`{"experts", "top_k", "layers", "tokens": [token][moe layer][top_k]}`), the input of
+    /// `scripts/sim_expert_cache.py`. Plain decoding only.
+    #[arg(long, value_name = "FILE")]
+    pub routing_trace: Option<std::path::PathBuf>,
 }
 
 /// Sampling flags (llama.cpp names). Unset flags take the model's generation_config, then
@@ -106,6 +111,7 @@ impl SamplingArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let rss_before_load = strata_plan::system::process_rss().map(|r| r.0);
     let (mut engine, plan) = args.model.load_with_plan()?;
+    let record_routing = args.routing_report || args.routing_trace.is_some();
     if args.routing_report {
         crate::measure::score_routing(&mut engine)?;
     }
@@ -125,7 +131,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     req.stop = args.stop.clone();
     req.ignore_eos = args.ignore_eos;
     req.prefill_chunk = args.model.prefill_chunk;
-    req.record_routing = args.routing_report;
+    req.record_routing = record_routing;
     let mut cache = engine.new_cache(args.model.ctx_size)?;
     let stdout = std::io::stdout();
     let json = args.json;
@@ -158,6 +164,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ControlFlow::Continue(())
     })?;
     record_observation(&engine, &plan, &gen);
+    if let Some(path) = &args.routing_trace {
+        let Some(t) = &gen.routing else {
+            bail!("--routing-trace: no routing recorded (a dense model, or speculative decoding, which routes rejected drafts too)");
+        };
+        let text = serde_json::to_string(t)?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
     if json {
         let obj = serde_json::json!({
             "model": engine.name,

@@ -57,12 +57,12 @@ pub struct ModelArgs {
     /// Expert reads in flight at once (reader threads).
     #[arg(long, default_value_t = 16)]
     pub io_threads: usize,
-    /// Expert cache eviction policy: lru, lru2 (LRU-2, frequency-aware) or lfu. Default: lru for
-    /// one sequence, lfu for `serve --parallel N` > 1 (concurrent sequences share popular
-    /// experts: measured +14–16% aggregate tok/s at 4 clients on a streamed 30B; one client
-    /// does 3–5% better with lru; docs/performance.md).
-    #[arg(long, value_parser = clap::value_parser!(EvictionPolicy))]
-    pub expert_cache_policy: Option<EvictionPolicy>,
+    /// Expert cache eviction policy: lru (default), lru2 (LRU-2, frequency-aware) or lfu. LRU
+    /// reads the fewest experts for one sequence and for a batch of them on realistic routing
+    /// (simulated on recorded traces, `scripts/sim_expert_cache.py`, and measured:
+    /// docs/performance.md, "Streamed experts: batch-aware reads").
+    #[arg(long, default_value = "lru", value_parser = clap::value_parser!(EvictionPolicy))]
+    pub expert_cache_policy: EvictionPolicy,
     /// Expert prefetch with --stream-experts: while a MoE layer computes, read the experts
     /// predicted for the next one. `pregate` (the next layer's router on the current hidden
     /// state), `previous` (the experts that layer used for the previous token), `union` of both,
@@ -136,11 +136,7 @@ impl ModelArgs {
             draft: self.spec.draft_path().map(|p| p.to_path_buf()),
             direct_io: self.direct_io,
             io_threads: self.io_threads,
-            policy: self.expert_cache_policy.unwrap_or(if self.serving.parallel > 1 {
-                EvictionPolicy::Lfu
-            } else {
-                EvictionPolicy::Lru
-            }),
+            policy: self.expert_cache_policy,
             prefetch: self.prefetch,
             prefetch_min_precision: self.prefetch_min_precision,
             read_chunk: self.read_chunk as usize,

@@ -36,6 +36,11 @@ pub struct ServeArgs {
     /// running requests plus prefill chunks of new ones).
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
     pub batch_tokens: usize,
+    /// Milliseconds new requests wait for more before their prompt pass, so that requests arriving
+    /// together share it (`auto`: 50 where experts stream from the drive — a streamed MoE's
+    /// prompt pass reads nearly every expert — else 0). Returns early when the slots are full.
+    #[arg(long, default_value = "auto", value_parser = parse_window)]
+    pub batch_window: Window,
     /// Keep finished requests' KV entries (in 64-token blocks, least recently used dropped first)
     /// for later requests that share a prompt prefix, up to this many bytes (`0`: off). Counted
     /// by the memory plan. Not used with speculative decoding.
@@ -99,6 +104,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         body_timeout: std::time::Duration::from_secs(a.body_timeout.max(1)),
         prefill_chunk: a.model.prefill_chunk,
         batch_tokens: a.batch_tokens,
+        batch_window: a.batch_window.0,
         prefix_cache_bytes: prefix_cache as usize,
         sampling: a.sampling.params(&engine),
         plan: Some(plan),
@@ -113,4 +119,16 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     ))?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// `--batch-window`: `auto` (`None`) or milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct Window(Option<std::time::Duration>);
+
+fn parse_window(s: &str) -> Result<Window, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(Window(None));
+    }
+    let ms: u64 = s.parse().map_err(|_| format!("`{s}`: give milliseconds or `auto`"))?;
+    Ok(Window(Some(std::time::Duration::from_millis(ms))))
 }

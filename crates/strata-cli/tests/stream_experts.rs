@@ -302,7 +302,41 @@ fn routing_overrides_route_as_configured_and_streaming_keeps_the_tokens() {
     // A local-routing file (no override) keeps the random routers and reports the same way.
     let local = tmp("tiny-routing-local.gguf");
     synth(&local, &["--preset", "tiny-moe", "--quant", "Q4_K", "--routing", "local"]);
-    assert_eq!(generate(&local, &["--routing-report"])["routing"]["tokens"], 63);
+    let trace_path = tmp("tiny-routing-local.trace.json");
+    let g =
+        generate(&local, &["--routing-report", "--routing-trace", trace_path.to_str().unwrap()]);
+    assert_eq!(g["routing"]["tokens"], 63);
+    // The raw trace (`--routing-trace`) is what the report was computed from: its previous-token
+    // reuse, recomputed here, equals the report's.
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&trace_path).unwrap()).unwrap();
+    let ids = |v: &Value| -> Vec<u64> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    };
+    let tokens: Vec<Vec<Vec<u64>>> = t["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|tok| tok.as_array().unwrap().iter().map(ids).collect())
+        .collect();
+    let (k, experts) = (t["top_k"].as_u64().unwrap(), t["experts"].as_u64().unwrap());
+    let layers = t["layers"].as_array().unwrap().len();
+    assert_eq!(tokens.len(), 63);
+    assert!(tokens
+        .iter()
+        .flatten()
+        .all(|l| l.len() == k as usize && l.iter().all(|&e| e < experts)));
+    let reuse = (0..layers)
+        .map(|l| {
+            let kept: usize = tokens
+                .windows(2)
+                .map(|w| w[1][l].iter().filter(|e| w[0][l].contains(e)).count())
+                .sum();
+            kept as f64 / (62 * k) as f64
+        })
+        .sum::<f64>()
+        / layers as f64;
+    let reported = g["routing"]["reuse"]["mean"].as_f64().unwrap();
+    assert!((reuse - reported).abs() < 1e-9, "trace reuse {reuse} vs report {reported}");
     // Out-of-range parameters are refused by name.
     let s = strata()
         .args(["synth", "--preset", "tiny-moe", "--routing-reuse", "1.5", "--out"])

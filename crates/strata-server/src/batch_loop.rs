@@ -5,7 +5,7 @@
 use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,14 +30,23 @@ pub fn start(
     bc.prefill_chunk = config.prefill_chunk.max(1);
     bc.step_tokens = config.batch_tokens.max(1);
     bc.prefix_cache_bytes = config.prefix_cache_bytes;
+    let window = config.batch_window.unwrap_or(if engine.model.experts().stats().is_some() {
+        STREAMED_BATCH_WINDOW
+    } else {
+        Duration::ZERO
+    });
     let batcher = Batcher::new(engine, bc).map_err(|e| format!("starting the batch: {e}"))?;
     let s = s.clone();
     std::thread::Builder::new()
         .name("strata-batch".into())
-        .spawn(move || run(batcher, rx, s, metrics, trigger))
+        .spawn(move || run(batcher, rx, s, metrics, trigger, window))
         .map_err(|e| format!("spawning the batch thread: {e}"))?;
     Ok(())
 }
+
+/// `--batch-window auto` where experts stream: how long a new request waits for others before its
+/// prompt pass (ms against a streamed 30B's prompt pass of 4–7 s, which reads nearly every expert).
+pub const STREAMED_BATCH_WINDOW: Duration = Duration::from_millis(50);
 
 fn run(
     mut b: Batcher,
@@ -45,15 +54,18 @@ fn run(
     s: Scheduler,
     metrics: BatchMetrics,
     trigger: Option<Vec<u32>>,
+    window: Duration,
 ) {
     let mut log = StepLog::new();
     loop {
         // Block while idle; otherwise take what the free slots can start this step.
+        let mut admitted = false;
         if !b.has_work() {
             match rx.recv() {
                 Ok(job) => admit(&mut b, job, &s, trigger.as_ref()),
                 Err(_) => return,
             }
+            admitted = true;
         }
         while b.free_slots() > b.waiting() {
             match rx.try_recv() {
@@ -62,6 +74,10 @@ fn run(
                 Err(TryRecvError::Disconnected) if b.has_work() => break,
                 Err(TryRecvError::Disconnected) => return,
             }
+            admitted = true;
+        }
+        if admitted && !window.is_zero() {
+            gather(&mut b, &rx, &s, trigger.as_ref(), window);
         }
         if s.is_shut_down() {
             b.fail_all(&|| EngineError::Model(strata_models::ModelError::Interrupted));
@@ -93,6 +109,26 @@ fn run(
                 let msg = format!("internal error during generation: {msg}");
                 b.fail_all(&|| EngineError::Internal(msg.clone()));
             }
+        }
+    }
+}
+
+/// After new requests were taken: waits up to `window` for more while slots are free, so that
+/// requests arriving together share their prompt passes instead of one pass each (a streamed
+/// MoE's prompt pass reads nearly every expert from the drive; vLLM's `--scheduler-delay-factor`
+/// holds prompts back for the same reason). Returns early when the slots are full.
+fn gather(
+    b: &mut Batcher,
+    rx: &Receiver<Job>,
+    s: &Scheduler,
+    trigger: Option<&Vec<u32>>,
+    window: Duration,
+) {
+    let deadline = Instant::now() + window;
+    while b.free_slots() > b.waiting() {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(job) => admit(b, job, s, trigger),
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => return,
         }
     }
 }

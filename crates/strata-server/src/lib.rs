@@ -11,6 +11,7 @@
 //! `server_shutting_down` error.
 
 mod batch_loop;
+pub use batch_loop::STREAMED_BATCH_WINDOW;
 mod embeddings;
 pub mod error;
 mod http;
@@ -62,6 +63,9 @@ pub struct ServerConfig {
     pub prefill_chunk: usize,
     /// Tokens one batched forward pass runs at most beyond one prefill chunk (`--batch-tokens`).
     pub batch_tokens: usize,
+    /// How long new requests wait for more before their prompt pass (`--batch-window`; `None`:
+    /// [`STREAMED_BATCH_WINDOW`] where experts stream from the drive, else none).
+    pub batch_window: Option<Duration>,
     /// Bytes of KV entries kept for reuse by later requests sharing a prompt prefix
     /// (`--prefix-cache`; 0: none).
     pub prefix_cache_bytes: usize,
@@ -92,6 +96,7 @@ impl Default for ServerConfig {
             body_timeout: Duration::from_secs(30),
             prefill_chunk: 512,
             batch_tokens: 512,
+            batch_window: None,
             prefix_cache_bytes: 0,
             sampling: SamplingParams::default(),
             plan: None,

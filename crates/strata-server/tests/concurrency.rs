@@ -166,3 +166,47 @@ fn parallel_requests_share_passes_and_answer_as_alone() {
     // so none is found: the engine tests cover hits).
     assert_eq!(value("strata_prefix_cache_lookups_total"), 8.0);
 }
+
+/// `--batch-window`: requests arriving 100 ms apart wait for each other and share every pass
+/// (`/metrics` records no step with fewer than all three sequences); the wait ends when the slots
+/// are full, long before the 20 s window. Without a window the first request starts alone.
+#[test]
+fn batch_window_gathers_requests_arriving_apart() {
+    let run = |window_ms: u64| {
+        let s = common::start(strata_server::ServerConfig {
+            parallel: 3,
+            batch_window: Some(std::time::Duration::from_millis(window_ms)),
+            ..common::config()
+        });
+        let addr = s.addr;
+        let model = http::served_model(addr);
+        let started = std::time::Instant::now();
+        let handles: Vec<_> = (0..3)
+            .map(|i| {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                let b = json!({"model": model, "prompt": format!("Story number {i}: once upon a time"), "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+                std::thread::spawn(move || http::post(addr, "/v1/completions", &b))
+            })
+            .collect();
+        for h in handles {
+            let r = h.join().unwrap();
+            assert_eq!(r.status, 200, "{}", r.body);
+        }
+        let elapsed = started.elapsed();
+        let metrics = http::get(addr, "/metrics").body;
+        // Steps of at most 2 sequences: the histogram's `le="2"` bucket.
+        let small_steps: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("strata_batch_size_bucket{le=\"2.0\"} "))
+            .unwrap_or_else(|| panic!("no batch_size bucket in:\n{metrics}"))
+            .trim()
+            .parse()
+            .unwrap();
+        (small_steps, elapsed)
+    };
+    let (small, elapsed) = run(20_000);
+    assert_eq!(small, 0.0, "with a window every step holds all three requests");
+    assert!(elapsed < std::time::Duration::from_secs(15), "the window ended early: {elapsed:?}");
+    let (small, _) = run(0);
+    assert!(small > 0.0, "without a window the first request starts alone");
+}
