@@ -82,12 +82,10 @@ pub fn run(a: CompareArgs) -> Result<()> {
     let (lc, ld) = (logits(&cpu)?, logits(&dev)?);
     let (mut worst_rel, mut worst_l2, mut argmax_same) = (0f64, 0f64, 0);
     for (c, d) in lc.iter().zip(&ld) {
-        let scale = c.iter().fold(0f64, |m, &x| m.max(x.abs() as f64)).max(1e-12);
-        let diff = c.iter().zip(d).fold(0f64, |m, (&x, &y)| m.max((x - y).abs() as f64));
         let l2 = (c.iter().zip(d).map(|(&x, &y)| ((x - y) as f64).powi(2)).sum::<f64>()
             / c.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().max(1e-30))
         .sqrt();
-        worst_rel = worst_rel.max(diff / scale);
+        worst_rel = worst_rel.max(max_rel_diff(c, d));
         worst_l2 = worst_l2.max(l2);
         argmax_same +=
             usize::from(strata_engine::sampling::argmax(c) == strata_engine::sampling::argmax(d));
@@ -130,4 +128,11 @@ pub fn run(a: CompareArgs) -> Result<()> {
         bail!("logits differ by {worst_rel:.2e} (relative) > --tolerance {}", a.tolerance);
     }
     Ok(())
+}
+
+/// max |reference − other| ÷ max |reference| over one row of logits (the scale at least 1e-12).
+pub(crate) fn max_rel_diff(reference: &[f32], other: &[f32]) -> f64 {
+    let scale = reference.iter().fold(0f64, |m, &x| m.max(x.abs() as f64)).max(1e-12);
+    let diff = reference.iter().zip(other).fold(0f64, |m, (&x, &y)| m.max((x - y).abs() as f64));
+    diff / scale
 }

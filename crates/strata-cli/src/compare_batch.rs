@@ -43,9 +43,7 @@ pub fn batched_equals_alone(
     let (mut worst, mut same, mut total) = (0f64, 0usize, 0usize);
     for (a, b) in alone.iter().zip(&together) {
         for (x, y) in a.iter().zip(b) {
-            let scale = x.iter().fold(0f64, |m, &v| m.max(v.abs() as f64)).max(1e-12);
-            let diff = x.iter().zip(y).fold(0f64, |m, (&p, &q)| m.max((p - q).abs() as f64));
-            worst = worst.max(diff / scale);
+            worst = worst.max(crate::compare::max_rel_diff(x, y));
             same += usize::from(argmax(x) == argmax(y));
             total += 1;
         }

@@ -111,7 +111,6 @@ impl SamplingArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let rss_before_load = strata_plan::system::process_rss().map(|r| r.0);
     let (mut engine, plan) = args.model.load_with_plan()?;
-    let record_routing = args.routing_report || args.routing_trace.is_some();
     if args.routing_report {
         crate::measure::score_routing(&mut engine)?;
     }
@@ -131,7 +130,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     req.stop = args.stop.clone();
     req.ignore_eos = args.ignore_eos;
     req.prefill_chunk = args.model.prefill_chunk;
-    req.record_routing = record_routing;
+    req.record_routing = args.routing_report || args.routing_trace.is_some();
     let mut cache = engine.new_cache(args.model.ctx_size)?;
     let stdout = std::io::stdout();
     let json = args.json;
