@@ -47,6 +47,17 @@
 #     time of its replays against the host's time per pass (STRATA_GPU_GRAPH_STATS=1), VARIANTS.
 # 10. PART=ncu-llama (instead of 2-9; LLAMA=1): Strata's and llama.cpp's decode-step kernels under
 #     ncu on the same 12-layer file, caches left alone and flushed (NCU_MODES).
+# 11. PART=hybrid (instead of 2-10): hybrid models' Gated DeltaNet layers on the GPU (issue 24).
+#     Unless BENCH_ONLY: the kernel tests; compare-devices on the qwen3_next / qwen3_5_moe fixtures
+#     (HF and GGUF) and on a tiny-hybrid Q4_K synthetic, the DeltaNet kernels on and off
+#     (STRATA_GPU_DELTANET=0: the host path); greedy speculative decoding (self, ngram) = plain
+#     decoding on the GPU, kernels on and off; decode steps replayed from CUDA graphs = op by op
+#     (greedy and sampled, 64 and 300 tokens). Then (unless CHECK_ONLY) the synthetic
+#     qwen3.5-122b-a10b Q4_K cut to LAYERS (default 8) layers (ROUTING, default local: the random
+#     routers decide, as llama.cpp reads the file) resident in VRAM: `strata bench -p 512 -n 128`
+#     with the kernels on and off (VARIANTS, default "1 0"), alternating (ROUNDS, default 2), each
+#     run's device→host reads per decode step printed; LLAMA=1: llama-bench on the same file in
+#     the same rounds (llama.cpp CUDA built from the carried sdist as in PART=decode).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -215,6 +226,13 @@ PY
 # (a new session, so it outlives this command on a machine kept warm for the next call): the
 # correctness checks do not time anything; the speed rounds wait for /tmp/llama-build.done, so no
 # timing shares the CPU with the compiler.
+# kernel_tests DIR: the kernel test binary against its CPU references, results in DIR/check.md.
+kernel_tests() {
+  echo "## kernels vs CPU references" | tee "$1/check.md"
+  unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
+  timeout 300 /tmp/cuda-kernels-test --test-threads=1 > "$1/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$1/check.md"
+  grep -E "^test |test result|panicked|off by|differ" "$1/kernels.txt" | tee -a "$1/check.md"
+}
 start_llama_build() {
   if [ -n "${LLAMA:-}" ] && [ ! -f /tmp/llama-build.started ]; then
     touch /tmp/llama-build.started
@@ -360,14 +378,89 @@ if [ "${PART:-}" = ncu-llama ]; then
   done
   exit 0
 fi
+if [ "${PART:-}" = hybrid ]; then
+  D="$OUT/hybrid"; mkdir -p "$D"
+  start_llama_build
+  if [ -z "${BENCH_ONLY:-}" ]; then
+    kernel_tests "$D"
+    echo "## compare-devices (cuda vs cpu), DeltaNet kernels on (1) and off (0)" | tee -a "$D/check.md"
+    for m in qwen3_next qwen3_5_moe; do
+      I=$(ids $F/moe-tiny/$m.reference.json)
+      for form in $F/moe-tiny/$m $F/moe-tiny/$m.gguf; do
+        for v in 1 0; do
+          printf "%s, STRATA_GPU_DELTANET=%s: " "$form" $v | tee -a "$D/check.md"
+          STRATA_GPU_DELTANET=$v timeout 120 "$S" compare-devices -m "$form" --ids "$I" -n 16 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+        done
+      done
+    done
+    "$S" synth --preset tiny-hybrid --quant Q4_K --routing realistic --out /tmp/tiny-hybrid.gguf >/dev/null 2>&1
+    for v in 1 0; do
+      printf "tiny-hybrid Q4_K (realistic routing), STRATA_GPU_DELTANET=%s: " $v | tee -a "$D/check.md"
+      STRATA_GPU_DELTANET=$v STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-hybrid.gguf -p "The quick brown fox" -n 32 --tolerance 5e-2 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+    done
+    echo "## speculative decoding = plain decoding on the GPU, greedy, tiny-hybrid (rollback of the recurrent state)" | tee -a "$D/check.md"
+    SP="one two three four five six seven eight nine ten one two three four five six seven eight nine ten one two three"
+    for v in 1 0; do
+      STRATA_GPU_DELTANET=$v "$S" generate -m /tmp/tiny-hybrid.gguf --device cuda -p "$SP" -n 96 --ignore-eos --temp 0 --json 2>>"$D/compare.err" > /tmp/gen-plain-$v.json
+      for spec in "--spec self --draft-layers 1" "--spec ngram"; do
+        STRATA_GPU_DELTANET=$v "$S" generate -m /tmp/tiny-hybrid.gguf --device cuda -p "$SP" -n 96 --ignore-eos --temp 0 $spec --draft-policy fixed --num-draft-tokens 4 --json 2>>"$D/compare.err" > /tmp/gen-spec.json
+        python3 -c "
+import json; a=json.load(open('/tmp/gen-spec.json')); b=json.load(open('/tmp/gen-plain-$v.json'))['generated_token_ids']
+g=a['generated_token_ids']; same=sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==p[1], zip(g,b)))
+print('DELTANET=$v $spec: equal prefix', same, 'of', len(b), '| identical:', g==b, '| spec:', {k: v for k, v in a.items() if 'spec' in k or 'draft' in k or 'accept' in k})" | tee -a "$D/check.md"
+      done
+    done
+    python3 -c "
+import json; a=json.load(open('/tmp/gen-plain-1.json'))['generated_token_ids']; b=json.load(open('/tmp/gen-plain-0.json'))['generated_token_ids']
+print('plain greedy, kernels on vs off: identical', a==b, '| equal prefix', sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==p[1], zip(a,b))), 'of', len(b))" | tee -a "$D/check.md"
+    echo "## tiny-hybrid decode steps replayed from CUDA graphs vs launched op by op (generated token ids)" | tee -a "$D/check.md"
+    for samp in "--temp 0" "--temp 1 --seed 7"; do
+      for n in 64 300; do # 300: past the 255-position bucket boundary, two captures
+        for v in graphs opbyop; do
+          envs=(X=1); [ $v = opbyop ] && envs=(STRATA_GPU_GRAPHS=0)
+          env "${envs[@]}" "$S" generate -m /tmp/tiny-hybrid.gguf --device cuda -p "The quick brown fox" -n $n --ignore-eos $samp --json 2>>"$D/compare.err" > /tmp/gen-$v.json
+        done
+        python3 -c "
+import json; a=json.load(open('/tmp/gen-graphs.json'))['generated_token_ids']; b=json.load(open('/tmp/gen-opbyop.json'))['generated_token_ids']
+print('$samp, $n tokens: equal prefix', sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==p[1], zip(a,b))), 'of', len(b), '| identical:', a==b)" | tee -a "$D/check.md"
+      done
+    done
+    grep -iE "error|panick|capture" "$D/compare.err" | sort | uniq -c | head -5 | tee -a "$D/check.md"
+  fi
+  [ -z "${CHECK_ONLY:-}" ] || exit 0
+  L=${LAYERS:-8}; R=${ROUTING:-local}
+  M=/tmp/q35-122b-l$L-$R.gguf
+  [ -f $M ] || { t0=$(date +%s); "$S" synth --preset qwen3.5-122b-a10b --layers $L --routing $R --out $M 2>&1 | tail -1 > "$D/synth.txt"; sync; echo "synth $(( $(date +%s) - t0 )) s: $(cat "$D/synth.txt")"; }
+  ls -l $M | tee -a "$D/bench.md"
+  if [ -f /tmp/llama-build.started ]; then
+    while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
+    cp /tmp/llama-build.txt "$D/"; tail -1 /tmp/llama-build.txt
+  fi
+  {
+    echo "| run | pp512 tok/s | tg128 tok/s |"
+    echo "|---|---|---|"
+    for round in $(seq 1 ${ROUNDS:-2}); do
+      for v in ${VARIANTS:-1 0}; do
+        # VARIANTS: 1 (kernels, graphs), 0 (host path), nograph (kernels, op by op)
+        g=1 dn=$v; [ "$v" = nograph ] && { dn=1; g=0; }
+        STRATA_GPU_GRAPHS=$g STRATA_GPU_DELTANET=$dn timeout 300 "$S" bench -m $M --device cuda -p 512 -n 128 -r ${REPS:-2} --stream-experts off > /tmp/hb-$v.txt 2>/tmp/hb-$v.err
+        bench_row /tmp/hb-$v.txt "deltanet=$dn graphs=$g round $round" 128
+        grep -h "device→host" /tmp/hb-$v.err | sed "s/^/    deltanet=$dn graphs=$g: /"
+        grep -hiE "error|panick|capture" /tmp/hb-$v.err | head -3
+      done
+      if [ -x /tmp/llama/bin/llama-bench ]; then
+        /tmp/llama/bin/llama-bench -m $M -ngl 99 -p 512 -n 128 -r ${REPS:-2} -o md > /tmp/hb-llama.txt 2>&1
+        bench_row /tmp/hb-llama.txt "llama.cpp round $round" 128
+      fi
+    done
+  } 2>&1 | tee -a "$D/bench.md"
+  exit 0
+fi
 if [ "${PART:-}" = decode ]; then
   D="$OUT/decode"; mkdir -p "$D"
   start_llama_build
   if [ -z "${BENCH_ONLY:-}" ]; then
-    echo "## kernels vs CPU references" | tee "$D/check.md"
-    unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
-    timeout 300 /tmp/cuda-kernels-test --test-threads=1 > "$D/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$D/check.md"
-    grep -E "^test |test result|panicked|off by" "$D/kernels.txt" | tee -a "$D/check.md"
+    kernel_tests "$D"
     echo "## compare-devices (cuda vs cpu): GPU paths on, then off" | tee -a "$D/check.md"
     for q in Q4_K Q8_0; do
       "$S" synth --preset tiny-moe --quant $q --routing local --out /tmp/tiny-$q.gguf >/dev/null 2>&1

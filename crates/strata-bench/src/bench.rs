@@ -78,6 +78,7 @@ pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResul
         Ok(())
     };
     step(&mut cache, 1)?;
+    let reads = strata_models::gpu::host_reads();
     for _ in 0..reps {
         cache.clear();
         let t = std::time::Instant::now();
@@ -85,6 +86,13 @@ pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResul
             step(&mut cache, (i * 7919 + 13) % vocab)?;
         }
         runs.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    if !engine.model.device().is_cpu() {
+        let per = (strata_models::gpu::host_reads() - reads) as f64 / (n * reps).max(1) as f64;
+        eprintln!(
+            "tg{n}: {per:.2} device→host reads per decode step inside the model's layers \
+             (host paths of Gated DeltaNet layers and routers; a pass's routing record)"
+        );
     }
     Ok(BenchResult { test: format!("tg{n}"), tokens: n, median_tok_s: median(&runs), runs })
 }

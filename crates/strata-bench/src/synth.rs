@@ -344,6 +344,12 @@ fn metadata(
         m.push((k("ssm.time_step_rank"), MetaValue::U32(la.v_heads as u32)));
         m.push((k("ssm.inner_size"), MetaValue::U32((la.v_heads * la.v_dim) as u32)));
         m.push((k("full_attention_interval"), MetaValue::U32(la.full_attention_interval as u32)));
+        // M-RoPE sections over the rotated pairs (Qwen3.5's `mrope_section` [11, 11, 10] for its
+        // 32 pairs), which llama.cpp requires; text positions are equal in all three, so the
+        // rotation is plain RoPE either way (Strata does not read the key).
+        let pairs = (p.head_dim / 4 / 2) as i32;
+        let sections = vec![(pairs + 2) / 3, (pairs + 1) / 3, pairs / 3, 0];
+        m.push((k("rope.dimension_sections"), MetaValue::I32Array(sections)));
     }
     m
 }

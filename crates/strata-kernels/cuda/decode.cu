@@ -19,6 +19,9 @@
 //                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
 //  moe_tc_sort, q4k_mm_tc (moe_tc.cuh): prompt passes' Q4_K products on tensor cores, MoE pairs
 //                   grouped by expert on the device.
+//  gdn_conv, gdn_delta, gdn_gated_norm (gdn.cuh): Gated DeltaNet layers of hybrid models — the
+//                   causal conv with its window, the delta rule over the recurrent state, the
+//                   gated RMSNorm (CPU reference: strata-models' gated_delta_net.rs).
 
 #include <stdint.h>
 #include <math_constants.h>
@@ -529,3 +532,4 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 #include "moe_q4k.cuh"
 #include "moe_tc.cuh"
 #include "mv_q8.cuh"
+#include "gdn.cuh"

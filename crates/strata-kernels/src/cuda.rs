@@ -14,7 +14,9 @@ use candle_core::op::BackpropOp;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
 
+mod gdn;
 mod q8;
+pub use gdn::{gdn_conv, gdn_delta, gdn_gated_norm, GdnShape};
 pub use q8::{
     activations, q8_beside, q8_twin, quantize_q8, release_q8_twins, Activations, TWINS_KEPT,
 };

@@ -13,6 +13,12 @@
 //!
 //! Passes of more than `EXACT_ROWS_MAX` tokens (prefill) run the chunked parallel form
 //! ([`chunked_delta_rule`]); shorter ones (decode, speculative verification) the recurrent form.
+//!
+//! On a CUDA device whose sequence keeps its recurrent state there
+//! ([`crate::recurrent::RecurrentCache::on_device`]) the layer runs on our kernels
+//! (`strata_kernels::cuda::gdn_*`, `GatedDeltaNet::forward_gpu`): nothing goes to the host. Every
+//! pass takes the recurrent form there, one launch over its tokens (a thread per conv channel, a
+//! warp per state column).
 
 use candle_core::Tensor;
 use strata_formats::{LinearAttnConfig, ModelConfig, ModelFiles};
@@ -47,6 +53,25 @@ pub struct GatedDeltaNet {
     eps: f32,
     out_proj: Linear,
     dims: GdnDims,
+    /// The same weights on the device (`cuda` build, a CUDA model).
+    #[cfg(feature = "cuda")]
+    gpu: Option<GpuWeights>,
+}
+
+/// A layer's small weights on the device, and the gather of its projections' outputs.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+struct GpuWeights {
+    /// `[conv_dim, kernel]`.
+    conv_w: Tensor,
+    /// `−exp(A_log)`, `[v_heads]`.
+    a_neg: Tensor,
+    /// `[v_heads]`.
+    dt_bias: Tensor,
+    /// `[v_dim]`.
+    norm_w: Tensor,
+    /// [`Gather::Index`] as u32 channel indices `[conv_dim + value_width + 2·v_heads]`.
+    index: Option<Tensor>,
 }
 
 fn host(l: &WeightLoader, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
@@ -127,23 +152,103 @@ impl GatedDeltaNet {
             ModelFiles::Hf(_) => a_raw.iter().map(|x| -x.exp()).collect(),
             ModelFiles::Gguf(_) => a_raw,
         };
+        let dt_bias = host(l, &p("ssm_dt.bias"), &[nv])?;
+        let norm_w = host(l, &p("ssm_norm.weight"), &[d.v_dim])?;
+        #[cfg(feature = "cuda")]
+        let gpu = if l.device.is_cuda() {
+            let dev = &l.device;
+            let t = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, dev);
+            let index = match &gather {
+                Gather::Identity => None,
+                Gather::Index(ix) => {
+                    let ix: Vec<u32> = ix.iter().map(|&i| i as u32).collect();
+                    Some(Tensor::from_vec(ix, cd + vw + 2 * nv, dev)?)
+                }
+            };
+            Some(GpuWeights {
+                conv_w: t(&conv_w, &[cd, d.kernel])?,
+                a_neg: t(&a, &[nv])?,
+                dt_bias: t(&dt_bias, &[nv])?,
+                norm_w: t(&norm_w, &[d.v_dim])?,
+                index,
+            })
+        } else {
+            None
+        };
         Ok(Self {
             in_proj,
             gather,
             conv_w,
             a,
-            dt_bias: host(l, &p("ssm_dt.bias"), &[nv])?,
-            norm_w: host(l, &p("ssm_norm.weight"), &[d.v_dim])?,
+            dt_bias,
+            norm_w,
             eps: cfg.rms_norm_eps as f32,
             out_proj: l.linear(&p("ssm_out"), h, vw, false)?,
             dims: d,
+            #[cfg(feature = "cuda")]
+            gpu,
         })
+    }
+
+    /// Whether this layer runs on our kernels when its sequence keeps the state on the device
+    /// (weights on a CUDA device, a shape the kernels take).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gpu_ready(&self) -> bool {
+        self.gpu.is_some() && self.dims.gpu_shape().supported()
+    }
+
+    /// [`Self::forward`] on the device: the in-projections, their outputs gathered into
+    /// `[T, qkv | z | b | a]` rows, then `gdn_conv` → `gdn_delta` → `gdn_gated_norm` on the
+    /// sequence's device state, and the out-projection. `None` when this sequence's state is on
+    /// the host (or the weights are not on the device).
+    #[cfg(feature = "cuda")]
+    fn forward_gpu(&self, x: &Tensor, layer: usize, cache: &mut KvCache) -> Option<Result<Tensor>> {
+        let w = self.gpu.as_ref()?;
+        let dev = cache.recurrent_device_mut()?;
+        let mut run = || -> Result<Tensor> {
+            use strata_kernels::cuda::{gdn_conv, gdn_delta, gdn_gated_norm};
+            let s = *dev.shape();
+            let parts = self
+                .in_proj
+                .iter()
+                .map(|p| p.forward(x))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let cat = match parts.len() {
+                1 => parts.into_iter().next().expect("one part"),
+                _ => Tensor::cat(&parts, 1)?,
+            };
+            let row = match &w.index {
+                None => cat.contiguous()?,
+                Some(ix) => cat.index_select(ix, 1)?,
+            };
+            let (state, log) = dev.layer_mut(layer)?.ok_or_else(|| {
+                candle_core::Error::Msg(format!("layer {layer} has no recurrent state"))
+            })?;
+            let qkv = gdn_conv(&s, &row, &state.conv, Some(&w.conv_w))?
+                .ok_or_else(|| candle_core::Error::msg("gdn_conv gave no output"))?;
+            let q_scale = 1.0 / (self.dims.k_dim as f32).sqrt();
+            let o = gdn_delta(&s, &qkv, &row, &w.a_neg, &w.dt_bias, &state.ssm, q_scale, true)?
+                .ok_or_else(|| candle_core::Error::msg("gdn_delta gave no output"))?;
+            if let Some(log) = log {
+                log.push(&row, &qkv, &w.a_neg, &w.dt_bias);
+            }
+            let y = gdn_gated_norm(&s, o, &row, &w.norm_w, self.eps)?;
+            Ok(self.out_proj.forward(&y)?)
+        };
+        Some(run())
     }
 
     /// `x: [seq, hidden]` → `[seq, hidden]`, advancing `layer`'s recurrent state in `cache` by
     /// `seq` tokens (logged while a checkpoint is held).
     pub fn forward(&self, x: &Tensor, layer: usize, cache: &mut KvCache) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = self.forward_gpu(x, layer, cache) {
+            return out;
+        }
         let seq = x.dim(0)?;
+        if !x.device().is_cpu() {
+            crate::gpu::note_host_reads(self.in_proj.len() as u64);
+        }
         let d = self.dims;
         let (kw, vw, cd, nv) = (d.key_width(), d.value_width(), d.conv_dim(), d.v_heads);
         let parts = self

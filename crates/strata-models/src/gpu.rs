@@ -16,7 +16,9 @@
 //! passes — through the row-dequantizing `matmul_q4k` instead of the mat-vec kernel, four tokens
 //! per warp), `STRATA_GPU_FUSE=0` (residual add and RMSNorm as two launches, per-head q/k norms through
 //! candle instead of inside the RoPE kernel), `STRATA_GPU_MOE=0` (the Q4_K experts of short passes through candle's
-//! `indexed_moe_forward` instead of our kernels).
+//! `indexed_moe_forward` instead of our kernels), `STRATA_GPU_DELTANET=0` (hybrid models' Gated
+//! DeltaNet layers and their recurrent state on the host, the projections copied there every
+//! pass, instead of our kernels with the state on the device).
 //!
 //! Off by default, measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
 //! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by
@@ -67,6 +69,9 @@ pub enum GpuPath {
     /// Batched decode steps of several sequences captured as CUDA graphs too (needs
     /// [`GpuPath::Graphs`]).
     BatchGraphs,
+    /// Gated DeltaNet layers on our kernels, their recurrent state (and its speculative
+    /// checkpoint) on the device ([`crate::recurrent::RecurrentCache::on_device`]).
+    DeltaNet,
 }
 
 /// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
@@ -112,6 +117,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static SHORT_MATVEC: OnceLock<bool> = OnceLock::new();
     static MOE_TC: OnceLock<bool> = OnceLock::new();
     static DENSE_TC: OnceLock<bool> = OnceLock::new();
+    static DELTANET: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
@@ -125,9 +131,29 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::ShortMatVec => (&SHORT_MATVEC, "STRATA_GPU_SHORT_MATVEC"),
         GpuPath::MoeTc => (&MOE_TC, "STRATA_GPU_MOE_TC"),
         GpuPath::DenseTc => (&DENSE_TC, "STRATA_GPU_DENSE_TC"),
+        GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
         (GpuPath::MoeGrouped, v) => v.is_ok_and(|v| v == "1"),
         (_, v) => !v.is_ok_and(|v| v == "0"),
     })
+}
+
+/// Device → host reads the model's layers made during forward passes on a GPU, since the
+/// process started ([`host_reads`]): the host paths that copy a layer's tensors to the host
+/// mid-pass (a Gated DeltaNet layer's projections, a router's logits for a top-k on the host) and
+/// the one read of a pass's device routing record at its end. The logits the caller reads are not
+/// counted. A decode step that never waits for the host between layers counts at most one (the
+/// routing record).
+static HOST_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts `n` device → host reads of a forward pass on a GPU ([`host_reads`]).
+pub(crate) fn note_host_reads(n: u64) {
+    HOST_READS.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Device → host reads of the model's layers on a GPU so far (see [`note_host_reads`]'s static:
+/// the benchmark reports them per decode step).
+pub fn host_reads() -> u64 {
+    HOST_READS.load(std::sync::atomic::Ordering::Relaxed)
 }

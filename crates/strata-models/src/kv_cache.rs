@@ -87,7 +87,7 @@ impl KvCache {
             k,
             v,
             slot,
-            recurrent: RecurrentCache::new(cfg.linear_attn.as_ref()),
+            recurrent: RecurrentCache::on_device(cfg.linear_attn.as_ref(), device)?,
             routing,
             len: 0,
             capacity,
@@ -135,6 +135,14 @@ impl KvCache {
         layer: usize,
     ) -> Option<(&mut LinearState, Option<&mut StepLog>)> {
         self.recurrent.layer_mut(layer)
+    }
+
+    /// The recurrent state on the GPU, when this sequence keeps it there (`cuda` build).
+    #[cfg(feature = "cuda")]
+    pub fn recurrent_device_mut(
+        &mut self,
+    ) -> Option<&mut crate::recurrent::device::DeviceRecurrent> {
+        self.recurrent.device_mut()
     }
 
     /// Marks the current length as a position [`Self::rollback`] can return to, with every
@@ -361,6 +369,12 @@ impl KvCache {
         }
         self.len = total;
         Ok(())
+    }
+
+    /// Sets the recurrent state to `snap` (made by [`Self::snapshot_recurrent`] on this model),
+    /// the length unchanged; drops a checkpoint.
+    pub fn restore_recurrent(&mut self, snap: &RecurrentSnapshot) {
+        self.recurrent.restore(snap);
     }
 
     /// A copy of the recurrent state now (`None` for attention-only models).

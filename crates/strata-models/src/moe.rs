@@ -130,6 +130,9 @@ impl Router {
         seq: Option<SeqRoute<'_>>,
         predict: bool,
     ) -> Result<LayerRouting> {
+        if !x.device().is_cpu() {
+            crate::gpu::note_host_reads(1);
+        }
         let logits = self.gate.forward(x)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
         let mut routing = LayerRouting {
             layer,

@@ -12,6 +12,9 @@
 
 use strata_formats::{HeadOrder, LinearAttnConfig};
 
+#[cfg(feature = "cuda")]
+pub mod device;
+
 /// Dimensions of one Gated DeltaNet layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GdnDims {
@@ -48,6 +51,19 @@ impl GdnDims {
     /// conv1d channels: q, k, v.
     pub fn conv_dim(&self) -> usize {
         2 * self.key_width() + self.value_width()
+    }
+
+    /// The kernels' view of these dimensions (`cuda` build).
+    #[cfg(feature = "cuda")]
+    pub fn gpu_shape(&self) -> strata_kernels::cuda::GdnShape {
+        strata_kernels::cuda::GdnShape {
+            k_heads: self.k_heads,
+            v_heads: self.v_heads,
+            k_dim: self.k_dim,
+            v_dim: self.v_dim,
+            kernel: self.kernel,
+            grouped: matches!(self.order, HeadOrder::Grouped),
+        }
     }
 
     /// The key head value head `h` reads.
@@ -184,24 +200,44 @@ impl StepLog {
     }
 }
 
+/// A checkpoint of layer states `S` (host [`LinearState`] or, on a GPU, the device's) with a log
+/// `L` of the updates since, per layer (`None` for attention layers).
 #[derive(Debug)]
-struct Checkpoint {
+struct Checkpoint<S = LinearState, L = StepLog> {
     /// Sequence length at the checkpoint.
     len: usize,
-    states: Vec<Option<LinearState>>,
-    logs: Vec<Option<StepLog>>,
+    states: Vec<Option<S>>,
+    logs: Vec<Option<L>>,
     /// False once released: the buffers stay for the next checkpoint, nothing is logged.
     active: bool,
 }
 
+impl<S, L> Checkpoint<S, L> {
+    /// Layer `layer`'s log while the checkpoint is active.
+    fn log_mut(&mut self, layer: usize) -> Option<&mut L> {
+        self.logs.get_mut(layer).filter(|_| self.active)?.as_mut()
+    }
+}
+
 /// A copy of a sequence's recurrent state ([`RecurrentCache::snapshot`]).
-#[derive(Debug, Clone)]
-pub struct RecurrentSnapshot(Vec<Option<LinearState>>);
+#[derive(Debug)]
+pub struct RecurrentSnapshot(Snap);
+
+#[derive(Debug)]
+enum Snap {
+    Host(Vec<Option<LinearState>>),
+    #[cfg(feature = "cuda")]
+    Device(device::DeviceSnapshot),
+}
 
 impl RecurrentSnapshot {
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.0.iter().flatten().map(|s| 4 * (s.conv.len() + s.ssm.len())).sum()
+        match &self.0 {
+            Snap::Host(s) => s.iter().flatten().map(|s| 4 * (s.conv.len() + s.ssm.len())).sum(),
+            #[cfg(feature = "cuda")]
+            Snap::Device(d) => d.bytes(),
+        }
     }
 }
 
@@ -211,9 +247,43 @@ pub struct RecurrentCache {
     dims: Option<GdnDims>,
     states: Vec<Option<LinearState>>,
     checkpoint: Option<Checkpoint>,
+    /// The state on the GPU instead (`states` is then empty): a CUDA model whose Gated DeltaNet
+    /// layers run on our kernels ([`Self::on_device`]).
+    #[cfg(feature = "cuda")]
+    device: Option<device::DeviceRecurrent>,
 }
 
 impl RecurrentCache {
+    /// [`Self::new`], the state on `device` when it is a CUDA device, the kernels take the
+    /// layers' shape and `STRATA_GPU_DELTANET` is not `0` (then the Gated DeltaNet layers run on
+    /// the GPU; otherwise on the host, their projections copied there every pass).
+    pub fn on_device(
+        cfg: Option<&LinearAttnConfig>,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = cfg.filter(|_| device.is_cuda()) {
+            let shape = GdnDims::new(c).gpu_shape();
+            if shape.supported() && crate::gpu::enabled(crate::gpu::GpuPath::DeltaNet) {
+                let d = device::DeviceRecurrent::new(shape, &c.recurrent_layers, device)?;
+                return Ok(Self {
+                    dims: None,
+                    states: Vec::new(),
+                    checkpoint: None,
+                    device: Some(d),
+                });
+            }
+        }
+        let _ = device;
+        Ok(Self::new(cfg))
+    }
+
+    /// The device state (`cuda` build), when it lives there.
+    #[cfg(feature = "cuda")]
+    pub fn device_mut(&mut self) -> Option<&mut device::DeviceRecurrent> {
+        self.device.as_mut()
+    }
+
     /// Zero state for the layers where `recurrent[i]`; empty when `cfg` is `None`.
     pub fn new(cfg: Option<&LinearAttnConfig>) -> Self {
         let dims = cfg.map(GdnDims::new);
@@ -223,28 +293,37 @@ impl RecurrentCache {
             }
             _ => Vec::new(),
         };
-        Self { dims, states, checkpoint: None }
+        Self {
+            dims,
+            states,
+            checkpoint: None,
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
     }
 
     /// Whether the model has recurrent layers.
     pub fn is_active(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.device.is_some() {
+            return true;
+        }
         self.states.iter().any(Option::is_some)
     }
 
     /// Layer `layer`'s state and, while a checkpoint is held, its log.
     pub fn layer_mut(&mut self, layer: usize) -> Option<(&mut LinearState, Option<&mut StepLog>)> {
         let state = self.states.get_mut(layer)?.as_mut()?;
-        let log = self
-            .checkpoint
-            .as_mut()
-            .filter(|c| c.active)
-            .and_then(|c| c.logs.get_mut(layer))
-            .and_then(Option::as_mut);
+        let log = self.checkpoint.as_mut().and_then(|c| c.log_mut(layer));
         Some((state, log))
     }
 
     /// Copies every state at sequence length `len` and starts logging updates.
     pub fn checkpoint(&mut self, len: usize) {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_mut() {
+            return d.checkpoint(len);
+        }
         if !self.is_active() {
             return;
         }
@@ -273,6 +352,10 @@ impl RecurrentCache {
     /// Stops logging (the end of a speculative round): later tokens cost nothing and rollback is
     /// refused until the next [`Self::checkpoint`].
     pub fn release(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_mut() {
+            return d.release();
+        }
         if let Some(c) = self.checkpoint.as_mut() {
             c.active = false;
             for log in c.logs.iter_mut().flatten() {
@@ -283,12 +366,20 @@ impl RecurrentCache {
 
     /// Sequence length of the checkpoint held, if any.
     pub fn checkpoint_len(&self) -> Option<usize> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_ref() {
+            return d.checkpoint_len();
+        }
         self.checkpoint.as_ref().filter(|c| c.active).map(|c| c.len)
     }
 
     /// Restores the state of sequence length `len` (from `current`). `Err(checkpoint)` when `len`
     /// is before the checkpoint (or there is none and `len < current`): the state is then unchanged.
     pub fn rollback(&mut self, len: usize, current: usize) -> Result<(), Option<usize>> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_mut() {
+            return d.rollback(len, current);
+        }
         if !self.is_active() || len >= current {
             return Ok(());
         }
@@ -314,13 +405,29 @@ impl RecurrentCache {
     /// A copy of every layer's state (`None` without recurrent layers): a prefix cache keeps it
     /// with the prefix's last block.
     pub fn snapshot(&self) -> Option<RecurrentSnapshot> {
-        self.is_active().then(|| RecurrentSnapshot(self.states.clone()))
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_ref() {
+            return d.snapshot().map(|s| RecurrentSnapshot(Snap::Device(s)));
+        }
+        self.is_active().then(|| RecurrentSnapshot(Snap::Host(self.states.clone())))
     }
 
     /// Sets every state to `snap`'s (made by [`Self::snapshot`] on the same model) and drops the
     /// checkpoint.
     pub fn restore(&mut self, snap: &RecurrentSnapshot) {
-        for (dst, src) in self.states.iter_mut().zip(&snap.0) {
+        #[cfg(feature = "cuda")]
+        if let Snap::Device(s) = &snap.0 {
+            if let Some(d) = self.device.as_mut() {
+                d.restore(s);
+            }
+            return;
+        }
+        #[allow(irrefutable_let_patterns)]
+        let Snap::Host(host) = &snap.0
+        else {
+            return;
+        };
+        for (dst, src) in self.states.iter_mut().zip(host) {
             if let (Some(d), Some(s)) = (dst.as_mut(), src.as_ref()) {
                 d.conv.copy_from_slice(&s.conv);
                 d.ssm.copy_from_slice(&s.ssm);
@@ -331,6 +438,10 @@ impl RecurrentCache {
 
     /// Zeroes every state and drops the checkpoint (a new sequence).
     pub fn clear(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_mut() {
+            return d.clear();
+        }
         for s in self.states.iter_mut().flatten() {
             s.conv.fill(0.0);
             s.ssm.fill(0.0);
@@ -340,6 +451,10 @@ impl RecurrentCache {
 
     /// Bytes held: states, the checkpoint copy and its logs.
     pub fn bytes(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_ref() {
+            return d.bytes();
+        }
         let state = |s: &LinearState| 4 * (s.conv.len() + s.ssm.len());
         let live: usize = self.states.iter().flatten().map(state).sum();
         let saved: usize = self.checkpoint.as_ref().map_or(0, |c| {

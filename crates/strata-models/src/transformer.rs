@@ -208,6 +208,11 @@ impl Transformer {
         &self.cfg
     }
 
+    /// Whether any layer is a Gated DeltaNet layer (recurrent state).
+    pub fn has_recurrent_layers(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l.mixer, Mixer::GatedDeltaNet(_)))
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }

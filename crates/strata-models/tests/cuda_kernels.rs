@@ -1034,3 +1034,165 @@ fn causal_softmax_matches_the_masked_softmax() {
     let t = Tensor::zeros((6, 4), DType::F32, &dev).unwrap();
     assert!(gpu::causal_softmax(t, 4, 1, 1.0).is_err()); // total 4 < past + seq
 }
+
+/// One Gated DeltaNet pass on the host, written out from the definitions (gated_delta_net.rs's
+/// per-token steps with `delta_update` / `delta_readout`): returns `y [T, vw]` and advances
+/// `conv [K-1, cd]` and `ssm [nv, dk, dv]`.
+#[allow(clippy::too_many_arguments)]
+fn gdn_host(
+    s: &gpu::GdnShape,
+    row: &[f32],
+    conv: &mut [f32],
+    conv_w: &[f32],
+    a_neg: &[f32],
+    dt_bias: &[f32],
+    ssm: &mut [f32],
+    norm_w: &[f32],
+    eps: f32,
+) -> Vec<f32> {
+    use strata_models::recurrent::{delta_readout, delta_update};
+    let (rw, cd, vw, nv) = (s.row_width(), s.conv_dim(), s.value_width(), s.v_heads);
+    let (dk, dv, kk) = (s.k_dim, s.v_dim, s.kernel);
+    let kw = s.k_heads * dk;
+    let t_len = row.len() / rw;
+    let silu = |x: f32| x / (1.0 + (-x).exp());
+    let mut y = vec![0f32; t_len * vw];
+    let mut mem = vec![0f32; dv];
+    for t in 0..t_len {
+        let r = &row[t * rw..(t + 1) * rw];
+        let mut c = vec![0f32; cd];
+        for ch in 0..cd {
+            let w = &conv_w[ch * kk..(ch + 1) * kk];
+            let mut acc = w[kk - 1] * r[ch];
+            for j in 0..kk - 1 {
+                acc += w[j] * conv[j * cd + ch];
+            }
+            c[ch] = silu(acc);
+        }
+        conv.copy_within(cd.., 0);
+        let n = conv.len();
+        conv[n - cd..].copy_from_slice(&r[..cd]);
+        let norm = |v: &mut [f32]| {
+            let inv = 1.0 / (v.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
+            v.iter_mut().for_each(|a| *a *= inv);
+        };
+        let (q, rest) = c.split_at_mut(kw);
+        let (k, v) = rest.split_at_mut(kw);
+        q.chunks_exact_mut(dk).for_each(|h| {
+            norm(h);
+            h.iter_mut().for_each(|a| *a /= (dk as f32).sqrt());
+        });
+        k.chunks_exact_mut(dk).for_each(norm);
+        for h in 0..nv {
+            let kh = if s.grouped { h / (nv / s.k_heads) } else { h % s.k_heads };
+            let (b, a) = (r[cd + vw + h], r[cd + vw + nv + h] + dt_bias[h]);
+            let sp = if a > 20.0 { a } else { a.exp().ln_1p() };
+            let st = &mut ssm[h * dk * dv..(h + 1) * dk * dv];
+            let beta = 1.0 / (1.0 + (-b).exp());
+            delta_update(
+                st,
+                &k[kh * dk..(kh + 1) * dk],
+                &v[h * dv..(h + 1) * dv],
+                (a_neg[h] * sp).exp(),
+                beta,
+                &mut mem,
+            );
+            let o = &mut y[t * vw + h * dv..t * vw + (h + 1) * dv];
+            delta_readout(st, &q[kh * dk..(kh + 1) * dk], o);
+            let inv = 1.0 / (o.iter().map(|x| x * x).sum::<f32>() / dv as f32 + eps).sqrt();
+            let z = &r[cd + h * dv..cd + (h + 1) * dv];
+            for ((x, &g), &zz) in o.iter_mut().zip(norm_w).zip(z) {
+                *x = *x * inv * g * silu(zz);
+            }
+        }
+    }
+    y
+}
+
+/// The Gated DeltaNet kernels (gdn_conv → gdn_delta → gdn_gated_norm) against the host's
+/// definition over a pass of several tokens (outputs and final states within 2e-5 of the largest
+/// value); one token per pass gives the same outputs and states bit for bit; a replay (no weight,
+/// no readout) reaches the same state bit for bit. Shapes: the tiny fixtures' (k_dim 16, grouped),
+/// a k_dim that is no multiple of 32 (tiled), Qwen3.5-122B-A10B's (16 key / 64 value heads of 128).
+#[test]
+fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
+    let dev = cuda();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let shapes = [
+        gpu::GdnShape { k_heads: 2, v_heads: 4, k_dim: 16, v_dim: 16, kernel: 4, grouped: true },
+        gpu::GdnShape { k_heads: 2, v_heads: 6, k_dim: 48, v_dim: 24, kernel: 3, grouped: false },
+        gpu::GdnShape {
+            k_heads: 16,
+            v_heads: 64,
+            k_dim: 128,
+            v_dim: 128,
+            kernel: 4,
+            grouped: true,
+        },
+    ];
+    for s in shapes {
+        let t_len = 7;
+        let (rw, cd, nv) = (s.row_width(), s.conv_dim(), s.v_heads);
+        let row = rng.vec(t_len * rw, 2.0);
+        let conv0 = rng.vec((s.kernel - 1) * cd, 1.0);
+        let conv_w = rng.vec(cd * s.kernel, 0.7);
+        let a_neg: Vec<f32> = rng.vec(nv, 1.0).iter().map(|x| -(x + 1.2).exp()).collect();
+        let dt_bias = rng.vec(nv, 1.0);
+        let ssm0 = rng.vec(nv * s.k_dim * s.v_dim, 0.5);
+        let norm_w = rng.vec(s.v_dim, 1.0);
+        let eps = 1e-6;
+        let (mut conv_h, mut ssm_h) = (conv0.clone(), ssm0.clone());
+        let want =
+            gdn_host(&s, &row, &mut conv_h, &conv_w, &a_neg, &dt_bias, &mut ssm_h, &norm_w, eps);
+
+        let t = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &dev).unwrap();
+        let (cw, an, dt, nw) = (
+            t(&conv_w, &[cd, s.kernel]),
+            t(&a_neg, &[nv]),
+            t(&dt_bias, &[nv]),
+            t(&norm_w, &[s.v_dim]),
+        );
+        let fresh = || (t(&conv0, &[s.kernel - 1, cd]), t(&ssm0, &[nv, s.k_dim, s.v_dim]));
+        let q_scale = 1.0 / (s.k_dim as f32).sqrt();
+        let pass = |rows: &Tensor, conv: &Tensor, ssm: &Tensor| {
+            let qkv = gpu::gdn_conv(&s, rows, conv, Some(&cw)).unwrap().unwrap();
+            let o = gpu::gdn_delta(&s, &qkv, rows, &an, &dt, ssm, q_scale, true).unwrap().unwrap();
+            flat(&gpu::gdn_gated_norm(&s, o, rows, &nw, eps).unwrap())
+        };
+        let rows = t(&row, &[t_len, rw]);
+        let (conv, ssm) = fresh();
+        let have = pass(&rows, &conv, &ssm);
+        let (conv_d, ssm_d) = (flat(&conv), flat(&ssm));
+        for (what, a, b) in
+            [("outputs", &have, &want), ("ssm", &ssm_d, &ssm_h), ("conv", &conv_d, &conv_h)]
+        {
+            let e = max_rel(a, b);
+            assert!(e < 2e-5, "{s:?}: {what} differ from the host by {e:.3e}");
+        }
+        // One token per pass: the same bits.
+        let (conv1, ssm1) = fresh();
+        let mut steps = Vec::new();
+        for i in 0..t_len {
+            steps.extend(pass(&rows.narrow(0, i, 1).unwrap(), &conv1, &ssm1));
+        }
+        assert_eq!(steps, have, "{s:?}: one-token passes differ from the {t_len}-token pass");
+        assert_eq!(flat(&ssm1), ssm_d, "{s:?}: states differ");
+        // A replay without readout: the same state.
+        let (conv2, ssm2) = fresh();
+        let qkv = gpu::gdn_conv(&s, &rows, &conv2, Some(&cw)).unwrap().unwrap();
+        let (conv3, ssm3) = fresh();
+        assert!(gpu::gdn_conv(&s, &rows, &conv3, None).unwrap().is_none());
+        assert!(gpu::gdn_delta(&s, &qkv, &rows, &an, &dt, &ssm3, q_scale, false)
+            .unwrap()
+            .is_none());
+        gpu::gdn_delta(&s, &qkv, &rows, &an, &dt, &ssm2, q_scale, true).unwrap();
+        assert_eq!(flat(&ssm3), flat(&ssm2), "{s:?}: replayed state differs");
+        assert_eq!(flat(&conv3), flat(&conv2), "{s:?}: replayed conv window differs");
+    }
+    // Shapes the kernels refuse: an error, not a launch.
+    let bad =
+        gpu::GdnShape { k_heads: 1, v_heads: 1, k_dim: 512, v_dim: 8, kernel: 4, grouped: true };
+    let row = Tensor::zeros((1, bad.row_width()), DType::F32, &dev).unwrap();
+    let conv = Tensor::zeros((3, bad.conv_dim()), DType::F32, &dev).unwrap();
+    assert!(gpu::gdn_conv(&bad, &row, &conv, None).is_err());
+}

@@ -90,6 +90,7 @@ impl Transformer {
             || (synthetic != 0 && synthetic != n)
             || !crate::gpu::enabled(crate::gpu::GpuPath::BatchGraphs)
             || !self.graph_decodable()
+            || self.has_recurrent_layers()
         {
             return Ok(None);
         }

@@ -155,6 +155,7 @@ impl DeviceRouting {
         }
         let per = self.rows * self.top_k;
         let n = self.written.len() * per;
+        crate::gpu::note_host_reads(1);
         let ids = self.ids.narrow(0, 0, n)?.to_vec1::<u32>()?;
         let weights = self.weights.narrow(0, 0, n)?.to_vec1::<f32>()?;
         Ok(self

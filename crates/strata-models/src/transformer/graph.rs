@@ -18,10 +18,15 @@
 //! A synthetic model's routing process runs on the host before each pass and its choice is
 //! written beside the tokens (`device_routing::synthetic_choices`).
 //!
+//! A hybrid's Gated DeltaNet layers are captured too when the sequence keeps its recurrent state on
+//! the device (whose buffers are only written in place): the eager pass before a capture is undone
+//! for that state (a snapshot put back), since the graph's first launch repeats the pass.
+//!
 //! Not taken (the op-by-op path runs instead): several sequences, more tokens, hidden-state taps,
-//! a partial layer count, a prefetcher, Gated DeltaNet layers, a
-//! layer our kernels lack, cudarc event tracking on, or `STRATA_GPU_GRAPHS=0`. A capture that
-//! fails turns the path off for that sequence (logged once).
+//! a partial layer count, a prefetcher, a hybrid's recurrent state on the host or under a
+//! speculative checkpoint (its passes are logged), a layer our kernels lack, cudarc event tracking
+//! on, or `STRATA_GPU_GRAPHS=0`. A capture that fails turns the path off for that sequence (logged
+//! once).
 
 use std::collections::{HashMap, HashSet};
 
@@ -142,7 +147,10 @@ impl Transformer {
             return false;
         }
         self.layers.iter().enumerate().all(|(i, l)| {
-            let mixer = matches!(&l.mixer, Mixer::Attention(a) if a.gpu_decodable());
+            let mixer = match &l.mixer {
+                Mixer::Attention(a) => a.gpu_decodable(),
+                Mixer::GatedDeltaNet(g) => g.gpu_ready(),
+            };
             let ffn = match &l.ffn {
                 FeedForward::Dense(_) => true,
                 FeedForward::Moe(_) => {
@@ -164,6 +172,14 @@ impl Transformer {
         cache: &mut KvCache,
     ) -> Result<Option<ForwardOutput>> {
         if tokens.is_empty() || tokens.len() > GRAPH_ROWS_MAX {
+            return Ok(None);
+        }
+        // A hybrid's Gated DeltaNet layers capture only with their state on the device, and not
+        // while a speculative checkpoint logs each pass (the log is host bookkeeping a replay
+        // would skip): verify passes then run op by op.
+        if self.has_recurrent_layers()
+            && (cache.checkpoint_len().is_some() || cache.recurrent_device_mut().is_none())
+        {
             return Ok(None);
         }
         let mut g = match cache.take_graphs() {
@@ -212,6 +228,15 @@ impl Transformer {
             // Run it (candle's parameter uploads cached for the capture, kernels' modules
             // loaded), then capture the same launches for the next passes of this shape.
             let _htod = dev.enable_cuda_graph_htod_cache();
+            // The graph is launched right after its capture, repeating this pass: writing the same
+            // KV entries again is harmless, advancing a recurrent state twice is not, so a
+            // hybrid's state is put back before the capture.
+            let before = match capture && self.has_recurrent_layers() {
+                true => Some(cache.snapshot_recurrent().ok_or_else(|| {
+                    candle_core::Error::msg("could not copy the recurrent state for a capture")
+                })?),
+                false => None,
+            };
             let (logits, routing) =
                 self.decode_body(&mut PassKv::One(cache), &ids, last_only, chosen.clone())?;
             let routing =
@@ -220,11 +245,23 @@ impl Transformer {
             if !capture {
                 return Ok(Some(eager));
             }
+            let after = match &before {
+                Some(b) => {
+                    let after = cache.snapshot_recurrent();
+                    cache.restore_recurrent(b);
+                    after
+                }
+                None => None,
+            };
             match self.capture(dev, &mut PassKv::One(cache), &ids, last_only, chosen) {
                 Ok(c) => {
                     g.graphs.insert(key, c);
                 }
                 Err(e) => {
+                    // The eager pass's result stands: its state too.
+                    if let Some(a) = &after {
+                        cache.restore_recurrent(a);
+                    }
                     g.failed = true;
                     eprintln!("strata: CUDA graph capture failed, decoding op by op: {e}");
                     return Ok(Some(eager));
@@ -350,12 +387,15 @@ impl Transformer {
                 Some(xn) => xn,
                 None => layer.attn_norm.forward(&x)?,
             };
-            let Mixer::Attention(a) = &layer.mixer else {
-                return Err(not_graphable("a recurrent layer"));
-            };
-            let h = match kv {
-                PassKv::One(cache) => a.forward(&xn, i, cache, &self.rope)?,
-                PassKv::Rows { tables, like } => {
+            let h = match (&layer.mixer, &mut *kv) {
+                (Mixer::Attention(a), PassKv::One(cache)) => {
+                    a.forward(&xn, i, cache, &self.rope)?
+                }
+                (Mixer::GatedDeltaNet(g), PassKv::One(cache)) => g.forward(&xn, i, cache)?,
+                (Mixer::GatedDeltaNet(_), PassKv::Rows { .. }) => {
+                    return Err(not_graphable("a batch through a recurrent layer"))
+                }
+                (Mixer::Attention(a), PassKv::Rows { tables, like }) => {
                     let (k, v) = like.layer_kv(i)?;
                     let cache = strata_kernels::cuda::LayerKv { k, v };
                     a.forward_rows(&xn, &tables[i], cache, &self.rope)?

@@ -1,0 +1,243 @@
+//! Gated DeltaNet layers on the device (`cuda/gdn.cuh`): the causal conv with its rolling window
+//! ([`gdn_conv`]), the delta rule over the recurrent state ([`gdn_delta`]) and the gated RMSNorm
+//! ([`gdn_gated_norm`]). Algorithm: Yang, Kautz, Hatamizadeh 2024 (arXiv 2412.06464); CPU
+//! reference `strata_models::gated_delta_net` (transformers `torch_recurrent_gated_delta_rule`).
+//!
+//! A pass of `T` tokens reads `row: [T, rw]`, per token the in-projections' outputs in
+//! `[qkv (cd) | z (vw) | b (nv) | a (nv)]` order. Every pass runs the recurrent form token by
+//! token, so a verify pass's rows equal decode steps bit for bit; the state tensors are updated
+//! in place.
+
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::{bail, Result, Tensor};
+
+use super::{addr, alloc, check_f32, cuda_device, launch, Arg};
+
+/// Most conv taps (`GDN_KMAX`).
+const KMAX: usize = 8;
+/// Largest key head dimension (`32 · GDN_RMAX`).
+const DK_MAX: usize = 256;
+/// Value columns per delta block (`GDN_WARPS`).
+const WARPS: usize = 4;
+
+/// A Gated DeltaNet layer's dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnShape {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    /// Key (and query) head dimension.
+    pub k_dim: usize,
+    /// Value head dimension.
+    pub v_dim: usize,
+    /// Conv taps.
+    pub kernel: usize,
+    /// Value head `h` reads key head `h / (v_heads / k_heads)` (else `h % k_heads`).
+    pub grouped: bool,
+}
+
+impl GdnShape {
+    /// Conv channels `2 · k_heads · k_dim + v_heads · v_dim`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.value_width()
+    }
+
+    /// `v_heads · v_dim`.
+    pub fn value_width(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+
+    /// Width of a pass's input row: `conv_dim + value_width + 2 · v_heads`.
+    pub fn row_width(&self) -> usize {
+        self.conv_dim() + self.value_width() + 2 * self.v_heads
+    }
+
+    /// Whether the kernels take this shape (`kernel ≤ 8`, `k_dim ≤ 256`, heads that divide).
+    pub fn supported(&self) -> bool {
+        (1..=KMAX).contains(&self.kernel)
+            && (1..=DK_MAX).contains(&self.k_dim)
+            && self.v_dim > 0
+            && self.k_heads > 0
+            && self.v_heads.is_multiple_of(self.k_heads)
+    }
+}
+
+fn check_shape(s: &GdnShape, row: &Tensor) -> Result<usize> {
+    if !s.supported() {
+        bail!("gdn: unsupported shape {s:?}");
+    }
+    check_f32(row, "gdn row")?;
+    let (t, rw) = row.dims2()?;
+    if rw != s.row_width() {
+        bail!("gdn: row width {rw}, shape {s:?} needs {}", s.row_width());
+    }
+    Ok(t)
+}
+
+/// The causal depthwise conv + SiLU over a pass: `row: [T, rw]` (its first `cd` columns are the
+/// conv inputs), `conv_state: [kernel − 1, cd]` (the previous inputs, oldest first; advanced by
+/// `T` rows in place), `weight: [cd, kernel]` → `Some([T, cd])`. Without `weight` only the window
+/// moves (a rollback's replay) and `None` is returned.
+///
+/// Errors: shapes that disagree with `s`, not f32, not on one CUDA device.
+pub fn gdn_conv(
+    s: &GdnShape,
+    row: &Tensor,
+    conv_state: &Tensor,
+    weight: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    let t = check_shape(s, row)?;
+    let cd = s.conv_dim();
+    check_f32(conv_state, "conv state")?;
+    if conv_state.dims() != [s.kernel - 1, cd] {
+        bail!("gdn_conv: conv state {:?}, expected [{}, {cd}]", conv_state.dims(), s.kernel - 1);
+    }
+    if let Some(w) = weight {
+        check_f32(w, "conv weight")?;
+        if w.dims() != [cd, s.kernel] {
+            bail!("gdn_conv: weight {:?}, expected [{cd}, {}]", w.dims(), s.kernel);
+        }
+    }
+    let dev = cuda_device(row)?;
+    let out = weight.map(|_| alloc::<f32>(dev, (t, cd))).transpose()?;
+    if t == 0 {
+        return Ok(out);
+    }
+    let row = row.contiguous()?;
+    let weight = weight.map(Tensor::contiguous).transpose()?;
+    let cfg = LaunchConfig {
+        grid_dim: (cd.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::Ptr(addr(&row)?),
+        Arg::I32(s.row_width() as i32),
+        Arg::Ptr(addr(conv_state)?),
+        Arg::Ptr(weight.as_ref().map_or(Ok(0), addr)?),
+        Arg::Ptr(out.as_ref().map_or(Ok(0), addr)?),
+        Arg::I32(t as i32),
+        Arg::I32(cd as i32),
+        Arg::I32(s.kernel as i32),
+    ];
+    // SAFETY: arguments in `gdn_conv`'s order; row [T, rw], conv_state [K − 1, cd], weight
+    // [cd, K] and out [T, cd] when given (checked above), all f32 on this device.
+    unsafe { launch(dev, "gdn_conv", cfg, &args) }?;
+    Ok(out)
+}
+
+/// The gated delta rule over a pass, per value head: `qkv: [T, cd]` (the conv's output: q, k, v),
+/// `row: [T, rw]` (its `b`, `a` columns), `a_neg: [v_heads]` (`−exp(A_log)`), `dt_bias:
+/// [v_heads]`, `ssm: [v_heads, k_dim, v_dim]` (advanced by `T` tokens in place). With `readout`
+/// → `Some([T, v_heads · v_dim])`, each token's `Sᵀq̂` (q̂ the L2-normalised query times
+/// `q_scale`); without (a rollback's replay), `None`.
+///
+/// Errors: shapes that disagree with `s`, not f32, not on one CUDA device.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_delta(
+    s: &GdnShape,
+    qkv: &Tensor,
+    row: &Tensor,
+    a_neg: &Tensor,
+    dt_bias: &Tensor,
+    ssm: &Tensor,
+    q_scale: f32,
+    readout: bool,
+) -> Result<Option<Tensor>> {
+    let t = check_shape(s, row)?;
+    for (x, what) in [(qkv, "qkv"), (a_neg, "A"), (dt_bias, "dt_bias"), (ssm, "ssm state")] {
+        check_f32(x, what)?;
+    }
+    let nv = s.v_heads;
+    if qkv.dims() != [t, s.conv_dim()]
+        || a_neg.dims() != [nv]
+        || dt_bias.dims() != [nv]
+        || ssm.dims() != [nv, s.k_dim, s.v_dim]
+    {
+        bail!(
+            "gdn_delta: qkv {:?}, A {:?}, dt_bias {:?}, ssm {:?} for {t} tokens of {s:?}",
+            qkv.dims(),
+            a_neg.dims(),
+            dt_bias.dims(),
+            ssm.dims()
+        );
+    }
+    let dev = cuda_device(row)?;
+    let out = readout.then(|| alloc::<f32>(dev, (t, s.value_width()))).transpose()?;
+    if t == 0 {
+        return Ok(out);
+    }
+    let (qkv, row) = (qkv.contiguous()?, row.contiguous()?);
+    let cfg = LaunchConfig {
+        grid_dim: (nv as u32, s.v_dim.div_ceil(WARPS) as u32, 1),
+        block_dim: (32 * WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::Ptr(addr(&qkv)?),
+        Arg::Ptr(addr(&row)?),
+        Arg::I32(s.row_width() as i32),
+        Arg::Ptr(addr(a_neg)?),
+        Arg::Ptr(addr(dt_bias)?),
+        Arg::Ptr(addr(ssm)?),
+        Arg::Ptr(out.as_ref().map_or(Ok(0), addr)?),
+        Arg::I32(t as i32),
+        Arg::I32(s.k_heads as i32),
+        Arg::I32(nv as i32),
+        Arg::I32(s.k_dim as i32),
+        Arg::I32(s.v_dim as i32),
+        Arg::I32(s.grouped as i32),
+        Arg::F32(q_scale),
+    ];
+    // SAFETY: arguments in `gdn_delta`'s order; every buffer's shape checked above (f32 on this
+    // device), k_dim ≤ 256 (`supported`).
+    unsafe { launch(dev, "gdn_delta", cfg, &args) }?;
+    Ok(out)
+}
+
+/// `Qwen3NextRMSNormGated` per token and value head, in place on `y: [T, v_heads · v_dim]`:
+/// `o · 1/√(mean(o²) + eps) · weight · silu(z)`, `z` the `row`'s z columns, `weight: [v_dim]`.
+/// Returns `y`.
+///
+/// Errors: shapes that disagree with `s`, not f32, not on one CUDA device.
+pub fn gdn_gated_norm(
+    s: &GdnShape,
+    y: Tensor,
+    row: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+) -> Result<Tensor> {
+    let t = check_shape(s, row)?;
+    check_f32(&y, "gdn output")?;
+    check_f32(weight, "norm weight")?;
+    if y.dims() != [t, s.value_width()] || weight.dims() != [s.v_dim] || !y.is_contiguous() {
+        bail!(
+            "gdn_gated_norm: y {:?}, weight {:?} for {t} tokens of {s:?}",
+            y.dims(),
+            weight.dims()
+        );
+    }
+    if t == 0 {
+        return Ok(y);
+    }
+    let dev = cuda_device(&y)?;
+    let row = row.contiguous()?;
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, s.v_heads as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::Ptr(addr(&y)?),
+        Arg::Ptr(addr(&row)?),
+        Arg::I32(s.row_width() as i32),
+        Arg::I32(s.conv_dim() as i32),
+        Arg::Ptr(addr(weight)?),
+        Arg::I32(s.v_heads as i32),
+        Arg::I32(s.v_dim as i32),
+        Arg::F32(eps),
+    ];
+    // SAFETY: arguments in `gdn_gated_norm`'s order; y [T, vw] contiguous, row [T, rw], weight
+    // [dv], f32 on this device; the kernel's block is the 128 threads it assumes.
+    unsafe { launch(dev, "gdn_gated_norm", cfg, &args) }?;
+    Ok(y)
+}
