@@ -193,6 +193,7 @@ variant_envs() {
     no-q8-fuse) envs=(STRATA_GPU_Q8_FUSE=0) ;;
     no-pdl) envs=(STRATA_GPU_PDL=0) ;;
     chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
+    norm256) envs=(STRATA_GPU_NORM_THREADS=256) ;;
     no-graphs) envs=(STRATA_GPU_GRAPHS=0) ;;
     host-routing) envs=(STRATA_GPU_ROUTING=0) ;;
     mmvq) envs=(STRATA_CUDA_MMVQ=1) ;;
@@ -222,10 +223,6 @@ for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
     print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
 PY
 }
-# With LLAMA set: builds llama.cpp CUDA from the carried sdist once per machine, in the background
-# (a new session, so it outlives this command on a machine kept warm for the next call): the
-# correctness checks do not time anything; the speed rounds wait for /tmp/llama-build.done, so no
-# timing shares the CPU with the compiler.
 # kernel_tests DIR: the kernel test binary against its CPU references, results in DIR/check.md.
 kernel_tests() {
   echo "## kernels vs CPU references" | tee "$1/check.md"
@@ -233,6 +230,10 @@ kernel_tests() {
   timeout 300 /tmp/cuda-kernels-test --test-threads=1 > "$1/kernels.txt" 2>&1; echo "kernel tests exit $?" | tee -a "$1/check.md"
   grep -E "^test |test result|panicked|off by|differ" "$1/kernels.txt" | tee -a "$1/check.md"
 }
+# With LLAMA set: builds llama.cpp CUDA from the carried sdist once per machine, in the background
+# (a new session, so it outlives this command on a machine kept warm for the next call): the
+# correctness checks do not time anything; the speed rounds wait for /tmp/llama-build.done, so no
+# timing shares the CPU with the compiler.
 start_llama_build() {
   if [ -n "${LLAMA:-}" ] && [ ! -f /tmp/llama-build.started ]; then
     touch /tmp/llama-build.started
@@ -359,8 +360,10 @@ if [ "${PART:-}" = ncu-llama ]; then
   # "per layer" = the window's total over its attention launches.
   D="$OUT/ncu-llama"; mkdir -p "$D"
   start_llama_build
-  M12=/tmp/q3-30b-12l.gguf
-  [ -f $M12 ] || "$S" synth --preset qwen3-30b-a3b --routing local --layers 12 --out $M12 > /dev/null 2>&1
+  # NCU_PRESET / NCU_LAYERS: another cut (e.g. qwen3.5-122b-a10b, 8: the hybrid's decode step).
+  NP=${NCU_PRESET:-qwen3-30b-a3b}; NL=${NCU_LAYERS:-12}
+  M12=/tmp/ncu-$NP-$NL.gguf
+  [ -f $M12 ] || "$S" synth --preset $NP --routing local --layers $NL --out $M12 > /dev/null 2>&1
   while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
   for mode in ${NCU_MODES:-none flush}; do
   CTL=(--cache-control none --clock-control none); [ $mode = flush ] && CTL=()
@@ -372,7 +375,7 @@ if [ "${PART:-}" = ncu-llama ]; then
     fi
     timeout 300 /usr/local/cuda/bin/ncu "${CTL[@]}" --metrics gpu__time_duration.sum --csv \
       --launch-skip 3000 --launch-count 1000 "${CMD[@]}" > "$D/kernels-$who-$mode.csv" 2> "$D/kernels-$who-$mode.err"
-    echo "## $who: kernels (12-layer cut, 1000 launches after 3000, ${CTL[*]:-flushed, locked})" | tee -a "$D/ncu.md"
+    echo "## $who: kernels ($NP cut to $NL layers, 1000 launches after 3000, ${CTL[*]:-flushed, locked})" | tee -a "$D/ncu.md"
     ncu_table "$D/kernels-$who-$mode.csv" | tee -a "$D/ncu.md"
   done
   done
@@ -441,10 +444,11 @@ print('$samp, $n tokens: equal prefix', sum(1 for _ in __import__('itertools').t
     echo "|---|---|---|"
     for round in $(seq 1 ${ROUNDS:-2}); do
       for v in ${VARIANTS:-1 0}; do
-        # VARIANTS: 1 (kernels, graphs), 0 (host path), nograph (kernels, op by op)
-        g=1 dn=$v; [ "$v" = nograph ] && { dn=1; g=0; }
-        STRATA_GPU_GRAPHS=$g STRATA_GPU_DELTANET=$dn timeout 300 "$S" bench -m $M --device cuda -p 512 -n 128 -r ${REPS:-2} --stream-experts off > /tmp/hb-$v.txt 2>/tmp/hb-$v.err
-        bench_row /tmp/hb-$v.txt "deltanet=$dn graphs=$g round $round" 128
+        # VARIANTS: 1 (kernels, graphs), 0 (host path), nograph (kernels, op by op), norm256
+        # (kernels, graphs, add_rms_norm on 256 threads: the block before 2026-11-27)
+        g=1 dn=$v nt=1024; [ "$v" = nograph ] && { dn=1; g=0; }; [ "$v" = norm256 ] && { dn=1; nt=256; }
+        STRATA_GPU_NORM_THREADS=$nt STRATA_GPU_GRAPHS=$g STRATA_GPU_DELTANET=$dn timeout 300 "$S" bench -m $M --device cuda -p 512 -n 128 -r ${REPS:-2} --stream-experts off > /tmp/hb-$v.txt 2>/tmp/hb-$v.err
+        bench_row /tmp/hb-$v.txt "deltanet=$dn graphs=$g norm threads=$nt round $round" 128
         grep -h "device→host" /tmp/hb-$v.err | sed "s/^/    deltanet=$dn graphs=$g: /"
         grep -hiE "error|panick|capture" /tmp/hb-$v.err | head -3
       done

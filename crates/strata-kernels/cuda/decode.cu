@@ -196,17 +196,17 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 // sum = a + b; out = sum / sqrt(mean(sum²) + eps) · w. a, b, sum, out [n, H]; w [H].
 // oq [n, H] int8, od [n, H / 32] (nullable; H a multiple of 32 when given): out's q8 rounding
 // (q8_round_warp), written in the same pass for the mat-vec kernels that take it.
-// grid n, ADD_NORM_THREADS threads.
-#define ADD_NORM_THREADS 256
+// grid n, blockDim.x a multiple of 32, at most 1024 (src/cuda.rs: `add_norm_threads`).
 extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float* __restrict__ b,
                                         const float* __restrict__ w, float* __restrict__ sum,
                                         float* __restrict__ out, int8_t* __restrict__ oq,
                                         float* __restrict__ od, int H, float eps) {
     PDL_ENTER();
-    __shared__ float red[ADD_NORM_THREADS / WARP];
+    __shared__ float red[1024 / WARP];
+    const int threads = blockDim.x;
     const size_t base = (size_t)blockIdx.x * H;
     float ss = 0.f;
-    for (int j = threadIdx.x; j < H; j += ADD_NORM_THREADS) {
+    for (int j = threadIdx.x; j < H; j += threads) {
         const float v = a[base + j] + b[base + j];
         sum[base + j] = v;
         ss = fmaf(v, v, ss);
@@ -215,11 +215,11 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float
     if (threadIdx.x % WARP == 0) red[threadIdx.x / WARP] = ss;
     __syncthreads();
     float t = 0.f;
-    for (int i = 0; i < ADD_NORM_THREADS / WARP; i++) t += red[i];
+    for (int i = 0; i < threads / WARP; i++) t += red[i];
     const float inv = rsqrtf(t / (float)H + eps);
     if (oq) {
         // H % 32 == 0: each warp's 32 lanes hold 32 consecutive values of one row.
-        for (int j0 = threadIdx.x - threadIdx.x % WARP; j0 < H; j0 += ADD_NORM_THREADS) {
+        for (int j0 = threadIdx.x - threadIdx.x % WARP; j0 < H; j0 += threads) {
             const int j = j0 + threadIdx.x % WARP;
             const float v = sum[base + j] * inv * w[j];
             out[base + j] = v;
@@ -227,7 +227,7 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float
         }
         return;
     }
-    for (int j = threadIdx.x; j < H; j += ADD_NORM_THREADS) out[base + j] = sum[base + j] * inv * w[j];
+    for (int j = threadIdx.x; j < H; j += threads) out[base + j] = sum[base + j] * inv * w[j];
 }
 
 // f32 mat-vec (a MoE router's logits in a decode step): x [n, cols]; w [rows, cols]; y [n, rows]

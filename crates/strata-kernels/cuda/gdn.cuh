@@ -39,7 +39,8 @@ extern "C" __global__ void gdn_conv(const float* __restrict__ row, int rw, float
 }
 
 // The delta rule. Grid (v_heads, ceil(dv / GDN_WARPS)), GDN_WARPS warps per block: warp w owns
-// column j of value head h's state S [dk, dv] (ssm [nv, dk, dv]), lane l its rows l + 32·r. Per
+// column j of value head h's state S [dk, dv], stored transposed (ssm [nv, dv, dk]: column j's dk
+// values contiguous, so a warp's loads and stores coalesce), lane l its rows l + 32·r. Per
 // token t: k, q of key head kh (grouped: h / (nv / k_heads), else h % k_heads) from qkv [T, cd]
 // (q at 0, k at kw, v at 2·kw), L2-normalised (x · 1/√(Σx² + 1e-6)), q also times q_scale;
 // g = A[h]·softplus(a + dt_bias[h]) (A = −exp(A_log)), decay = exp(g), β = σ(b) from row;
@@ -57,12 +58,12 @@ extern "C" __global__ void gdn_delta(const float* __restrict__ qkv, const float*
     const int kw = k_heads * dk, vw = v_heads * dv, cd = 2 * kw + vw;
     const int kh = grouped ? h / (v_heads / k_heads) : h % k_heads;
     const int R = (dk + 31) / 32;
-    float* S = ssm + (size_t)h * dk * dv + j;
+    float* S = ssm + ((size_t)h * dv + j) * dk;
     float s[GDN_RMAX];
 #pragma unroll
     for (int r = 0; r < GDN_RMAX; ++r) {
         const int i = lane + 32 * r;
-        s[r] = (r < R && i < dk) ? S[(size_t)i * dv] : 0.f;
+        s[r] = (r < R && i < dk) ? S[i] : 0.f;
     }
     const float a_h = A[h], dt_h = dt_bias[h];
     for (int t = 0; t < T; ++t) {
@@ -104,7 +105,7 @@ extern "C" __global__ void gdn_delta(const float* __restrict__ qkv, const float*
 #pragma unroll
     for (int r = 0; r < GDN_RMAX; ++r) {
         const int i = lane + 32 * r;
-        if (r < R && i < dk) S[(size_t)i * dv] = s[r];
+        if (r < R && i < dk) S[i] = s[r];
     }
 }
 

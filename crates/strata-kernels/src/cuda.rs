@@ -1105,8 +1105,11 @@ pub fn add_rms_norm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<(Ten
     let (a, b, w) = (a.contiguous()?, b.contiguous()?, w.contiguous()?);
     let q8 = Q8Outputs::new(dev, n, h)?;
     let (oq, od) = q8.addrs()?;
-    let cfg =
-        LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (add_norm_threads(n), 1, 1),
+        shared_mem_bytes: 0,
+    };
     let args = [
         Arg::Ptr(addr(&a)?),
         Arg::Ptr(addr(&b)?),
@@ -1123,6 +1126,25 @@ pub fn add_rms_norm(a: &Tensor, b: &Tensor, w: &Tensor, eps: f32) -> Result<(Ten
     unsafe { launch(dev, "add_rms_norm", cfg, &args) }?;
     q8.keep_for(&out);
     Ok((sum, out))
+}
+
+/// Threads of an `add_rms_norm` block (one block per row) for a pass of `rows` rows: 1024 for
+/// passes of up to [`MOE_ROWS_MAX`] rows (decode steps, verify passes, batches), so that a row is
+/// spread over a whole block — at 256, the two passes over 2,048–3,072 values took 7.6–10.7 µs
+/// under ncu against llama.cpp's 4.4–5.0 µs norms, and 1024 decoded the synthetic 30B 8–11%
+/// faster (tg128, H100, docs/performance.md); 256 for prompt passes, where 1024-thread blocks
+/// measured 9–14% slower (pp512). Every pass of a given row count takes the same block, so rows
+/// of a batch or a verify pass equal a decode step's bit for bit. A measurement override for
+/// every pass: `STRATA_GPU_NORM_THREADS=n` (a multiple of 32, 32–1024).
+fn add_norm_threads(rows: usize) -> u32 {
+    static THREADS: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let forced = *THREADS.get_or_init(|| {
+        std::env::var("STRATA_GPU_NORM_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&t: &u32| (32..=1024).contains(&t) && t % 32 == 0)
+    });
+    forced.unwrap_or(if rows <= MOE_ROWS_MAX { 1024 } else { 256 })
 }
 
 /// Tokens a pass may have for [`moe_q4k`] (decode and speculative verification; longer passes

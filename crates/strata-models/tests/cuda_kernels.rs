@@ -1152,7 +1152,18 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
             t(&dt_bias, &[nv]),
             t(&norm_w, &[s.v_dim]),
         );
-        let fresh = || (t(&conv0, &[s.kernel - 1, cd]), t(&ssm0, &[nv, s.k_dim, s.v_dim]));
+        // The device keeps each head's state transposed: `[nv, dv, dk]`.
+        let (dk, dv) = (s.k_dim, s.v_dim);
+        let transpose = |m: &[f32], rows: usize, cols: usize| -> Vec<f32> {
+            (0..m.len())
+                .map(|x| {
+                    let (h, rest) = (x / (rows * cols), x % (rows * cols));
+                    m[h * rows * cols + (rest % rows) * cols + rest / rows]
+                })
+                .collect()
+        };
+        let ssm0_t = transpose(&ssm0, dk, dv);
+        let fresh = || (t(&conv0, &[s.kernel - 1, cd]), t(&ssm0_t, &[nv, dv, dk]));
         let q_scale = 1.0 / (s.k_dim as f32).sqrt();
         let pass = |rows: &Tensor, conv: &Tensor, ssm: &Tensor| {
             let qkv = gpu::gdn_conv(&s, rows, conv, Some(&cw)).unwrap().unwrap();
@@ -1162,7 +1173,7 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
         let rows = t(&row, &[t_len, rw]);
         let (conv, ssm) = fresh();
         let have = pass(&rows, &conv, &ssm);
-        let (conv_d, ssm_d) = (flat(&conv), flat(&ssm));
+        let (conv_d, ssm_d) = (flat(&conv), transpose(&flat(&ssm), dv, dk));
         for (what, a, b) in
             [("outputs", &have, &want), ("ssm", &ssm_d, &ssm_h), ("conv", &conv_d, &conv_h)]
         {
@@ -1176,7 +1187,7 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
             steps.extend(pass(&rows.narrow(0, i, 1).unwrap(), &conv1, &ssm1));
         }
         assert_eq!(steps, have, "{s:?}: one-token passes differ from the {t_len}-token pass");
-        assert_eq!(flat(&ssm1), ssm_d, "{s:?}: states differ");
+        assert_eq!(transpose(&flat(&ssm1), dv, dk), ssm_d, "{s:?}: states differ");
         // A replay without readout: the same state.
         let (conv2, ssm2) = fresh();
         let qkv = gpu::gdn_conv(&s, &rows, &conv2, Some(&cw)).unwrap().unwrap();

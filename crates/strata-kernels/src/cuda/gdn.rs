@@ -127,7 +127,9 @@ pub fn gdn_conv(
 
 /// The gated delta rule over a pass, per value head: `qkv: [T, cd]` (the conv's output: q, k, v),
 /// `row: [T, rw]` (its `b`, `a` columns), `a_neg: [v_heads]` (`−exp(A_log)`), `dt_bias:
-/// [v_heads]`, `ssm: [v_heads, k_dim, v_dim]` (advanced by `T` tokens in place). With `readout`
+/// [v_heads]`, `ssm: [v_heads, v_dim, k_dim]` — each head's `[k_dim, v_dim]` state stored
+/// transposed, so that the warp owning a state column reads it contiguously (advanced by `T`
+/// tokens in place). With `readout`
 /// → `Some([T, v_heads · v_dim])`, each token's `Sᵀq̂` (q̂ the L2-normalised query times
 /// `q_scale`); without (a rollback's replay), `None`.
 ///
@@ -151,7 +153,7 @@ pub fn gdn_delta(
     if qkv.dims() != [t, s.conv_dim()]
         || a_neg.dims() != [nv]
         || dt_bias.dims() != [nv]
-        || ssm.dims() != [nv, s.k_dim, s.v_dim]
+        || ssm.dims() != [nv, s.v_dim, s.k_dim]
     {
         bail!(
             "gdn_delta: qkv {:?}, A {:?}, dt_bias {:?}, ssm {:?} for {t} tokens of {s:?}",

@@ -24,7 +24,8 @@ use strata_kernels::cuda::{gdn_conv, gdn_delta, GdnShape};
 pub struct DeviceLinearState {
     /// `[kernel − 1, conv_dim]`, oldest row first.
     pub conv: Tensor,
-    /// `[v_heads, k_dim, v_dim]`.
+    /// `[v_heads, v_dim, k_dim]`: each head's `[k_dim, v_dim]` state transposed
+    /// (`strata_kernels::cuda::gdn_delta`'s layout).
     pub ssm: Tensor,
 }
 
@@ -32,7 +33,7 @@ impl DeviceLinearState {
     fn zeros(s: &GdnShape, dev: &Device) -> candle_core::Result<Self> {
         Ok(Self {
             conv: Tensor::zeros((s.kernel - 1, s.conv_dim()), DType::F32, dev)?,
-            ssm: Tensor::zeros((s.v_heads, s.k_dim, s.v_dim), DType::F32, dev)?,
+            ssm: Tensor::zeros((s.v_heads, s.v_dim, s.k_dim), DType::F32, dev)?,
         })
     }
 
