@@ -151,15 +151,7 @@ fn parallel_requests_share_passes_and_answer_as_alone() {
         assert_eq!(r.json()["choices"][0]["text"], alone[i], "request {i} batched");
     }
     let metrics = http::get(addr, "/metrics").body;
-    let value = |name: &str| -> f64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .unwrap_or_else(|| panic!("no {name} in:\n{metrics}"))
-            .trim()
-            .parse()
-            .unwrap()
-    };
+    let value = |name: &str| http::metric(&metrics, name);
     let (sum, count) = (value("strata_batch_size_sum"), value("strata_batch_size_count"));
     assert!(sum / count > 1.0, "mean batch size {} over {count} steps", sum / count);
     // Every request looked for a cached prefix (these prompts are shorter than one 64-token block,
@@ -195,13 +187,7 @@ fn batch_window_gathers_requests_arriving_apart() {
         let elapsed = started.elapsed();
         let metrics = http::get(addr, "/metrics").body;
         // Steps of at most 2 sequences: the histogram's `le="2"` bucket.
-        let small_steps: f64 = metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("strata_batch_size_bucket{le=\"2.0\"} "))
-            .unwrap_or_else(|| panic!("no batch_size bucket in:\n{metrics}"))
-            .trim()
-            .parse()
-            .unwrap();
+        let small_steps = http::metric(&metrics, "strata_batch_size_bucket{le=\"2.0\"}");
         (small_steps, elapsed)
     };
     let (small, elapsed) = run(20_000);

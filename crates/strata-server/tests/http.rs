@@ -22,6 +22,19 @@ impl Resp {
     }
 }
 
+/// The value of the series `series` (its name and any labels, as `/metrics` prints them, e.g.
+/// `strata_batch_size_bucket{le="2.0"}`) in a `/metrics` body; panics, showing the body, when it
+/// is absent.
+pub fn metric(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {series} in:\n{metrics}"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{series}: {e}"))
+}
+
 /// The id the server at `addr` serves (`GET /v1/models`), asked once per address.
 pub fn served_model(addr: SocketAddr) -> String {
     served_model_with(addr, &[]).expect("a served model")

@@ -86,23 +86,11 @@ fn streams_experts_reports_metrics_and_survives_a_truncated_file() {
     let body = json!({"prompt": [364, 223, 397, 100, 250], "max_tokens": 8, "temperature": 0, "ignore_eos": true});
     assert_eq!(http::post(server.addr, "/v1/completions", &body).status, 200);
     let metrics = http::get(server.addr, "/metrics").body;
-    let read: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("strata_expert_read_bytes_total "))
-        .unwrap_or_else(|| panic!("no expert metrics in:\n{metrics}"))
-        .trim()
-        .parse()
-        .unwrap();
+    let read = http::metric(&metrics, "strata_expert_read_bytes_total");
     assert!(read > 0.0, "{metrics}");
     assert!(metrics.contains("strata_ssd_read_bytes_per_second"), "{metrics}");
     // The prefetch gate measures the predictor on uncached experts whether or not it reads them.
-    let candidates: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("strata_expert_prefetch_candidates_total "))
-        .expect("prefetch metrics")
-        .trim()
-        .parse()
-        .unwrap();
+    let candidates = http::metric(&metrics, "strata_expert_prefetch_candidates_total");
     assert!(candidates > 0.0, "{metrics}");
 
     let len = std::fs::metadata(&path).unwrap().len();

@@ -76,13 +76,11 @@ struct LoggedPass {
 #[derive(Debug, Default)]
 pub struct DeviceLog {
     passes: Vec<LoggedPass>,
-    tokens: usize,
 }
 
 impl DeviceLog {
     /// Logs a pass: `row: [T, rw]`, `qkv: [T, conv_dim]`, the layer's `a_neg`, `dt_bias`.
     pub fn push(&mut self, row: &Tensor, qkv: &Tensor, a_neg: &Tensor, dt_bias: &Tensor) {
-        self.tokens += row.dims().first().copied().unwrap_or(0);
         self.passes.push(LoggedPass {
             row: row.clone(),
             qkv: qkv.clone(),
@@ -93,7 +91,6 @@ impl DeviceLog {
 
     fn clear(&mut self) {
         self.passes.clear();
-        self.tokens = 0;
     }
 
     fn bytes(&self) -> usize {
@@ -125,7 +122,6 @@ impl DeviceLog {
             kept += 1;
         }
         self.passes.truncate(kept);
-        self.tokens = n - left;
         Ok(())
     }
 }
