@@ -13,7 +13,9 @@
 #     the DMMV kernels). Speed on the synthetic 30B: resident (fused and per-expert), VRAM tier 25%
 #     / 50% over a host tier holding every expert (page-locked), and over a 50% host tier that
 #     reads the drive with O_DIRECT; tier/runs.tgz holds the `generate --json` outputs.
-#     BENCH_ONLY=1: alternating speed rounds only; CHECK_ONLY=1: correctness only.
+#     BENCH_ONLY=1: alternating speed rounds only; CHECK_ONLY=1: correctness only; MAPPED_ROWS=1:
+#     mapped experts against the host-routed tier and promotion limits (LLAMA=1: then llama-bench
+#     -ncmoe beside `strata bench`, llama.cpp CUDA built as in PART=decode).
 #     ROUTING=realistic (default) | uniform | local: the synthetic's `--routing`.
 #  5. PART=decode (instead of 2-4): the GPU decode step's own kernels (issue 24). The kernel tests
 #     (dist/cuda-kernels-test.xz from build_cuda.sh) against their CPU references; compare-devices
@@ -577,7 +579,12 @@ print('$spec ($v): equal prefix', same, 'of', len(b), '| identical:', g==b, '| s
 fi
 if [ "${PART:-}" = tier ]; then
   mkdir -p "$OUT/tier" /tmp/tier
+  start_llama_build
   [ -n "${BENCH_ONLY:-}" ] || {
+    echo "## MoE kernel tests (mapped experts: expert tables over VRAM rows and mapped host memory)"
+    unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
+    /tmp/cuda-kernels-test --test-threads=1 moe_ > /tmp/tier/kernels.txt 2>&1; echo "kernel tests exit $?"
+    grep -E "^test |test result|panicked" /tmp/tier/kernels.txt
     echo "## GPU expert tier vs CPU (logits; greedy tokens)"
     "$S" synth --preset tiny-moe --quant Q4_K --out /tmp/tiny-q4k.gguf >/dev/null 2>&1
     # Per-expert VRAM storage (DMMV, f32 activations) against the CPU's f32 reference.
@@ -597,21 +604,26 @@ if [ "${PART:-}" = tier ]; then
     done
     echo "## the VRAM pool vs resident fused experts (the same kernels): generated token ids"
     for samp in "--temp 0" "--temp 1 --seed 7"; do
-      for mode in resident pool25 pool100 pool10; do
+      for mode in resident pool25 pool100 pool10 pool25host; do
+        envs=(X=1)
         case $mode in
           resident) f=(--stream-experts off);;
+          # The host-routed tier (lookups and copies before each launch) instead of mapped experts.
+          pool25host) envs=(STRATA_GPU_TIER_MAPPED=0); f=(--stream-experts on --expert-cache 100% --gpu-expert-cache 25% --prefetch-min-precision 0);;
           # 16 of 64 experts: the prompt's 13 per layer fit, decode evicts and copies again.
           pool25) f=(--stream-experts on --expert-cache 100% --gpu-expert-cache 25% --prefetch-min-precision 0);;
           pool100) f=(--stream-experts on --expert-cache 100% --gpu-expert-cache 100%);;
           # 7 slots: prefill (13 experts per layer) falls back to one launch per expert (DMMV).
           pool10) f=(--stream-experts on --expert-cache 100% --gpu-expert-cache 10% --prefetch-min-precision 0);;
         esac
-        "$S" generate -m /tmp/tiny-q4k.gguf --device cuda -p "The quick brown fox" -n 64 --ignore-eos $samp --json "${f[@]}" 2>>/tmp/tier/compare.err > /tmp/tier/tiny-$mode.json
+        env "${envs[@]}" "$S" generate -m /tmp/tiny-q4k.gguf --device cuda -p "The quick brown fox" -n 64 --ignore-eos $samp --json "${f[@]}" 2>>/tmp/tier/compare.err > /tmp/tier/tiny-$mode.json
       done
       python3 -c "
-import json,sys; t={m: json.load(open(f'/tmp/tier/tiny-{m}.json'))['generated_token_ids'] for m in ('resident','pool25','pool100','pool10')}
+import json,sys; g={m: json.load(open(f'/tmp/tier/tiny-{m}.json')) for m in ('resident','pool25','pool100','pool10','pool25host')}
+t={m: v['generated_token_ids'] for m, v in g.items()}
 same=lambda m: sum(1 for _ in __import__('itertools').takewhile(lambda p: p[0]==p[1], zip(t[m], t['resident'])))
-print('$samp: tokens equal to resident fused, of', len(t['resident']), '| pool 25%:', same('pool25'), '| pool 100%:', same('pool100'), '| pool 10% (prefill per expert):', same('pool10'))"
+hits=lambda m: (lambda x: f\"{x.get('hits',0)}/{x.get('hits',0)+x.get('misses',0)}\")(g[m].get('experts_decode') or {})
+print('$samp: tokens equal to resident fused, of', len(t['resident']), '| mapped pool 25%:', same('pool25'), '(VRAM hits', hits('pool25'), ') | 100%:', same('pool100'), '| 10%:', same('pool10'), '| host-routed 25%:', same('pool25host'))"
     done
   } 2>&1 | tee "$OUT/tier/compare.md"
   [ -z "${CHECK_ONLY:-}" ] || exit 0
@@ -639,7 +651,47 @@ PY
     echo "| run | decode tok/s | VRAM hit rate | copied MB/token | drive MB/token | stall ms/token | prefetch copies/used |"
     echo "|---|---|---|---|---|---|---|"
     G=(--temp 0); R=(--temp 1 --seed 7)
-    if [ -n "${BENCH_ONLY:-}" ]; then
+    if [ -n "${MAPPED_ROWS:-}" ]; then
+      # Mapped experts (the default over a complete host tier) against the host-routed tier
+      # (STRATA_GPU_TIER_MAPPED=0) and without promotions, alternating.
+      # The host tier fills through the page cache (--direct-io off; the file was just written):
+      # a run's load is then seconds, and every row starts from the same warm host tier.
+      T=(--stream-experts on --expert-cache 100% --direct-io off)
+      if [ -n "${LLAMA:-}" ]; then
+        # No timing while llama.cpp builds on every core.
+        while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
+      fi
+      for rep in 1 2; do
+        run resident-fused-$rep --stream-experts off "${R[@]}"
+        for g in 50% 25%; do
+          for v in ${MAPPED_VARIANTS:-mapped nopromote hostrouted}; do
+            case $v in
+              mapped) envs=(X=1);;
+              nopromote) envs=(STRATA_GPU_TIER_PROMOTE=0);;
+              promoteall) envs=(STRATA_GPU_TIER_PROMOTE=100000);;
+              p[0-9]*) envs=(STRATA_GPU_TIER_PROMOTE=${v#p});;
+              hostrouted) envs=(STRATA_GPU_TIER_MAPPED=0);;
+            esac
+            (export "${envs[@]}"; run $v-vram$g-$rep "${T[@]}" --gpu-expert-cache $g "${R[@]}")
+          done
+        done
+      done
+      if [ -n "${LLAMA:-}" ]; then
+        # llama.cpp keeping the experts of its first N layers on the CPU (-ncmoe): 24 of 48 ~ VRAM
+        # 50%, 36 ~ 25%; beside `strata bench` tg128 with the same VRAM shares, alternating.
+        while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
+        tail -1 /tmp/llama-build.txt
+        for rep in 1 2; do
+          for pair in "50% 24" "25% 36"; do
+            set -- $pair
+            echo "strata bench, VRAM $1, round $rep:"
+            "$S" bench -m $M --device cuda --stream-experts on --expert-cache 100% --direct-io off --gpu-expert-cache $1 -p 16 -n 128 -r 1 2>/dev/null | grep -E "tg128|pp16"
+            echo "llama-bench -ncmoe $2, round $rep:"
+            /tmp/llama/bin/llama-bench -m $M -ngl 99 -ncmoe $2 -p 0 -n 128 -r 1 2>/dev/null | grep tg128
+          done
+        done
+      fi
+    elif [ -n "${BENCH_ONLY:-}" ]; then
       # Alternating rounds: this machine's run-to-run spread is large (resident 49–84 tok/s).
       for rep in 1 2; do
         run resident-fused-$rep --stream-experts off "${R[@]}"

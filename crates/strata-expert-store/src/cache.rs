@@ -133,6 +133,26 @@ impl<V> ExpertCache<V> {
     }
 }
 
+impl<V> ExpertCache<V> {
+    /// The `n` entries eviction takes next among those `may_go` admits, in the order
+    /// [`Self::victim`] would take them one by one (protected entries ignored): one pass over the
+    /// entries for a whole batch of evictions (the GPU tier's promotions after a pass).
+    pub fn victims(&self, n: usize, may_go: impl Fn(&Key, &V) -> bool) -> Vec<Key> {
+        let mut all: Vec<((u64, u64), Key)> = self
+            .entries
+            .iter()
+            .filter(|(k, c)| may_go(k, &c.value))
+            .map(|(k, c)| (self.policy.score(&c.usage), *k))
+            .collect();
+        if n < all.len() {
+            all.select_nth_unstable(n);
+            all.truncate(n);
+        }
+        all.sort_unstable();
+        all.into_iter().map(|(_, k)| k).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,5 +177,34 @@ mod tests {
         c.put_back((0, 2), v, u);
         assert_eq!(c.victim(|_, _| true, true), Some((0, 2)), "take/put_back keep the history");
         assert_eq!(c.missing(0, &[5, 1, 6, 7], 3), vec![5, 6], "only the first 3 predictions");
+    }
+
+    #[test]
+    fn a_batch_of_victims_is_the_one_by_one_order() {
+        let mut c = ExpertCache::new(6, EvictionPolicy::Lru);
+        for e in 0..6 {
+            c.insert((0, e), e);
+        }
+        for e in [3, 0, 5, 1, 4, 2, 0] {
+            c.touch(&(0, e));
+        }
+        // One by one, removing each victim: the reference order.
+        let mut one = ExpertCache::new(6, EvictionPolicy::Lru);
+        for e in 0..6 {
+            one.insert((0, e), e);
+        }
+        for e in [3, 0, 5, 1, 4, 2, 0] {
+            one.touch(&(0, e));
+        }
+        let may_go = |k: &Key, _: &usize| k.1 != 4;
+        let mut want = Vec::new();
+        while let Some(k) = one.victim(may_go, true) {
+            one.remove(&k);
+            want.push(k);
+        }
+        assert_eq!(want, vec![(0, 3), (0, 5), (0, 1), (0, 2), (0, 0)]);
+        for n in 0..=6 {
+            assert_eq!(c.victims(n, may_go), want[..n.min(want.len())], "n = {n}");
+        }
     }
 }

@@ -11,10 +11,21 @@
 //  moe_gate_up_q4k  a[t, j, :] = silu(gate_e · x_t) * (up_e · x_t), e = ids[t, j]
 //  moe_down_q4k     out[t, :] = residual[t, :] + sum_j w[t, j] * (down_{ids[t, j]} · a[t, j, :])
 //  mv_q4k_r{R}      y_m[t, :] = W_m · x_t, m < 3 (dense decode products: R rows per warp)
+//
+// The MoE kernels take an expert's weights either as row e of an [E, rows, cols] tensor
+// (`indirect` 0) or, with `indirect` 1, from a table of E device addresses passed in the
+// tensor's place (the GPU expert tier's mapped experts: each address a VRAM cache slot or the
+// expert's bytes in page-locked host memory, which the kernel then reads over the bus).
 
 #include <cuda_fp16.h>
 
 #define Q4K_BYTES 144
+
+// Expert e's weights: row e of a tensor `stride` bytes per expert, or table entry e (indirect).
+__device__ __forceinline__ const uint8_t* expert_weights(const uint8_t* w, int indirect, uint32_t e,
+                                                         size_t stride) {
+    return indirect ? (const uint8_t*)((const unsigned long long*)w)[e] : w + (size_t)e * stride;
+}
 
 __device__ __forceinline__ void q4k_scale_min(const uint8_t* sc, int j, float& s, float& m) {
     if (j < 4) {
@@ -122,19 +133,21 @@ struct F32In {
 template <class In>
 __device__ void moe_gate_up(const In in, const uint8_t* __restrict__ gate,
                             const uint8_t* __restrict__ up, const uint32_t* __restrict__ ids,
-                            float* __restrict__ a, int H, int I, int k) {
+                            float* __restrict__ a, int H, int I, int k, int indirect) {
     const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
     const int tj = blockIdx.y, t = tj / k;
     if (r >= I) return;
     const int nb = H / 256;
-    const size_t off = ((size_t)ids[tj] * I + r) * nb * Q4K_BYTES;
+    const size_t stride = (size_t)I * nb * Q4K_BYTES, off = (size_t)r * nb * Q4K_BYTES;
+    const uint8_t* ge = expert_weights(gate, indirect, ids[tj], stride) + off;
+    const uint8_t* ue = expert_weights(up, indirect, ids[tj], stride) + off;
     float g = 0.f, u = 0.f;
 #pragma unroll 2
     for (int sb = lane >> 3; sb < nb; sb += 4) {
-        const size_t o = off + (size_t)sb * Q4K_BYTES;
+        const size_t o = (size_t)sb * Q4K_BYTES;
         const auto xs = in.load(t, sb, lane & 7);
-        g += In::dot(q4k_w_lane(gate + o, lane & 7), xs);
-        u += In::dot(q4k_w_lane(up + o, lane & 7), xs);
+        g += In::dot(q4k_w_lane(ge + o, lane & 7), xs);
+        u += In::dot(q4k_w_lane(ue + o, lane & 7), xs);
     }
     g = warp_sum(g);
     u = warp_sum(u);
@@ -148,33 +161,36 @@ template <class In>
 __device__ void moe_down(const In in, const uint8_t* __restrict__ down,
                          const uint32_t* __restrict__ ids, const float* __restrict__ w,
                          const float* __restrict__ residual, float* __restrict__ out, int H, int I,
-                         int k) {
+                         int k, int indirect) {
     const int lane = threadIdx.x % WARP, h = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
     if (h >= H) return;
     const int nb = I / 256;
+    const size_t stride = (size_t)H * nb * Q4K_BYTES;
     float acc = 0.f;
 #pragma unroll 2
     for (int item = lane >> 3; item < k * nb; item += 4) {
         const int j = item / nb, sb = item - j * nb;
-        const size_t off = (((size_t)ids[t * k + j] * H + h) * nb + sb) * Q4K_BYTES;
+        const uint8_t* de = expert_weights(down, indirect, ids[t * k + j], stride);
+        const size_t off = ((size_t)h * nb + sb) * Q4K_BYTES;
         const auto as = in.load((size_t)t * k + j, sb, lane & 7);
-        acc += w[t * k + j] * In::dot(q4k_w_lane(down + off, lane & 7), as);
+        acc += w[t * k + j] * In::dot(q4k_w_lane(de + off, lane & 7), as);
     }
     acc = warp_sum(acc);
     if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
 }
 
 extern "C" __global__ void moe_gate_up_q4k(const float* x, const uint8_t* gate, const uint8_t* up,
-                                           const uint32_t* ids, float* a, int H, int I, int k) {
+                                           const uint32_t* ids, float* a, int H, int I, int k,
+                                           int indirect) {
     PDL_ENTER();
-    moe_gate_up(F32In{x, H}, gate, up, ids, a, H, I, k);
+    moe_gate_up(F32In{x, H}, gate, up, ids, a, H, I, k, indirect);
 }
 
 extern "C" __global__ void moe_down_q4k(const float* a, const uint8_t* down, const uint32_t* ids,
                                         const float* w, const float* residual, float* out, int H,
-                                        int I, int k) {
+                                        int I, int k, int indirect) {
     PDL_ENTER();
-    moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k);
+    moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k, indirect);
 }
 
 // Dense Q4_K mat-vecs, up to three matrices in one launch (a layer's q, k and v projections):

@@ -91,14 +91,15 @@ struct TcStage {
 
 // src [*, K] f16; w (and w2) [E, R, K] Q4_K (K a multiple of 256); order [P], tiles, ntiles from
 // moe_tc_sort, or all three null for a dense product (E = 1, tile x = pairs 64x..); out [P, R]
-// f32, or with w2, out_glu [P, R] f16 = silu(w · x) · (w2 · x). grid (max_tiles, ceil(R / 128))
+// f32, or with w2, out_glu [P, R] f16 = silu(w · x) · (w2 · x); indirect: w and w2 are tables of
+// E expert addresses (expert_weights, moe_q4k.cuh). grid (max_tiles, ceil(R / 128))
 // (ceil(R / 64) with w2), TC_THREADS threads.
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
     q4k_mm_tc(const __half* __restrict__ src, const uint8_t* __restrict__ w,
               const uint8_t* __restrict__ w2, const uint32_t* __restrict__ order,
               const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ ntiles,
               float* __restrict__ out, __half* __restrict__ out_glu, int P, int R, int K, int k,
-              int per_token) {
+              int per_token, int indirect) {
     PDL_ENTER();
     using namespace nvcuda;
     constexpr int AB_BYTES = (TC_TM + TC_TN) * TC_LD * 2, C_BYTES = TC_TM * TC_CLD * 4;
@@ -137,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         const int half_rows = TC_TN / 2;
         const uint8_t* m = glu && tid >= half_rows ? w2 : w;
         const int row = n0 + (glu ? tid % half_rows : tid);
-        if (row < R) wrow = m + ((size_t)e * R + row) * row_bytes;
+        if (row < R) wrow = expert_weights(m, indirect, e, (size_t)R * row_bytes) + row * row_bytes;
     }
     auto load = [&](int k0, TcStage& s) {
 #pragma unroll

@@ -14,6 +14,8 @@ use candle_core::op::BackpropOp;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
 
+pub use crate::ExpertTable;
+
 mod gdn;
 mod q8;
 pub use gdn::{gdn_conv, gdn_delta, gdn_gated_norm, GdnShape};
@@ -1174,12 +1176,25 @@ pub fn moe_q4k(
     weights: &Tensor,
     residual: Option<&Tensor>,
 ) -> Result<Tensor> {
-    moe_q4k_as(x, gate, up, down, ids, weights, residual, activations())
+    moe_q4k_as(x, gate, up, down, ids, weights, residual, activations(), None)
+}
+
+/// The kernels' weight arguments for projections `k` of `w`: the tensors' addresses, or with a
+/// table its parts (and `indirect` 1).
+fn moe_weight_args(w: [&QTensor; 3], table: Option<ExpertTable>) -> Result<([u64; 3], i32)> {
+    Ok(match table {
+        Some(t) => ([t.part(0), t.part(1), t.part(2)], 1),
+        None => {
+            ([w[0].device_ptr()? as u64, w[1].device_ptr()? as u64, w[2].device_ptr()? as u64], 0)
+        }
+    })
 }
 
 /// [`moe_q4k`] with the inputs of gate/up (x) and of down (the SiLU·up activations) taken as
 /// `act` says ([`Activations::Q8`]: each rounded to 8 bits per 32 values first, two more launches,
-/// integer dot products — llama.cpp's MMVQ arithmetic for its MoE mat-vecs).
+/// integer dot products — llama.cpp's MMVQ arithmetic for its MoE mat-vecs). With `table`, the
+/// experts' weights are read at the addresses it holds (ids below `table.experts`) instead of
+/// rows of the tensors, which then give only the shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_q4k_as(
     x: &Tensor,
@@ -1190,6 +1205,7 @@ pub fn moe_q4k_as(
     weights: &Tensor,
     residual: Option<&Tensor>,
     act: Activations,
+    table: Option<ExpertTable>,
 ) -> Result<Tensor> {
     let MoeDims { n, h, i, k, .. } = check_moe(x, [gate, up, down], ids, weights, MOE_ROWS_MAX)?;
     if residual.is_some_and(|r| r.dims() != [n, h]) {
@@ -1208,10 +1224,10 @@ pub fn moe_q4k_as(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (gp, upp, dp) =
-        (gate.device_ptr()? as u64, up.device_ptr()? as u64, down.device_ptr()? as u64);
+    let ([gp, upp, dp], indirect) = moe_weight_args([gate, up, down], table)?;
     args.extend([Arg::Ptr(gp), Arg::Ptr(upp), Arg::Ptr(addr(ids)?), Arg::Ptr(addr(&a)?)]);
     args.extend(i32s(&[h, i, k]));
+    args.push(Arg::I32(indirect));
     // SAFETY: arguments in `moe_gate_up_q4k`'s order; the ids index rows of [E, I, H] tensors
     // (the caller's routing: ids < E), shapes checked above.
     unsafe { launch(dev, &format!("moe_gate_up_q4k{suffix}"), cfg, &args) }?;
@@ -1231,7 +1247,9 @@ pub fn moe_q4k_as(
         Arg::Ptr(addr(&out)?),
     ]);
     args.extend(i32s(&[h, i, k]));
-    // SAFETY: arguments in `moe_down_q4k`'s (`_q8`'s) order; shapes checked above.
+    args.push(Arg::I32(indirect));
+    // SAFETY: arguments in `moe_down_q4k`'s (`_q8`'s) order; shapes checked above (a table holds
+    // the addresses of every expert's [I, H] / [H, I] matrices: its owner's contract).
     unsafe { launch(dev, &format!("moe_down_q4k{suffix}"), cfg, &args) }?;
     Ok(out)
 }
@@ -1295,8 +1313,10 @@ pub fn moe_q4k_tc(
     down: &QTensor,
     ids: &Tensor,
     weights: &Tensor,
+    table: Option<ExpertTable>,
 ) -> Result<Tensor> {
     let MoeDims { n, h, e, i, k } = check_moe(x, [gate, up, down], ids, weights, usize::MAX)?;
+    let e = table.map_or(e, |t| t.experts);
     if e > MOE_GROUPED_MAX_EXPERTS {
         bail!("moe_q4k_tc: {e} experts (at most {MOE_GROUPED_MAX_EXPERTS})");
     }
@@ -1325,10 +1345,21 @@ pub fn moe_q4k_tc(
     let sorted = TcPairs { order: &order, tiles: &tiles, ntiles: &ntiles, max_tiles };
     let xh = f16_of(dev, x)?;
     let a = alloc::<half::f16>(dev, (pairs, i))?;
-    let glu = TcLaunch { src: &xh, w: gate, w2: Some(up), sorted: Some(&sorted), pairs, k };
+    let at = |p: usize| table.map(|t| t.part(p));
+    let glu = TcLaunch {
+        src: &xh,
+        w: gate,
+        w2: Some(up),
+        sorted: Some(&sorted),
+        pairs,
+        k,
+        table: at(0).zip(at(1)),
+    };
     mm_tc(dev, glu, &a)?;
     let y = alloc::<f32>(dev, (pairs, h))?;
-    let proj = TcLaunch { src: &a, w: down, w2: None, sorted: Some(&sorted), pairs, k: 1 };
+    let down_at = at(2).map(|d| (d, 0));
+    let proj =
+        TcLaunch { src: &a, w: down, w2: None, sorted: Some(&sorted), pairs, k: 1, table: down_at };
     mm_tc(dev, proj, &y)?;
     moe_combine(&y.reshape((n, k, h))?, &weights.contiguous()?)
 }
@@ -1353,7 +1384,11 @@ pub fn matmul_q4k_tc(x: &Tensor, w: &QTensor) -> Result<Tensor> {
         return Ok(out);
     }
     let xh = f16_of(dev, x)?;
-    mm_tc(dev, TcLaunch { src: &xh, w, w2: None, sorted: None, pairs: n, k: 1 }, &out)?;
+    mm_tc(
+        dev,
+        TcLaunch { src: &xh, w, w2: None, sorted: None, pairs: n, k: 1, table: None },
+        &out,
+    )?;
     Ok(out)
 }
 
@@ -1392,6 +1427,9 @@ struct TcLaunch<'a> {
     sorted: Option<&'a TcPairs<'a>>,
     pairs: usize,
     k: usize,
+    /// Table addresses of `w`'s and `w2`'s parts ([`ExpertTable::part`]; 0 without `w2`) in
+    /// place of the tensors' (the tensors then give only the shapes).
+    table: Option<(u64, u64)>,
 }
 
 /// Runs `l` into `out: [pairs, R]` (f32; f16 with `w2`). The caller checks the shapes.
@@ -1407,10 +1445,17 @@ fn mm_tc(dev: &CudaDevice, l: TcLaunch<'_>, out: &Tensor) -> Result<()> {
     };
     let opt = |t: Option<&Tensor>| t.map(addr).transpose().map(|a| Arg::Ptr(a.unwrap_or(0)));
     let (f32_out, f16_out) = if l.w2.is_some() { (None, Some(out)) } else { (Some(out), None) };
+    let (w, w2) = match l.table {
+        Some(t) => t,
+        None => (
+            l.w.device_ptr()? as u64,
+            l.w2.map(|w| w.device_ptr()).transpose()?.map_or(0, |p| p as u64),
+        ),
+    };
     let mut args = vec![
         Arg::Ptr(addr(l.src)?),
-        Arg::Ptr(l.w.device_ptr()? as u64),
-        Arg::Ptr(l.w2.map(|w| w.device_ptr()).transpose()?.map_or(0, |p| p as u64)),
+        Arg::Ptr(w),
+        Arg::Ptr(w2),
         opt(l.sorted.map(|s| s.order))?,
         opt(l.sorted.map(|s| s.tiles))?,
         opt(l.sorted.map(|s| s.ntiles))?,
@@ -1418,6 +1463,7 @@ fn mm_tc(dev: &CudaDevice, l: TcLaunch<'_>, out: &Tensor) -> Result<()> {
         opt(f16_out)?,
     ];
     args.extend(i32s(&[l.pairs, r, kk, l.k, (l.k > 1) as usize]));
+    args.push(Arg::I32(l.table.is_some() as i32));
     // SAFETY: arguments in `q4k_mm_tc`'s order; the caller checked that `w` (and `w2`) are Q4_K
     // [E, R, K] (or [R, K] without `sorted`), that src holds a K-value f16 row per token (k > 1)
     // or per pair, that out holds [pairs, R], and `sorted` came from `moe_tc_sort` over ids < E.

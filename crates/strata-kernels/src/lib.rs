@@ -34,6 +34,28 @@ pub use bytes::WeightBytes;
 pub use matrix::{isa, BlockFormat, Isa, QuantMatrix, QuantizedActs};
 pub use q4k_prefill::prefill_scope;
 
+/// One MoE layer's experts addressed through a table on the GPU (the GPU expert tier's mapped
+/// experts, `strata-expert-store`'s `gpu_tier`): `addr` is the device address of `3 × experts`
+/// u64 device addresses — every expert's gate part, then every expert's up part, then every
+/// expert's down part — each pointing at the expert's `[rows, cols]` Q4_K matrix in a VRAM cache
+/// slot or in page-locked host memory mapped into the device's address space (the kernels then
+/// read it over the bus). The fused MoE kernels take it in place of the `[E, rows, cols]`
+/// tensors' addresses (`indirect`); the tensors still give the shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertTable {
+    /// Device address of the table (`3 × experts` u64, 8-byte aligned).
+    pub addr: u64,
+    /// Experts of the layer (the routing's ids are below it).
+    pub experts: usize,
+}
+
+impl ExpertTable {
+    /// Device address of projection `k`'s (0 gate, 1 up, 2 down) part of the table.
+    pub fn part(&self, k: usize) -> u64 {
+        self.addr + (k * self.experts * 8) as u64
+    }
+}
+
 /// A raw pointer to an f32 output buffer that may cross threads; each task writes disjoint
 /// elements ([`QuantMatrix::rows_into`]).
 #[derive(Clone, Copy)]

@@ -91,27 +91,45 @@ impl FusedExperts {
     /// (decode, verify) by `strata_kernels::cuda::moe_q4k` (two launches, f32 activations) unless
     /// `STRATA_GPU_MOE=0`. `None`: another device, format or
     /// length, or the kernels turned off (then [`Self::forward`] and a weighted sum).
+    ///
+    /// With `table` (the GPU expert tier's mapped experts, [`FusedCall::table`]) `ids` are expert
+    /// ids whose weights the table addresses: up to `MOE_ROWS_MAX` tokens by `moe_q4k`, longer
+    /// passes on tensor cores, whatever the switches say (the tensors hold no expert by id).
     #[cfg(feature = "cuda")]
     pub fn forward_combined(
         &self,
         x: &Tensor,
         ids: &Tensor,
         weights: &Tensor,
+        table: Option<strata_kernels::ExpertTable>,
     ) -> Option<candle_core::Result<Tensor>> {
         use crate::gpu::{enabled, GpuPath};
         use strata_kernels::cuda::{self as k, MOE_GROUPED_MAX_EXPERTS, MOE_GROUPED_ROWS_MAX};
         let seq = x.dim(0).ok()?;
+        let (g, u, d) = (&self.gate, &self.up, &self.down);
+        if let Some(t) = table {
+            let x = match x.contiguous() {
+                Ok(x) => x,
+                Err(e) => return Some(Err(e)),
+            };
+            return Some(if seq <= k::MOE_ROWS_MAX {
+                k::moe_q4k_as(&x, g, u, d, ids, weights, None, k::activations(), Some(t))
+            } else {
+                k::moe_q4k_tc(&x, g, u, d, ids, weights, Some(t))
+            });
+        }
         if !x.device().is_cuda() || self.gate.dtype() != GgmlDType::Q4K {
             return None;
         }
         let (experts, inter, hidden) = self.gate.shape().dims3().ok()?;
-        let (g, u, d) = (&self.gate, &self.up, &self.down);
         // Tensor cores past what the decode kernel takes: a batch of 16 rows spreads its 128
         // pairs over ~70 experts, too few per expert for 64-pair tiles (16 sequences of the
         // 30B: 508 tok/s on tensor cores, 584 on `moe_q4k`).
         let tc_rows = seq >= k::TC_ROWS_MIN && (seq > k::MOE_ROWS_MAX || !enabled(GpuPath::Moe));
         if tc_rows && experts <= MOE_GROUPED_MAX_EXPERTS && enabled(GpuPath::MoeTc) {
-            return Some(x.contiguous().and_then(|x| k::moe_q4k_tc(&x, g, u, d, ids, weights)));
+            return Some(
+                x.contiguous().and_then(|x| k::moe_q4k_tc(&x, g, u, d, ids, weights, None)),
+            );
         }
         if (2..=MOE_GROUPED_ROWS_MAX).contains(&seq)
             && experts <= MOE_GROUPED_MAX_EXPERTS
@@ -157,6 +175,10 @@ pub struct FusedCall<'a> {
     pub experts: &'a FusedExperts,
     /// `rows[i]` is the row holding the `i`-th routed expert; `None`: the expert ids themselves.
     pub rows: Option<Vec<u32>>,
+    /// The GPU expert tier's mapped experts: the kernels read each expert (by id; `rows` is
+    /// `None`) at the address this layer's table holds, in VRAM or in page-locked host memory;
+    /// `experts` then gives only the shapes.
+    pub table: Option<strata_kernels::ExpertTable>,
 }
 
 /// Source of routed experts' weights for the MoE blocks.
@@ -207,6 +229,12 @@ pub trait ExpertProvider: Send + Sync + std::fmt::Debug {
     fn routes_on_device(&self) -> bool {
         false
     }
+
+    /// A pass's routing through fused calls that carried a [`FusedCall::table`] (every layer it
+    /// ran, read back from the device once the pass ended; or one layer routed on the host): the
+    /// GPU expert tier counts its hits and misses here and moves experts between VRAM and host
+    /// memory for the next passes, without ever stalling one. The default does nothing.
+    fn observe_routing(&self, _routing: &[crate::moe::LayerRouting]) {}
 
     /// Cumulative streaming counters (`None` for resident experts).
     fn stats(&self) -> Option<ExpertStats> {
@@ -384,7 +412,10 @@ impl ExpertProvider for ResidentExperts {
     }
 
     fn fused(&self, layer: usize, _ids: &[u32]) -> Option<Result<FusedCall<'_>>> {
-        self.fused.get(layer)?.as_ref().map(|experts| Ok(FusedCall { experts, rows: None }))
+        self.fused
+            .get(layer)?
+            .as_ref()
+            .map(|experts| Ok(FusedCall { experts, rows: None, table: None }))
     }
 
     fn routes_on_device(&self) -> bool {

@@ -390,7 +390,7 @@ impl SparseMoe {
     ) -> Result<Tensor> {
         let (seq, h) = x.dims2()?;
         if let Some(call) = experts.fused(self.layer, &routing.expert_ids) {
-            return self.forward_fused(x, routing, call?);
+            return self.forward_fused(x, routing, call?, experts);
         }
         let mut by_expert: BTreeMap<u32, Vec<(u32, f32)>> = BTreeMap::new();
         for t in 0..seq {
@@ -504,31 +504,43 @@ impl SparseMoe {
         x: &Tensor,
         routing: &LayerRouting,
         call: FusedCall<'_>,
+        experts: &dyn ExpertProvider,
     ) -> Result<Tensor> {
         let (seq, _) = x.dims2()?;
         let (dev, k) = (x.device(), routing.top_k);
-        let rows = call.rows.unwrap_or_else(|| routing.expert_ids.clone());
+        let rows = call.rows.clone().unwrap_or_else(|| routing.expert_ids.clone());
         let ids = Tensor::from_vec(rows, (seq, k), dev)?;
         let w = Tensor::from_vec(routing.weights.clone(), (seq, k), dev)?.to_dtype(x.dtype())?;
-        self.fused_output(x, call.experts, &ids, &w)
+        let out = self.fused_output(x, &call, &ids, &w)?;
+        if call.table.is_some() {
+            experts.observe_routing(std::slice::from_ref(routing));
+        }
+        Ok(out)
     }
 
-    /// The block's output over [`FusedExperts`] for `x: [seq, H]` routed to rows `ids: [seq, k]`
-    /// (u32) with weights `w: [seq, k]`, all on the device: the experts, their weighted sum
-    /// (one kernel of ours in a `cuda` build), the shared expert.
+    /// The block's output over `call`'s [`FusedExperts`] for `x: [seq, H]` routed to rows `ids:
+    /// [seq, k]` (u32; expert ids with a table) with weights `w: [seq, k]`, all on the device: the
+    /// experts, their weighted sum (one kernel of ours in a `cuda` build), the shared expert.
     fn fused_output(
         &self,
         x: &Tensor,
-        experts: &crate::experts::FusedExperts,
+        call: &FusedCall<'_>,
         ids: &Tensor,
         w: &Tensor,
     ) -> Result<Tensor> {
+        let experts = call.experts;
         #[cfg(feature = "cuda")]
-        let combined = experts.forward_combined(x, ids, w).transpose()?;
+        let combined = experts.forward_combined(x, ids, w, call.table).transpose()?;
         #[cfg(not(feature = "cuda"))]
         let combined: Option<Tensor> = None;
         let mut out = match combined {
             Some(out) => out,
+            None if call.table.is_some() => {
+                return Err(candle_core::Error::msg(
+                    "mapped GPU experts need the cuda build's MoE kernels",
+                )
+                .into())
+            }
             None => weighted_sum(&experts.forward(x, ids)?, w)?,
         };
         if let Some(s) = &self.shared {
@@ -562,7 +574,7 @@ impl SparseMoe {
         };
         let run = || {
             let (ids, w) = self.router.route_on_device(x, record, chosen)?;
-            self.fused_output(x, call.experts, &ids, &w.to_dtype(x.dtype())?)
+            self.fused_output(x, &call, &ids, &w.to_dtype(x.dtype())?)
         };
         Some(run())
     }

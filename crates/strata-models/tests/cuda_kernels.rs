@@ -822,7 +822,7 @@ fn moe_q4k_matches_the_f32_reference() {
                 let out = if kernel == "grouped" {
                     gpu::moe_q4k_grouped(xt, &gq, &uq, &dq, it, wt)
                 } else {
-                    gpu::moe_q4k_as(xt, &gq, &uq, &dq, it, wt, rt, act)
+                    gpu::moe_q4k_as(xt, &gq, &uq, &dq, it, wt, rt, act, None)
                 };
                 flat(&out.unwrap())
             };
@@ -902,6 +902,98 @@ fn moe_q4k_matches_the_f32_reference() {
     assert!(gpu::moe_q4k_grouped(&x, &q4, &q4, &q4, &ids, &w).is_err());
 }
 
+/// Page-locked host memory mapped into the device's address space (what the GPU expert tier's
+/// mapped experts read over the bus), page-aligned; unregistered and freed on drop.
+struct MappedHost {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+    device: u64,
+}
+
+impl MappedHost {
+    fn new(bytes: &[u8]) -> Self {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let layout = std::alloc::Layout::from_size_align(bytes.len(), 4096).unwrap();
+        // SAFETY: non-zero size; filled at once; registered, then its device address taken.
+        unsafe {
+            let ptr = std::alloc::alloc(layout);
+            assert!(!ptr.is_null());
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len());
+            let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+            let rc = sys::cuMemHostRegister_v2(ptr as *mut _, bytes.len(), flags);
+            assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemHostRegister");
+            let mut device = 0;
+            let rc = sys::cuMemHostGetDevicePointer_v2(&mut device, ptr as *mut _, 0);
+            assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuMemHostGetDevicePointer");
+            Self { ptr, layout, device }
+        }
+    }
+}
+
+impl Drop for MappedHost {
+    fn drop(&mut self) {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        // SAFETY: registered and allocated in `new`; the tests synchronised (they read results).
+        unsafe {
+            sys::cuMemHostUnregister(self.ptr as *mut _);
+            std::alloc::dealloc(self.ptr, self.layout);
+        }
+    }
+}
+
+/// The fused MoE kernels reading experts through a table (`ExpertTable`, the GPU expert tier's
+/// mapped experts) — even experts at their rows of the tensors in VRAM, odd ones in page-locked
+/// host memory mapped into the device and read over the bus — give the bits of the same kernels
+/// reading the tensors' rows: decode (`moe_q4k_as`, f32 and q8 activations, 1 and 4 tokens)
+/// and prompt passes on tensor cores (`moe_q4k_tc`, 40 tokens).
+#[test]
+fn moe_kernels_through_an_expert_table_equal_the_tensors() {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let dev = cuda();
+    let mut rng = Rng(0x7ab1e);
+    let (e, h, i, k) = (8usize, 512usize, 256usize, 4usize);
+    let (gq, _) = random_q4k(&[e, i, h], &mut rng, &dev);
+    let (uq, _) = random_q4k(&[e, i, h], &mut rng, &dev);
+    let (dq, _) = random_q4k(&[e, h, i], &mut rng, &dev);
+    let parts = [&gq, &uq, &dq];
+    let host: Vec<MappedHost> = parts.iter().map(|q| MappedHost::new(&q.data().unwrap())).collect();
+    let mut entries = Vec::with_capacity(3 * e);
+    for (q, m) in parts.iter().zip(&host) {
+        let stride = q.storage_size_in_bytes() / e;
+        for x in 0..e {
+            let base = if x % 2 == 0 { q.device_ptr().unwrap() as u64 } else { m.device };
+            entries.push(base + (x * stride) as u64);
+        }
+    }
+    // SAFETY: a plain allocation of the table, written once, freed at the end.
+    let table = unsafe { result::malloc_sync(entries.len() * 8) }.unwrap();
+    unsafe { result::memcpy_htod_sync(table, &entries) }.unwrap();
+    let t = gpu::ExpertTable { addr: table, experts: e };
+    for n in [1usize, 4, 40] {
+        let xt = Tensor::from_vec(rng.vec(n * h, 1.0), (n, h), &dev).unwrap();
+        let ids: Vec<u32> = (0..n * k).map(|j| ((j * 3 + 1) % e) as u32).collect();
+        let it = Tensor::from_vec(ids, (n, k), &dev).unwrap();
+        let wt = Tensor::from_vec(rng.vec(n * k, 1.0), (n, k), &dev).unwrap();
+        let (g, u, d) = (&gq, &uq, &dq);
+        let outputs = |tb: Option<gpu::ExpertTable>| -> Vec<(&str, Vec<f32>)> {
+            if n <= gpu::MOE_ROWS_MAX {
+                [("f32", gpu::Activations::F32), ("q8", gpu::Activations::Q8)]
+                    .into_iter()
+                    .map(|(name, act)| {
+                        let out = gpu::moe_q4k_as(&xt, g, u, d, &it, &wt, None, act, tb);
+                        (name, flat(&out.unwrap()))
+                    })
+                    .collect()
+            } else {
+                vec![("tensor cores", flat(&gpu::moe_q4k_tc(&xt, g, u, d, &it, &wt, tb).unwrap()))]
+            }
+        };
+        assert_eq!(outputs(Some(t)), outputs(None), "{n} tokens: the table's reads differ");
+    }
+    // SAFETY: every kernel reading the table has finished (their outputs were read above).
+    unsafe { result::free_sync(table) }.unwrap();
+}
+
 /// f32 → f16 → f32 (the tensor-core kernels' rounding of inputs and weights).
 fn f16r(v: f32) -> f64 {
     half::f16::from_f32(v).to_f64()
@@ -953,7 +1045,7 @@ fn tensor_core_products_match_the_f16_reference_and_rows_are_independent() {
         let xt = Tensor::from_vec(x.clone(), (n, h), &dev).unwrap();
         let it = Tensor::from_vec(ids.clone(), (n, k), &dev).unwrap();
         let wt = Tensor::from_vec(w.clone(), (n, k), &dev).unwrap();
-        let out = gpu::moe_q4k_tc(&xt, &gq, &uq, &dq, &it, &wt).unwrap();
+        let out = gpu::moe_q4k_tc(&xt, &gq, &uq, &dq, &it, &wt, None).unwrap();
         let out = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let mut want = vec![0f32; n * h];
         for t in 0..n {
@@ -989,6 +1081,7 @@ fn tensor_core_products_match_the_f16_reference_and_rows_are_independent() {
             &dq,
             &it.narrow(0, t, 1).unwrap().contiguous().unwrap(),
             &wt.narrow(0, t, 1).unwrap().contiguous().unwrap(),
+            None,
         );
         let alone = alone.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(alone, out[t * h..(t + 1) * h], "token {t} alone differs (E {e})");
@@ -998,7 +1091,7 @@ fn tensor_core_products_match_the_f16_reference_and_rows_are_independent() {
     let x = Tensor::zeros((40, 256), DType::F32, &dev).unwrap();
     let ids = Tensor::zeros((40, 2), DType::U32, &dev).unwrap();
     let w = Tensor::zeros((40, 2), DType::F32, &dev).unwrap();
-    assert!(gpu::moe_q4k_tc(&x, &q8, &q8, &q8, &ids, &w).is_err());
+    assert!(gpu::moe_q4k_tc(&x, &q8, &q8, &q8, &ids, &w, None).is_err());
     let w2 = Tensor::zeros((4, 256), DType::F32, &cpu).unwrap();
     assert!(gpu::matmul_q4k_tc(&x, &QTensor::quantize_onto(&w2, GgmlDType::Q8_0, &dev).unwrap())
         .is_err());

@@ -41,6 +41,7 @@ use strata_formats::{ExpertEncoding, ModelConfig, ModelFiles};
 use strata_models::{Expert, FusedExperts, ModelError};
 
 mod copy;
+mod mapped;
 mod provider;
 
 use crate::cache::{ExpertCache, Key};
@@ -137,6 +138,9 @@ pub struct GpuExperts {
     /// Device memory one expert costs at most, bytes.
     entry_bytes: u64,
     prefetch_limit: usize,
+    /// Experts addressed through a device table (host tier complete and pooled VRAM; see
+    /// `mapped`): `None` routes on the host and copies misses before each launch.
+    mapped: Option<mapped::Mapped>,
     state: Mutex<TierState>,
     counters: TierCounters,
 }
@@ -145,10 +149,11 @@ impl std::fmt::Debug for GpuExperts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "GpuExperts({} experts in VRAM at most, pooled: {}, pinned host: {}, host: {:?})",
+            "GpuExperts({} experts in VRAM at most, pooled: {}, pinned host: {}, mapped: {}, host: {:?})",
             self.capacity,
             self.pooled(),
             self.pinned.is_some(),
+            self.mapped.is_some(),
             self.host
         )
     }
@@ -250,16 +255,46 @@ impl GpuExperts {
 
         let (base, len) = host.slab_memory();
         // SAFETY: the slab's allocation is page-aligned, lives as long as `host` (unregistered in
-        // our Drop before `host` is dropped) and is only read by the copies.
-        let rc = unsafe { sys::cuMemHostRegister_v2(base as *mut std::ffi::c_void, len, 0) };
+        // our Drop before `host` is dropped) and is only read by the copies and, mapped, by
+        // kernels.
+        let rc = unsafe {
+            sys::cuMemHostRegister_v2(
+                base as *mut std::ffi::c_void,
+                len,
+                sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+            )
+        };
         let pinned = if rc == sys::CUresult::CUDA_SUCCESS {
             Some((base as usize, len))
         } else {
             tracing::warn!("cannot page-lock the host expert cache ({len} bytes): {rc:?}; copies to the GPU run at pageable speed");
             None
         };
-        let prefetch_limit = crate::provider::prefetch_limit(capacity, moe.experts_per_token);
-        Ok(Self {
+        let moe_layers: Vec<usize> = (0..cfg.num_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
+        let mapped = match (&vram, pinned) {
+            (Vram::Pool { .. }, Some(_))
+                if host.capacity() >= experts
+                    && !std::env::var("STRATA_GPU_TIER_MAPPED").is_ok_and(|v| v == "0") =>
+            {
+                let mut dbase: sys::CUdeviceptr = 0;
+                // SAFETY: `base` was registered above with DEVICEMAP.
+                let rc = unsafe {
+                    sys::cuMemHostGetDevicePointer_v2(&mut dbase, base as *mut std::ffi::c_void, 0)
+                };
+                if rc != sys::CUresult::CUDA_SUCCESS {
+                    return Err(err(format!("cuda: device address of the host experts: {rc:?}")));
+                }
+                let slab = (base as usize, dbase);
+                let top_k = moe.experts_per_token;
+                Some(mapped::Mapped::open(&host, cfg.num_layers, &moe_layers, top_k, slab)?)
+            }
+            _ => None,
+        };
+        let prefetch_limit = match mapped {
+            Some(_) => 0,
+            None => crate::provider::prefetch_limit(capacity, moe.experts_per_token),
+        };
+        let tier = Self {
             host,
             dev: dev.clone(),
             device: device.clone(),
@@ -269,6 +304,7 @@ impl GpuExperts {
             capacity,
             entry_bytes,
             prefetch_limit,
+            mapped,
             state: Mutex::new(TierState {
                 map: ExpertCache::new(capacity, opts.policy),
                 free: (0..capacity).rev().collect(),
@@ -277,7 +313,15 @@ impl GpuExperts {
                 inflight: Vec::new(),
             }),
             counters: TierCounters::default(),
-        })
+        };
+        tier.fill_mapped(&moe_layers)?;
+        Ok(tier)
+    }
+
+    /// Whether experts are mapped: addressed through a device table, VRAM slots or page-locked
+    /// host memory read by the kernels (see `mapped`).
+    pub fn mapped(&self) -> bool {
+        self.mapped.is_some()
     }
 
     /// Experts VRAM holds at most.
@@ -438,6 +482,8 @@ impl GpuExperts {
 impl Drop for GpuExperts {
     fn drop(&mut self) {
         let _ = self.copy.synchronize();
+        // Kernels may still read the mapped host memory or the table.
+        let _ = self.dev.cuda_stream().synchronize();
         if let Some((base, _)) = self.pinned {
             // SAFETY: registered in `open`; no copy is in flight any more.
             unsafe { sys::cuMemHostUnregister(base as *mut std::ffi::c_void) };

@@ -28,6 +28,9 @@ impl ExpertProvider for GpuExperts {
 
     fn fused(&self, layer: usize, ids: &[u32]) -> Option<strata_models::Result<FusedCall<'_>>> {
         let Vram::Pool { fused, .. } = &self.vram else { return None };
+        if let Some(m) = &self.mapped {
+            return Some(Ok(FusedCall { experts: fused, rows: None, table: Some(m.table(layer)) }));
+        }
         let mut keys: Vec<Key> = ids.iter().map(|&e| (layer, e as usize)).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -43,12 +46,27 @@ impl ExpertProvider for GpuExperts {
                 self.wait_copied(&ev)?;
                 row.insert(key.1 as u32, slot as u32);
             }
-            Ok(FusedCall { experts: fused, rows: Some(ids.iter().map(|e| row[e]).collect()) })
+            Ok(FusedCall {
+                experts: fused,
+                rows: Some(ids.iter().map(|e| row[e]).collect()),
+                table: None,
+            })
         };
         Some(run())
     }
 
+    fn routes_on_device(&self) -> bool {
+        self.mapped.is_some()
+    }
+
+    fn observe_routing(&self, routing: &[strata_models::moe::LayerRouting]) {
+        self.observe_mapped(routing);
+    }
+
     fn fetch_routed(&self, layer: usize, experts: &[u32]) {
+        if self.mapped.is_some() {
+            return; // every expert is addressable where it is
+        }
         let mut keys: Vec<Key> = experts.iter().map(|&e| (layer, e as usize)).collect();
         keys.sort_unstable();
         keys.dedup();
@@ -76,6 +94,9 @@ impl ExpertProvider for GpuExperts {
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
+        if self.mapped.is_some() {
+            return;
+        }
         self.host.prefetch(layer, experts);
         let missing: Vec<usize> = {
             let mut st = self.lock();

@@ -236,6 +236,11 @@ impl StreamingExperts {
         })
     }
 
+    /// Experts the cache holds at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Bytes the cache may use (slots and decoded tensors of `capacity` experts).
     pub fn cache_bytes(&self) -> u64 {
         self.capacity as u64 * self.entry_bytes

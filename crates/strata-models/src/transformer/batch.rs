@@ -274,7 +274,7 @@ impl Transformer {
         // Device routing is read back after the lm_head's launch: the one wait of the pass.
         #[cfg(feature = "cuda")]
         if let Some(d) = on_device {
-            routing.extend(d.read()?);
+            routing.extend(d.read(self.experts.as_ref())?);
             routing.sort_by_key(|r: &LayerRouting| r.layer);
         }
         let mut out = Vec::with_capacity(live.len());

@@ -31,7 +31,7 @@ use candle_core::{DType, Device, Tensor};
 use strata_kernels::cuda::{self as gpu, Rows};
 
 use super::batch::{slice_routing, BatchOptions, BatchSeq};
-use super::device_routing::{synthetic_choices, DeviceRouting};
+use super::device_routing::synthetic_choices;
 use super::graph::{bucket, replay, Captured, PassKv, ReplayStats, GRAPH_ROWS_MAX};
 use super::{ForwardOutput, Transformer};
 use crate::error::{ModelError, Result};
@@ -134,14 +134,15 @@ impl Transformer {
                     g.failed = true;
                     eprintln!("strata: CUDA graph capture of a batched step failed: {e}");
                     let (logits, routing) = eager;
-                    let routing = routing.as_ref().map(DeviceRouting::read).transpose()?;
+                    let routing =
+                        routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
                     return finish(seqs, &logits, routing.unwrap_or_default()).map(Some);
                 }
             }
         }
         let c = g.graphs.get(&key).expect("captured above");
         replay(dev, c, &mut g.timed, |c| {
-            let routing = c.routing.as_ref().map(DeviceRouting::read).transpose()?;
+            let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
             finish(seqs, &c.logits, routing.unwrap_or_default()).map(Some)
         })
     }

@@ -20,6 +20,7 @@ use super::{FeedForward, Transformer};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::moe::{LayerRouting, SeqRoute, SparseMoe};
+use crate::ExpertProvider;
 
 /// One pass's device routing: the record `[moe_layers · rows · top_k]` and which layer wrote
 /// which slot of it.
@@ -148,8 +149,9 @@ impl DeviceRouting {
     }
 
     /// The routing of every layer that ran here, read back from the device (one copy of ids and
-    /// one of weights for the whole pass; after a graph replay, that replay's routing).
-    pub(super) fn read(&self) -> Result<Vec<LayerRouting>> {
+    /// one of weights for the whole pass; after a graph replay, that replay's routing), also
+    /// handed to `experts` ([`crate::ExpertProvider::observe_routing`]).
+    pub(super) fn read(&self, experts: &dyn ExpertProvider) -> Result<Vec<LayerRouting>> {
         if self.written.is_empty() {
             return Ok(Vec::new());
         }
@@ -158,7 +160,7 @@ impl DeviceRouting {
         crate::gpu::note_host_reads(1);
         let ids = self.ids.narrow(0, 0, n)?.to_vec1::<u32>()?;
         let weights = self.weights.narrow(0, 0, n)?.to_vec1::<f32>()?;
-        Ok(self
+        let routing: Vec<LayerRouting> = self
             .written
             .iter()
             .enumerate()
@@ -168,6 +170,8 @@ impl DeviceRouting {
                 expert_ids: ids[slot * per..(slot + 1) * per].to_vec(),
                 weights: weights[slot * per..(slot + 1) * per].to_vec(),
             })
-            .collect())
+            .collect();
+        experts.observe_routing(&routing);
+        Ok(routing)
     }
 }

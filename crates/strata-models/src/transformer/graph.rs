@@ -239,8 +239,11 @@ impl Transformer {
             };
             let (logits, routing) =
                 self.decode_body(&mut PassKv::One(cache), &ids, last_only, chosen.clone())?;
-            let routing =
-                routing.as_ref().map(DeviceRouting::read).transpose()?.unwrap_or_default();
+            let routing = routing
+                .as_ref()
+                .map(|d| d.read(self.experts.as_ref()))
+                .transpose()?
+                .unwrap_or_default();
             let eager = ForwardOutput { logits, hidden_states: Vec::new(), routing };
             if !capture {
                 return Ok(Some(eager));
@@ -276,7 +279,7 @@ impl Transformer {
         let c = g.graphs.get(&key).expect("captured above");
         replay(dev, c, &mut g.timed, |c| {
             let logits = c.logits.copy()?;
-            let routing = c.routing.as_ref().map(DeviceRouting::read).transpose()?;
+            let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
             let routing = routing.unwrap_or_default();
             Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
         })
