@@ -269,6 +269,11 @@ fn streaming_summary(engine: &Engine, s: &StreamOptions) -> String {
         s.io_threads,
         experts.direct_io().map_or("n/a".into(), |d| d.to_string()),
         s.direct_io.name(),
-        s.prefetch.name()
+        match engine.model.prefetch_mode() {
+            Some(_) => s.prefetch.name(),
+            // The GPU tier's mapped experts route on the device: nothing is predicted.
+            None if experts.routes_on_device() => "none (mapped experts, routed on the device)",
+            None => "none",
+        }
     )
 }
