@@ -181,21 +181,18 @@ mod tests {
 
     #[test]
     fn a_batch_of_victims_is_the_one_by_one_order() {
-        let mut c = ExpertCache::new(6, EvictionPolicy::Lru);
-        for e in 0..6 {
-            c.insert((0, e), e);
-        }
-        for e in [3, 0, 5, 1, 4, 2, 0] {
-            c.touch(&(0, e));
-        }
+        let build = || {
+            let mut c = ExpertCache::new(6, EvictionPolicy::Lru);
+            for e in 0..6 {
+                c.insert((0, e), e);
+            }
+            for e in [3, 0, 5, 1, 4, 2, 0] {
+                c.touch(&(0, e));
+            }
+            c
+        };
+        let (c, mut one) = (build(), build());
         // One by one, removing each victim: the reference order.
-        let mut one = ExpertCache::new(6, EvictionPolicy::Lru);
-        for e in 0..6 {
-            one.insert((0, e), e);
-        }
-        for e in [3, 0, 5, 1, 4, 2, 0] {
-            one.touch(&(0, e));
-        }
         let may_go = |k: &Key, _: &usize| k.1 != 4;
         let mut want = Vec::new();
         while let Some(k) = one.victim(may_go, true) {

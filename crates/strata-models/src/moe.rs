@@ -508,8 +508,8 @@ impl SparseMoe {
     ) -> Result<Tensor> {
         let (seq, _) = x.dims2()?;
         let (dev, k) = (x.device(), routing.top_k);
-        let rows = call.rows.clone().unwrap_or_else(|| routing.expert_ids.clone());
-        let ids = Tensor::from_vec(rows, (seq, k), dev)?;
+        let rows = call.rows.as_deref().unwrap_or(&routing.expert_ids);
+        let ids = Tensor::from_slice(rows, (seq, k), dev)?;
         let w = Tensor::from_vec(routing.weights.clone(), (seq, k), dev)?.to_dtype(x.dtype())?;
         let out = self.fused_output(x, &call, &ids, &w)?;
         if call.table.is_some() {

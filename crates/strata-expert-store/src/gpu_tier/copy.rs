@@ -45,10 +45,27 @@ impl GpuExperts {
     ) -> Result<Arc<CudaEvent>, ModelError> {
         let e = cuda_err(layer, expert);
         self.copy_after_compute(layer, expert)?;
+        self.queue_copies(layer, expert, b, dst)?;
+        let copied = Arc::new(self.copy.record_event(None).map_err(|x| e(x.to_string()))?);
+        st.inflight.retain(|(ev, _)| !ev.is_complete());
+        st.inflight.push((copied.clone(), b.slot.clone()));
+        Ok(copied)
+    }
+
+    /// Queues the copies of `b`'s three parts to `dst[k]` on the copy stream (no ordering, no
+    /// event: the callers' part) and counts them as an upload. The caller keeps `b`'s slot alive
+    /// until the copies complete, and `dst[k]` holds at least `ranges[k].len()` bytes.
+    pub(super) fn queue_copies(
+        &self,
+        layer: usize,
+        expert: usize,
+        b: &ExpertBytes,
+        dst: [sys::CUdeviceptr; 3],
+    ) -> Result<(), ModelError> {
         let bytes: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
         for k in 0..3 {
-            // SAFETY: `dst[k]` holds at least `ranges[k].len()` bytes (checked by the callers); the
-            // source slot stays alive until the copy's event completes (`inflight`).
+            // SAFETY: the caller's contract above (sizes checked by the callers, the source slot
+            // alive until the copies complete).
             unsafe {
                 result::memcpy_htod_async(
                     dst[k],
@@ -56,14 +73,11 @@ impl GpuExperts {
                     self.copy.cu_stream(),
                 )
             }
-            .map_err(|x| e(x.to_string()))?;
+            .map_err(|x| cuda_err(layer, expert)(x.to_string()))?;
         }
-        let copied = Arc::new(self.copy.record_event(None).map_err(|x| e(x.to_string()))?);
-        st.inflight.retain(|(ev, _)| !ev.is_complete());
-        st.inflight.push((copied.clone(), b.slot.clone()));
         self.counters.uploads.fetch_add(1, Ordering::Relaxed);
         self.counters.upload_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);
-        Ok(copied)
+        Ok(())
     }
 
     /// Copies an expert's bytes into freshly allocated device tensors and builds it there.

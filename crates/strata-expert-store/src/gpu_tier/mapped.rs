@@ -40,7 +40,7 @@ use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaEvent};
 use strata_models::moe::LayerRouting;
 use strata_models::{ExpertProvider, ModelError};
 
-use super::{GpuExperts, TierEntry, TierState, Vram};
+use super::{assert_pool_rows, pool_row, GpuExperts, TierEntry, TierState, Vram};
 use crate::cache::Key;
 use crate::provider::{ExpertBytes, StreamingExperts};
 
@@ -74,7 +74,8 @@ struct MirrorState {
 
 impl Mapped {
     /// Reads every expert into the host tier (each MoE layer's reads in flight together) and
-    /// builds the table with every entry at the host bytes. `slab`: the host slab's `(host address, device address)` as registered.
+    /// builds the table with every entry at the host bytes. `slab`: the host slab's `(host
+    /// address, device address)` as registered.
     ///
     /// Errors: a read failed, a CUDA driver error.
     pub(super) fn open(
@@ -236,8 +237,7 @@ impl GpuExperts {
         let mut dirty = !done.is_empty();
         for (key, slot) in done {
             ms.pending.remove(&key);
-            let at = [0, 1, 2].map(|k| base[k] + (slot * row_bytes[k]) as sys::CUdeviceptr);
-            m.set(&mut ms.mirror, key, at);
+            m.set(&mut ms.mirror, key, pool_row(&base, &row_bytes, slot));
         }
         // 2. Room: evicted experts point at the host again (the victims chosen in one pass over
         //    the cache, as one by one).
@@ -273,22 +273,9 @@ impl GpuExperts {
         self.copy_after_compute(first.0, first.1)?;
         for &(key, slot) in &placed {
             let b = m.bytes(key);
-            let dst = [0, 1, 2].map(|k| base[k] + (slot * row_bytes[k]) as sys::CUdeviceptr);
-            let src: &[u8] = AsRef::<[u8]>::as_ref(b.slot.as_ref());
-            for (k, &d) in dst.iter().enumerate() {
-                assert_eq!(
-                    b.ranges[k].len(),
-                    row_bytes[k],
-                    "expert {key:?} part {k}: pool row size"
-                );
-                // SAFETY: `d` holds `row_bytes[k]` bytes; the source is held for the tier's life.
-                unsafe {
-                    result::memcpy_htod_async(d, &src[b.ranges[k].clone()], self.copy.cu_stream())
-                }
-                .map_err(|e| cerr(key)(e.to_string()))?;
-            }
-            self.counters.uploads.fetch_add(1, Ordering::Relaxed);
-            self.counters.upload_bytes.fetch_add(b.bytes as u64, Ordering::Relaxed);
+            assert_pool_rows(key, b, &row_bytes);
+            // (the source is held for the tier's life)
+            self.queue_copies(key.0, key.1, b, pool_row(&base, &row_bytes, slot))?;
         }
         let copied: Arc<CudaEvent> =
             Arc::new(self.copy.record_event(None).map_err(|e| cerr(first)(e.to_string()))?);

@@ -73,6 +73,26 @@ enum Vram {
     },
 }
 
+/// Device addresses of pool row `slot` of each projection (`base`: row 0's, `row_bytes` apart).
+fn pool_row(
+    base: &[sys::CUdeviceptr; 3],
+    row_bytes: &[usize; 3],
+    slot: usize,
+) -> [sys::CUdeviceptr; 3] {
+    [0, 1, 2].map(|k| base[k] + (slot * row_bytes[k]) as sys::CUdeviceptr)
+}
+
+/// Panics unless expert `key`'s stored parts `b` have the pool's row sizes.
+fn assert_pool_rows(key: Key, b: &ExpertBytes, row_bytes: &[usize; 3]) {
+    for (k, (range, &row)) in b.ranges.iter().zip(row_bytes).enumerate() {
+        assert_eq!(
+            range.len(),
+            row,
+            "expert {key:?} part {k}: stored size differs from the pool's rows"
+        );
+    }
+}
+
 struct TierEntry {
     /// Per-expert storage: the expert's device tensors.
     expert: Option<Arc<Expert>>,
@@ -401,15 +421,9 @@ impl GpuExperts {
                 (Some(x), 0, ev)
             }
             Vram::Pool { base, row_bytes, .. } => {
-                for (k, (range, &row)) in b.ranges.iter().zip(row_bytes).enumerate() {
-                    assert_eq!(
-                        range.len(),
-                        row,
-                        "expert {key:?} part {k}: stored size differs from the pool's rows"
-                    );
-                }
+                assert_pool_rows(key, b, row_bytes);
                 let slot = st.free.pop().expect("make_room leaves a free row");
-                let dst = [0, 1, 2].map(|k| base[k] + (slot * row_bytes[k]) as sys::CUdeviceptr);
+                let dst = pool_row(base, row_bytes, slot);
                 match self.copy_parts(st, key.0, key.1, b, dst) {
                     Ok(ev) => (None, slot, Some(ev)),
                     Err(e) => {
