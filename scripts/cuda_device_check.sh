@@ -49,6 +49,8 @@
 #     time of its replays against the host's time per pass (STRATA_GPU_GRAPH_STATS=1), VARIANTS.
 # 10. PART=ncu-llama (instead of 2-9; LLAMA=1): Strata's and llama.cpp's decode-step kernels under
 #     ncu on the same 12-layer file, caches left alone and flushed (NCU_MODES).
+# 12. PART=ncu-batch (instead of 2-11): every kernel of a 16-sequence decode step under ncu, on a
+#     12-layer cut of the synthetic 30B (realistic routing), and the cut's x1 / x16 step times.
 # 11. PART=hybrid (instead of 2-10): hybrid models' Gated DeltaNet layers on the GPU (issue 24).
 #     Unless BENCH_ONLY: the kernel tests; compare-devices on the qwen3_next / qwen3_5_moe fixtures
 #     (HF and GGUF) and on a tiny-hybrid Q4_K synthetic, the DeltaNet kernels on and off
@@ -147,6 +149,15 @@ if [ "${PART:-}" = batch ]; then
         --stream-experts off -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep -E '^\||per step' \
         | tee -a "$OUT/batch.md"
     done
+    # BATCH_ENVS: one environment assignment per variant (X=1: the defaults), alternating over
+    # ROUNDS, e.g. "X=1 STRATA_GPU_MV_TOKENS=4".
+    for round in $(seq 1 ${ROUNDS:-2}); do
+      for e in ${BATCH_ENVS:-}; do
+        echo "## $M: batched decode in the engine, $e, round $round" | tee -a "$OUT/batch.md"
+        env "$e" STRATA_BENCH_SPLIT=1 "$S" bench -m "$M" --device cuda --stream-experts off \
+          -p 64 -n 64 -r 2 --batch 2,4,8,16 2>&1 | grep -E '^\||per step' | tee -a "$OUT/batch.md"
+      done
+    done
     # Batched steps op by op (STRATA_GPU_BATCH_GRAPHS=0; one sequence still graph-replayed)
     # after the default (captured), then the default again: alternating.
     for bg in 0 1; do
@@ -193,6 +204,7 @@ variant_envs() {
     rows1|rows2|rows4) envs=(STRATA_GPU_MV_ROWS=${1#rows}) ;;
     f32act) envs=(STRATA_GPU_Q8=0) ;;
     no-q8-fuse) envs=(STRATA_GPU_Q8_FUSE=0) ;;
+    no-silu-q8) envs=(STRATA_GPU_SILU_Q8=0) ;;
     no-pdl) envs=(STRATA_GPU_PDL=0) ;;
     chunk256) envs=(STRATA_GPU_ATTN_CHUNK=256) ;;
     norm256) envs=(STRATA_GPU_NORM_THREADS=256) ;;
@@ -351,6 +363,39 @@ if [ "${PART:-}" = graph-stats ]; then
     echo "## $v" | tee -a "$D/stats.md"
     env "${envs[@]}" STRATA_GPU_GRAPH_STATS=1 "$S" bench -m $M --device cuda --stream-experts off -p 8 -n 128 -r 2 2>&1 \
       | grep -E "captured|graph replays: (64|128|256)|^\| (pp|tg)|rror" | tee -a "$D/stats.md"
+  done
+  exit 0
+fi
+if [ "${PART:-}" = ncu-batch ]; then
+  # Where a 16-sequence decode step's time goes (issue 25): every kernel of `strata bench --batch
+  # 16` on a cut of the synthetic 30B (realistic routing; NCU_LAYERS, default 12) under ncu,
+  # serialized, caches and clocks left alone, op by op (graphs and PDL off). The run's last pass
+  # is a 16-row step: batch.md lists its kernels (ncu_table over the launches after the last
+  # 1-row pass). Then the engine's step times, full 30B x1 / x16 when it is on the disk.
+  D="$OUT/ncu-batch"; mkdir -p "$D"
+  NL=${NCU_LAYERS:-12}; MC=/tmp/ncu-batch-$NL.gguf
+  [ -f $MC ] || "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --layers $NL --out $MC > /dev/null 2>&1
+  STRATA_GPU_GRAPHS=0 STRATA_GPU_BATCH_GRAPHS=0 STRATA_GPU_PDL=0 timeout 400 /usr/local/cuda/bin/ncu \
+    --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv \
+    "$S" bench -m $MC --device cuda --stream-experts off -p 1 -n 3 -r 1 --batch ${NCU_BATCH:-16} \
+    > "$D/all.csv" 2> "$D/all.err"; echo "ncu exit $?" | tee "$D/batch.md"
+  # The last pass: the run ends with batched steps of identical kernel sequences, so a pass is
+  # the shortest period P (over 20 launches) with the last P names equal to the P before them.
+  python3 - "$D/all.csv" > "$D/last.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+hdr, body = rows[0], rows[1:]
+k = hdr.index("Kernel Name")
+names = [r[k] for r in body]
+P = next((p for p in range(20, len(names) // 2) if names[-p:] == names[-2 * p:-p]), len(names))
+w = csv.writer(sys.stdout); w.writerow(hdr)
+for r in body[-P:]: w.writerow(r)
+print(f"{len(body)} launches; the last pass: {P}", file=sys.stderr)
+PY
+  ncu_table "$D/last.csv" | tee -a "$D/batch.md"
+  for b in 1 16; do
+    STRATA_BENCH_SPLIT=1 "$S" bench -m $MC --device cuda --stream-experts off -p 16 -n 64 -r 2 --batch $b 2>&1 \
+      | grep -E '^\||per step' | tee -a "$D/batch.md"
   done
   exit 0
 fi
@@ -562,7 +607,7 @@ print('$spec ($v): equal prefix', same, 'of', len(b), '| identical:', g==b, '| s
   {
     echo "| run | pp512 tok/s | tg128 tok/s |"
     echo "|---|---|---|"
-    for round in 1 2; do
+    for round in $(seq 1 ${ROUNDS:-2}); do
       for v in ${VARIANTS:-new candle-moe candle-matvec candle}; do
         variant_envs "$v"
         bench "$v-$round" "$S" "${envs[@]}"

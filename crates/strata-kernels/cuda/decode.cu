@@ -169,15 +169,23 @@ extern "C" __global__ void moe_route_topk(const float* __restrict__ logits, uint
 }
 
 // ---------------------------------------------------------------------------------------------
-// silu(g) * u, elementwise over n values (transformers' SiLU: x * sigmoid(x)).
+// silu(g) * u, elementwise over n values (transformers' SiLU: x * sigmoid(x)). oq [n] int8,
+// od [n / 32] (nullable; n and the rows' width multiples of 32 when given): out's q8 rounding
+// (q8_round_warp) for the down projection's mat-vec, written in the same pass. blockDim.x a
+// multiple of 32, so each warp holds 32 consecutive values of one row, or none.
 extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u,
-                                    float* __restrict__ out, int n) {
+                                    float* __restrict__ out, int8_t* __restrict__ oq,
+                                    float* __restrict__ od, int n) {
     PDL_ENTER();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = 0.f;
     if (i < n) {
-        float x = g[i];
-        out[i] = x / (1.f + expf(-x)) * u[i];
+        const float x = g[i];
+        v = x / (1.f + expf(-x)) * u[i];
+        out[i] = v;
     }
+    // n % 32 == 0 here: a warp is wholly inside or wholly past the end.
+    if (oq && i - i % WARP < n) q8_round_warp(v, i, true, oq, od);
 }
 
 // out[t, h] = sum_j w[t, j] * y[t, j, h]; y [n, k, H], w [n, k], out [n, H]. grid (ceil(H/256), n).

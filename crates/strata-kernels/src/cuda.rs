@@ -330,7 +330,10 @@ pub fn route_topk(
     Ok((ids, weights))
 }
 
-/// SwiGLU's `silu(gate) · up` in one pass: two f32 tensors of one shape → that shape.
+/// SwiGLU's `silu(gate) · up` in one pass: two f32 tensors of one shape → that shape. For
+/// `[n, K]` inputs of the rows [`q8_beside`] takes (a decode step's dense MLP), the output's q8
+/// rounding is written in the same launch and kept as its twin, so the down projection's mat-vec
+/// skips its `quantize_q8` (`STRATA_GPU_SILU_Q8=0`: not written).
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check_f32(gate, "gate")?;
     check_f32(up, "up")?;
@@ -343,16 +346,35 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if n == 0 {
         return Ok(out);
     }
+    let q8 = match gate.dims2() {
+        Ok((rows, k)) if silu_q8() => Q8Outputs::new(dev, rows, k)?,
+        _ => Q8Outputs::none(),
+    };
+    let (oq, od) = q8.addrs()?;
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(256) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let args =
-        [Arg::Ptr(addr(gate)?), Arg::Ptr(addr(up)?), Arg::Ptr(addr(&out)?), Arg::I32(n as i32)];
-    // SAFETY: arguments in `silu_mul`'s order; all three hold n elements.
+    let args = [
+        Arg::Ptr(addr(gate)?),
+        Arg::Ptr(addr(up)?),
+        Arg::Ptr(addr(&out)?),
+        Arg::Ptr(oq),
+        Arg::Ptr(od),
+        Arg::I32(n as i32),
+    ];
+    // SAFETY: arguments in `silu_mul`'s order; all three f32 tensors hold n elements; the q8
+    // outputs (when given: [rows, K] with K % 32 == 0 by `q8_beside`) n bytes and n / 32 f32.
     unsafe { launch(dev, "silu_mul", cfg, &args) }?;
+    q8.keep_for(&out);
     Ok(out)
+}
+
+/// Whether [`silu_mul`] writes its output's q8 twin: on unless `STRATA_GPU_SILU_Q8=0`.
+fn silu_q8() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_GPU_SILU_Q8").map_or(true, |v| v != "0"))
 }
 
 /// The MoE block's weighted sum over the top-k: `y: [n, k, H]`, `weights: [n, k]` → `[n, H]`,

@@ -16,7 +16,7 @@ use crate::error::Result;
 use crate::experts::{ExpertProvider, FusedCall};
 use crate::layers::{Linear, WeightLoader};
 use crate::mlp::Mlp;
-use crate::synthetic_routing::{RoutingHistory, SyntheticRouter};
+use crate::synthetic_routing::{LayerHistory, RoutingHistory, SyntheticRouter};
 
 /// The routing decision of one MoE layer for a batch of tokens.
 #[derive(Debug, Clone, PartialEq)]
@@ -150,8 +150,10 @@ impl Router {
                     ))
                     .into());
                 }
-                let actual =
-                    synthetic_chain(s, layer, seq.start, seq.tokens, seq.history, !predict);
+                let actual = match seq.history.layer_mut(layer) {
+                    Some(h) => synthetic_chain(s, seq.start, seq.tokens, h, !predict),
+                    None => synthetic_chain_unrecorded(s, seq.start, seq.tokens),
+                };
                 for (i, (row, actual)) in logits.iter().zip(actual).enumerate() {
                     let (pos, token) = (seq.start + i, seq.tokens[i]);
                     let chosen = if predict { s.predict(pos, token, &actual) } else { actual };
@@ -177,9 +179,20 @@ impl Router {
     /// router's scores. The device weighs them the same way ([`Self::route_on_device`] with
     /// `chosen`). `None` when this router has no synthetic process.
     pub fn synthetic_choice(&self, layer: usize, seq: SeqRoute<'_>) -> Option<Vec<u32>> {
+        self.synthetic_choice_in(seq.start, seq.tokens, seq.history.layer_mut(layer)?)
+    }
+
+    /// [`Self::synthetic_choice`] for rows at positions `start..` (`tokens`) recorded in one
+    /// layer's part of a history (this router's layer; histories of different layers can be
+    /// written on different threads).
+    pub fn synthetic_choice_in(
+        &self,
+        start: usize,
+        tokens: &[u32],
+        history: LayerHistory<'_>,
+    ) -> Option<Vec<u32>> {
         let s = self.synthetic.as_ref()?;
-        let rows = synthetic_chain(s, layer, seq.start, seq.tokens, seq.history, true);
-        Some(rows.concat())
+        Some(synthetic_chain(s, start, tokens, history, true).concat())
     }
 
     /// [`Self::route`] on the device: `x: [seq, hidden]` → expert ids `[seq, k]` (u32) and weights
@@ -252,29 +265,43 @@ impl Router {
     }
 }
 
-/// The experts synthetic process `s` chooses for `tokens` at positions `start..` of layer `layer`,
-/// each row's choice depending on the previous position's (read from `history`, and written there
-/// when `record`).
+/// The experts synthetic process `s` chooses for `tokens` at positions `start..` of its layer,
+/// each row's choice depending on the previous position's (read from the layer's `history`, and
+/// written there when `record`).
 fn synthetic_chain(
     s: &SyntheticRouter,
-    layer: usize,
     start: usize,
     tokens: &[u32],
-    history: &mut RoutingHistory,
+    mut history: LayerHistory<'_>,
     record: bool,
 ) -> Vec<Vec<u32>> {
     let mut prev: Option<Vec<u32>> =
-        start.checked_sub(1).and_then(|p| history.get(layer, p)).map(<[u32]>::to_vec);
+        start.checked_sub(1).and_then(|p| history.get(p)).map(<[u32]>::to_vec);
     let mut rows = Vec::with_capacity(tokens.len());
     for (i, &token) in tokens.iter().enumerate() {
         let actual = s.route(start + i, token, prev.as_deref());
         if record {
-            history.set(layer, start + i, &actual);
+            history.set(start + i, &actual);
         }
         prev = Some(actual.clone());
         rows.push(actual);
     }
     rows
+}
+
+/// [`synthetic_chain`] for a layer the history does not hold (nothing recorded, no previous
+/// choice at `start − 1`).
+fn synthetic_chain_unrecorded(s: &SyntheticRouter, start: usize, tokens: &[u32]) -> Vec<Vec<u32>> {
+    let mut prev: Option<Vec<u32>> = None;
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &token)| {
+            let actual = s.route(start + i, token, prev.as_deref());
+            prev = Some(actual.clone());
+            actual
+        })
+        .collect()
 }
 
 /// `Σⱼ w[t, j] · y[t, j]` for expert outputs `y: [seq, k, H]` and weights `w: [seq, k]`: one

@@ -43,14 +43,25 @@ impl RoutingHistory {
         self.ids.get(layer).and_then(|v| v.get(r))
     }
 
-    /// Records `ids` (`top_k` of them) as `layer`'s choice at `position`.
+    /// Records `ids` (`top_k` of them) as `layer`'s choice at `position` (nothing past the layers
+    /// the history was made for).
     pub fn set(&mut self, layer: usize, position: usize, ids: &[u32]) {
-        let k = self.top_k;
-        let Some(v) = self.ids.get_mut(layer) else { return };
-        if v.len() < (position + 1) * k {
-            v.resize((position + 1) * k, 0);
+        if let Some(mut h) = self.layer_mut(layer) {
+            h.set(position, ids);
         }
-        v[position * k..(position + 1) * k].copy_from_slice(&ids[..k]);
+    }
+
+    /// `layer`'s part of the history, writable apart from the other layers' (`None` past the
+    /// layers the history was made for).
+    pub fn layer_mut(&mut self, layer: usize) -> Option<LayerHistory<'_>> {
+        let top_k = self.top_k;
+        self.ids.get_mut(layer).map(|ids| LayerHistory { top_k, ids })
+    }
+
+    /// Every layer's part, in layer order (each writable on its own thread).
+    pub fn layers_mut(&mut self) -> Vec<LayerHistory<'_>> {
+        let top_k = self.top_k;
+        self.ids.iter_mut().map(|ids| LayerHistory { top_k, ids }).collect()
     }
 
     /// Bytes held.
@@ -109,6 +120,30 @@ const KEEP: u64 = 3;
 const DRAW: u64 = 4;
 const PREGATE_KEEP: u64 = 5;
 const PREGATE_DRAW: u64 = 6;
+
+/// One layer's part of a [`RoutingHistory`]: its choices at every position (`[positions ·
+/// top_k]`).
+#[derive(Debug)]
+pub struct LayerHistory<'a> {
+    top_k: usize,
+    ids: &'a mut Vec<u32>,
+}
+
+impl LayerHistory<'_> {
+    /// The experts chosen at `position` (`None` if not recorded).
+    pub fn get(&self, position: usize) -> Option<&[u32]> {
+        self.ids.get(position * self.top_k..(position + 1) * self.top_k)
+    }
+
+    /// Records `ids` (`top_k` of them) as the choice at `position`.
+    pub fn set(&mut self, position: usize, ids: &[u32]) {
+        let k = self.top_k;
+        if self.ids.len() < (position + 1) * k {
+            self.ids.resize((position + 1) * k, 0);
+        }
+        self.ids[position * k..(position + 1) * k].copy_from_slice(&ids[..k]);
+    }
+}
 
 /// The routing process of one MoE layer of a synthetic model.
 #[derive(Debug, Clone)]

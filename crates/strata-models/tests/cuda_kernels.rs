@@ -357,9 +357,14 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     let mut rng = Rng(0xd3);
     // Row counts of 2200 and 4400: the mat-vec's 2- and 4-rows-per-warp launches (mv_rows),
     // compared bit for bit below with other row groupings of the same matrices.
-    for &(r, k, n) in
-        &[(7usize, 256usize, 1usize), (64, 2048, 16), (130, 768, 3), (2200, 256, 5), (4400, 512, 2)]
-    {
+    for &(r, k, n) in &[
+        (7usize, 256usize, 1usize),
+        (64, 2048, 16),
+        (130, 768, 3),
+        (2200, 256, 5),
+        (4400, 512, 2),
+        (97, 512, 11),
+    ] {
         let (wq, deq) = random_q4k(&[r, k], &mut rng, &dev);
         let x = rng.vec(n * k, 1.0);
         let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
@@ -451,6 +456,7 @@ fn matvec_q4_1_and_q8_0_match_the_reference_and_rows_are_independent() {
             (4400, 64, 1),
             (2200, 96, 1),
             (9, 32, 8),
+            (300, 64, 13),
         ] {
             let (w, deq) = random(&[r, k], dt, &mut rng);
             let x = rng.vec(n * k, 2.0);
@@ -480,7 +486,7 @@ fn matvec_q4_1_and_q8_0_match_the_reference_and_rows_are_independent() {
             cases += 1;
         }
     }
-    assert_eq!(cases, 12);
+    assert_eq!(cases, 14);
     let x = Tensor::zeros((1, 64), DType::F32, &dev).unwrap();
     let (a, _) = random(&[4, 64], GgmlDType::Q4_1, &mut rng);
     let (b, _) = random(&[4, 64], GgmlDType::Q8_0, &mut rng);
@@ -580,7 +586,7 @@ fn matvec_f32_and_add_rms_norm_match_the_reference() {
     assert!(gpu::add_rms_norm(&a, &a, &w, 1e-6).is_err(), "weight of another width");
 }
 
-/// The q8 roundings that `add_rms_norm` and `attend_decode` write beside their outputs (the twins
+/// The q8 roundings that `add_rms_norm`, `silu_mul` and `attend_decode` write beside their outputs (the twins
 /// the mat-vec kernels take instead of a `quantize_q8` launch) are `quantize_q8`'s bytes; they
 /// are kept for the row counts `q8_beside` names, at most `TWINS_KEPT`, and released on demand.
 #[test]
@@ -609,7 +615,19 @@ fn fused_q8_twins_equal_quantize_q8_of_the_output() {
         }
         outs.push(out);
     }
-    // Three twins were kept, none evicted yet; two more push the oldest out.
+    // The SwiGLU product of a dense MLP (its down projection's input) for the same row counts.
+    for &(n, k) in &[(2usize, 1536usize), (17, 64), (1, 100)] {
+        let up = |v: Vec<f32>| Tensor::from_vec(v, (n, k), &dev).unwrap();
+        let (g, u) = (up(rng.vec(n * k, 4.0)), up(rng.vec(n * k, 2.0)));
+        let out = gpu::silu_mul(&g, &u).unwrap();
+        if n <= gpu::MOE_ROWS_MAX && k % 32 == 0 {
+            same_as_quantize(&out, &format!("silu_mul n {n} K {k}"));
+        } else {
+            assert!(gpu::q8_twin(&out).is_none(), "silu_mul n {n} K {k}: no twin expected");
+        }
+        outs.push(out);
+    }
+    // Four twins were kept, none evicted yet; two more push the oldest out.
     assert!(gpu::q8_twin(&outs[0]).is_some());
     let (nh, nkv, hd, cap) = (8usize, 2usize, 64usize, 700usize);
     let scale = 1.0 / (hd as f32).sqrt();
@@ -624,7 +642,7 @@ fn fused_q8_twins_equal_quantize_q8_of_the_output() {
         outs.push(out);
     }
     assert!(gpu::q8_twin(&outs[0]).is_none(), "past TWINS_KEPT the oldest twin is dropped");
-    assert_eq!(gpu::TWINS_KEPT, 4);
+    assert_eq!(gpu::TWINS_KEPT, 5);
     // A mat-vec given an output with a twin computes what it computes from a fresh rounding.
     let (w, _) = random_q4k(&[256, 2048], &mut rng, &dev);
     let ones = Tensor::ones(2048, DType::F32, &dev).unwrap();

@@ -2,9 +2,9 @@
 //! the sums): which inputs the kernels take ([`Activations`]), the rounding kernel
 //! ([`quantize_q8`]), and the roundings that fused kernels write beside their f32 outputs.
 //!
-//! **Twins.** `add_rms_norm` and `attend_decode` write an output's q8 rounding in the same pass
+//! **Twins.** `add_rms_norm`, `attend_decode` and `silu_mul` write an output's q8 rounding in the same pass
 //! when the rows are few enough for the q8 kernels ([`q8_beside`]) — saving a `quantize_q8`
-//! launch for the q/k/v, o and MoE inputs of a decode step (three of four per layer). The rounding
+//! launch for the q/k/v, o, MoE and dense-MLP down inputs of a decode step. The rounding
 //! is kept here, keyed by the f32 output's device address and shape, and holding a clone of that
 //! output (so its memory cannot be reused while the key stands); a kernel input that is such an
 //! output takes the kept rounding instead of a new launch ([`kernel_inputs`]). Both roundings
@@ -87,8 +87,9 @@ fn alloc_q8(dev: &CudaDevice, n: usize, k: usize) -> Result<(Tensor, Tensor)> {
     Ok((alloc::<u8>(dev, (n, k))?, alloc::<f32>(dev, (n, k / 32))?))
 }
 
-/// Twins kept per thread (a layer's attention-norm, attention-output and FFN-norm outputs).
-pub const TWINS_KEPT: usize = 4;
+/// Twins kept per thread (a layer's attention-norm, attention-output, FFN-norm and SwiGLU outputs,
+/// and one spare).
+pub const TWINS_KEPT: usize = 5;
 
 /// An f32 output and its q8 rounding `(q, d)`.
 struct Twin {
@@ -109,6 +110,11 @@ impl Q8Outputs {
     /// Buffers for the rounding of `[n, k]` values, or none.
     pub(super) fn new(dev: &CudaDevice, n: usize, k: usize) -> Result<Self> {
         Ok(Self(if q8_beside(n, k) { Some(alloc_q8(dev, n, k)?) } else { None }))
+    }
+
+    /// No rounding written.
+    pub(super) fn none() -> Self {
+        Self(None)
     }
 
     /// The `q` and `d` addresses as kernel arguments (`0, 0`: write none).

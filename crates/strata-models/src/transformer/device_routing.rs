@@ -19,7 +19,8 @@ use candle_core::{DType, Tensor};
 use super::{FeedForward, Transformer};
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::moe::{LayerRouting, SeqRoute, SparseMoe};
+use crate::moe::{LayerRouting, SparseMoe};
+use crate::synthetic_routing::LayerHistory;
 use crate::ExpertProvider;
 
 /// One pass's device routing: the record `[moe_layers · rows · top_k]` and which layer wrote
@@ -73,16 +74,69 @@ pub(super) fn synthetic_choices(
         return None;
     }
     let layers = device_routed_layers(model, end)?;
-    let mut out = Vec::new();
+    // Each sequence's history split by layer, so that layers can be chosen on different threads.
+    let mut split: Vec<Vec<Option<LayerHistory<'_>>>> = caches
+        .iter_mut()
+        .map(|c| c.routing_history_mut().map(|h| h.layers_mut().into_iter().map(Some).collect()))
+        .collect::<Option<_>>()?;
+    let mut work: Vec<(&SparseMoe, Vec<LayerHistory<'_>>)> = Vec::with_capacity(layers.len());
     for moe in layers {
-        for (c, &(start, tokens)) in caches.iter_mut().zip(seqs) {
-            let history = c.routing_history_mut()?;
-            let seq = SeqRoute { start, tokens, history };
-            out.extend(moe.router().synthetic_choice(moe.layer(), seq)?);
-        }
+        let hs = split.iter_mut().map(|h| h.get_mut(moe.layer())?.take()).collect::<Option<_>>()?;
+        work.push((moe, hs));
     }
-    Some(out)
+    let choose = |(moe, hs): (&SparseMoe, Vec<LayerHistory<'_>>)| -> Option<Vec<u32>> {
+        let mut out = Vec::new();
+        for (h, &(start, tokens)) in hs.into_iter().zip(seqs) {
+            out.extend(moe.router().synthetic_choice_in(start, tokens, h)?);
+        }
+        Some(out)
+    };
+    let rows: usize = seqs.iter().map(|(_, t)| t.len()).sum();
+    let threads = choice_threads(work.len() * rows).min(work.len());
+    let per_layer: Vec<Option<Vec<u32>>> = if threads <= 1 {
+        work.into_iter().map(choose).collect()
+    } else {
+        // Layers in contiguous groups, one thread each; joined in layer order.
+        let per = work.len().div_ceil(threads);
+        let mut groups = Vec::with_capacity(threads);
+        while !work.is_empty() {
+            let rest = work.split_off(per.min(work.len()));
+            groups.push(std::mem::replace(&mut work, rest));
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| scope.spawn(move || g.into_iter().map(choose).collect::<Vec<_>>()))
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().expect("a routing thread panicked")).collect()
+        })
+    };
+    Some(per_layer.into_iter().collect::<Option<Vec<_>>>()?.concat())
 }
+
+/// Threads for a synthetic model's choice of `routes` (layer, row) draws: one below
+/// [`PARALLEL_CHOICES_MIN`] (a decode step of one sequence: starting threads would cost about what
+/// its few dozen draws of a few µs each cost), else up to 8 of the host's cores (a batched step of
+/// 16 sequences through 48 MoE layers makes 768 draws before its launch). The choice is the same
+/// bits either way: each layer's draws read and write only that layer's history. A measurement
+/// override: `STRATA_ROUTING_THREADS=n`.
+fn choice_threads(routes: usize) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
+        std::env::var("STRATA_ROUTING_THREADS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0)
+    });
+    if let Some(n) = forced {
+        return *n;
+    }
+    if routes < PARALLEL_CHOICES_MIN {
+        return 1;
+    }
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// (Layer, row) draws from which a synthetic model's choice runs on several threads (a batched
+/// step of 16 sequences through tiny-moe's 4 layers is one: the device checks take that path).
+const PARALLEL_CHOICES_MIN: usize = 64;
 
 impl DeviceRouting {
     /// `Some` when this pass of `rows` rows through layers `0..end` can route on the device
