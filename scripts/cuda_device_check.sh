@@ -49,8 +49,6 @@
 #     time of its replays against the host's time per pass (STRATA_GPU_GRAPH_STATS=1), VARIANTS.
 # 10. PART=ncu-llama (instead of 2-9; LLAMA=1): Strata's and llama.cpp's decode-step kernels under
 #     ncu on the same 12-layer file, caches left alone and flushed (NCU_MODES).
-# 12. PART=ncu-batch (instead of 2-11): every kernel of a 16-sequence decode step under ncu, on a
-#     12-layer cut of the synthetic 30B (realistic routing), and the cut's x1 / x16 step times.
 # 11. PART=hybrid (instead of 2-10): hybrid models' Gated DeltaNet layers on the GPU (issue 24).
 #     Unless BENCH_ONLY: the kernel tests; compare-devices on the qwen3_next / qwen3_5_moe fixtures
 #     (HF and GGUF) and on a tiny-hybrid Q4_K synthetic, the DeltaNet kernels on and off
@@ -62,6 +60,8 @@
 #     with the kernels on and off (VARIANTS, default "1 0"), alternating (ROUNDS, default 2), each
 #     run's device→host reads per decode step printed; LLAMA=1: llama-bench on the same file in
 #     the same rounds (llama.cpp CUDA built from the carried sdist as in PART=decode).
+# 12. PART=ncu-batch (instead of 2-11): every kernel of a 16-sequence decode step under ncu, on a
+#     12-layer cut of the synthetic 30B (realistic routing), and the cut's x1 / x16 step times.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -370,8 +370,8 @@ if [ "${PART:-}" = ncu-batch ]; then
   # Where a 16-sequence decode step's time goes (issue 25): every kernel of `strata bench --batch
   # 16` on a cut of the synthetic 30B (realistic routing; NCU_LAYERS, default 12) under ncu,
   # serialized, caches and clocks left alone, op by op (graphs and PDL off). The run's last pass
-  # is a 16-row step: batch.md lists its kernels (ncu_table over the launches after the last
-  # 1-row pass). Then the engine's step times, full 30B x1 / x16 when it is on the disk.
+  # is a 16-row step: batch.md lists its kernels (ncu_table over that pass's launches). Then the
+  # cut's engine step times, x1 and x16.
   D="$OUT/ncu-batch"; mkdir -p "$D"
   NL=${NCU_LAYERS:-12}; MC=/tmp/ncu-batch-$NL.gguf
   [ -f $MC ] || "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --layers $NL --out $MC > /dev/null 2>&1

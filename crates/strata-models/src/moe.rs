@@ -150,10 +150,8 @@ impl Router {
                     ))
                     .into());
                 }
-                let actual = match seq.history.layer_mut(layer) {
-                    Some(h) => synthetic_chain(s, seq.start, seq.tokens, h, !predict),
-                    None => synthetic_chain_unrecorded(s, seq.start, seq.tokens),
-                };
+                let history = seq.history.layer_mut(layer);
+                let actual = synthetic_chain(s, seq.start, seq.tokens, history, !predict);
                 for (i, (row, actual)) in logits.iter().zip(actual).enumerate() {
                     let (pos, token) = (seq.start + i, seq.tokens[i]);
                     let chosen = if predict { s.predict(pos, token, &actual) } else { actual };
@@ -192,7 +190,7 @@ impl Router {
         history: LayerHistory<'_>,
     ) -> Option<Vec<u32>> {
         let s = self.synthetic.as_ref()?;
-        Some(synthetic_chain(s, start, tokens, history, true).concat())
+        Some(synthetic_chain(s, start, tokens, Some(history), true).concat())
     }
 
     /// [`Self::route`] on the device: `x: [seq, hidden]` → expert ids `[seq, k]` (u32) and weights
@@ -267,41 +265,27 @@ impl Router {
 
 /// The experts synthetic process `s` chooses for `tokens` at positions `start..` of its layer,
 /// each row's choice depending on the previous position's (read from the layer's `history`, and
-/// written there when `record`).
+/// written there when `record`; `None`: a layer the history does not hold, nothing read or
+/// written).
 fn synthetic_chain(
     s: &SyntheticRouter,
     start: usize,
     tokens: &[u32],
-    mut history: LayerHistory<'_>,
+    mut history: Option<LayerHistory<'_>>,
     record: bool,
 ) -> Vec<Vec<u32>> {
     let mut prev: Option<Vec<u32>> =
-        start.checked_sub(1).and_then(|p| history.get(p)).map(<[u32]>::to_vec);
+        start.checked_sub(1).and_then(|p| history.as_ref()?.get(p)).map(<[u32]>::to_vec);
     let mut rows = Vec::with_capacity(tokens.len());
     for (i, &token) in tokens.iter().enumerate() {
         let actual = s.route(start + i, token, prev.as_deref());
-        if record {
-            history.set(start + i, &actual);
+        if let (true, Some(h)) = (record, history.as_mut()) {
+            h.set(start + i, &actual);
         }
         prev = Some(actual.clone());
         rows.push(actual);
     }
     rows
-}
-
-/// [`synthetic_chain`] for a layer the history does not hold (nothing recorded, no previous
-/// choice at `start − 1`).
-fn synthetic_chain_unrecorded(s: &SyntheticRouter, start: usize, tokens: &[u32]) -> Vec<Vec<u32>> {
-    let mut prev: Option<Vec<u32>> = None;
-    tokens
-        .iter()
-        .enumerate()
-        .map(|(i, &token)| {
-            let actual = s.route(start + i, token, prev.as_deref());
-            prev = Some(actual.clone());
-            actual
-        })
-        .collect()
 }
 
 /// `Σⱼ w[t, j] · y[t, j]` for expert outputs `y: [seq, k, H]` and weights `w: [seq, k]`: one

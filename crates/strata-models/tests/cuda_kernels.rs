@@ -586,9 +586,9 @@ fn matvec_f32_and_add_rms_norm_match_the_reference() {
     assert!(gpu::add_rms_norm(&a, &a, &w, 1e-6).is_err(), "weight of another width");
 }
 
-/// The q8 roundings that `add_rms_norm`, `silu_mul` and `attend_decode` write beside their outputs (the twins
-/// the mat-vec kernels take instead of a `quantize_q8` launch) are `quantize_q8`'s bytes; they
-/// are kept for the row counts `q8_beside` names, at most `TWINS_KEPT`, and released on demand.
+/// The q8 roundings that `add_rms_norm`, `silu_mul` and `attend_decode` write beside their
+/// outputs (the twins the mat-vec kernels take instead of a `quantize_q8` launch) are
+/// `quantize_q8`'s bytes; they are kept for the row counts `q8_beside` names, at most `TWINS_KEPT`, and released on demand.
 #[test]
 fn fused_q8_twins_equal_quantize_q8_of_the_output() {
     let dev = cuda();

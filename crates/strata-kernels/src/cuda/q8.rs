@@ -2,10 +2,10 @@
 //! the sums): which inputs the kernels take ([`Activations`]), the rounding kernel
 //! ([`quantize_q8`]), and the roundings that fused kernels write beside their f32 outputs.
 //!
-//! **Twins.** `add_rms_norm`, `attend_decode` and `silu_mul` write an output's q8 rounding in the same pass
-//! when the rows are few enough for the q8 kernels ([`q8_beside`]) — saving a `quantize_q8`
-//! launch for the q/k/v, o, MoE and dense-MLP down inputs of a decode step. The rounding
-//! is kept here, keyed by the f32 output's device address and shape, and holding a clone of that
+//! **Twins.** `add_rms_norm`, `attend_decode` and `silu_mul` write an output's q8 rounding in the
+//! same pass when the rows are few enough for the q8 kernels ([`q8_beside`]) — saving a
+//! `quantize_q8` launch for the q/k/v, o, MoE and dense-MLP down inputs of a decode step. The
+//! rounding is kept here, keyed by the f32 output's device address and shape, and holding a clone of that
 //! output (so its memory cannot be reused while the key stands); a kernel input that is such an
 //! output takes the kept rounding instead of a new launch ([`kernel_inputs`]). Both roundings
 //! come from one device function (`q8_round_warp`), so the bytes are the same either way
