@@ -448,8 +448,16 @@ if [ "${PART:-}" = hybrid ]; then
       printf "tiny-hybrid Q4_K (realistic routing), STRATA_GPU_DELTANET=%s: " $v | tee -a "$D/check.md"
       STRATA_GPU_DELTANET=$v STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m /tmp/tiny-hybrid.gguf -p "The quick brown fox" -n 32 --tolerance 5e-2 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
     done
-    echo "## speculative decoding = plain decoding on the GPU, greedy, tiny-hybrid (rollback of the recurrent state)" | tee -a "$D/check.md"
     SP="one two three four five six seven eight nine ten one two three four five six seven eight nine ten one two three"
+    echo "## prompt passes of more than 32 tokens: parallel conv + chunked delta rule (STRATA_GPU_GDN_CHUNKED=1) or the token-by-token kernels (0)" | tee -a "$D/check.md"
+    for form in $F/moe-tiny/qwen3_next $F/moe-tiny/qwen3_5_moe.gguf /tmp/tiny-hybrid.gguf; do
+      tol=(); case $form in *tiny-hybrid*) tol=(--tolerance 5e-2);; esac
+      for v in 1 0; do
+        printf "%s, 69-word prompt, STRATA_GPU_GDN_CHUNKED=%s: " "$form" $v | tee -a "$D/check.md"
+        STRATA_GPU_GDN_CHUNKED=$v STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m "$form" -p "$SP $SP $SP" -n 16 "${tol[@]}" 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+      done
+    done
+    echo "## speculative decoding = plain decoding on the GPU, greedy, tiny-hybrid (rollback of the recurrent state)" | tee -a "$D/check.md"
     for v in 1 0; do
       STRATA_GPU_DELTANET=$v "$S" generate -m /tmp/tiny-hybrid.gguf --device cuda -p "$SP" -n 96 --ignore-eos --temp 0 --json 2>>"$D/compare.err" > /tmp/gen-plain-$v.json
       for spec in "--spec self --draft-layers 1" "--spec ngram"; do
@@ -492,10 +500,12 @@ print('$samp, $n tokens: equal prefix', sum(1 for _ in __import__('itertools').t
     for round in $(seq 1 ${ROUNDS:-2}); do
       for v in ${VARIANTS:-1 0}; do
         # VARIANTS: 1 (kernels, graphs), 0 (host path), nograph (kernels, op by op), norm256
-        # (kernels, graphs, add_rms_norm on 256 threads: the block before 2026-11-27)
-        g=1 dn=$v nt=1024; [ "$v" = nograph ] && { dn=1; g=0; }; [ "$v" = norm256 ] && { dn=1; nt=256; }
-        STRATA_GPU_NORM_THREADS=$nt STRATA_GPU_GRAPHS=$g STRATA_GPU_DELTANET=$dn timeout 300 "$S" bench -m $M --device cuda -p 512 -n 128 -r ${REPS:-2} --stream-experts off > /tmp/hb-$v.txt 2>/tmp/hb-$v.err
-        bench_row /tmp/hb-$v.txt "deltanet=$dn graphs=$g norm threads=$nt round $round" 128
+        # (kernels, graphs, add_rms_norm on 256 threads: the block before 2026-11-27), recurrent
+        # (kernels, graphs, prompt passes token by token: STRATA_GPU_GDN_CHUNKED=0)
+        g=1 dn=$v nt=1024 ch=1; [ "$v" = nograph ] && { dn=1; g=0; }; [ "$v" = norm256 ] && { dn=1; nt=256; }
+        [ "$v" = recurrent ] && { dn=1; ch=0; }
+        STRATA_GPU_GDN_CHUNKED=$ch STRATA_GPU_NORM_THREADS=$nt STRATA_GPU_GRAPHS=$g STRATA_GPU_DELTANET=$dn timeout 300 "$S" bench -m $M --device cuda -p 512 -n 128 -r ${REPS:-2} --stream-experts off > /tmp/hb-$v.txt 2>/tmp/hb-$v.err
+        bench_row /tmp/hb-$v.txt "deltanet=$dn graphs=$g norm threads=$nt chunked=$ch round $round" 128
         grep -h "device→host" /tmp/hb-$v.err | sed "s/^/    deltanet=$dn graphs=$g: /"
         grep -hiE "error|panick|capture" /tmp/hb-$v.err | head -3
       done

@@ -18,7 +18,9 @@ pub use crate::ExpertTable;
 
 mod gdn;
 mod q8;
-pub use gdn::{gdn_conv, gdn_delta, gdn_gated_norm, GdnShape};
+pub use gdn::{
+    gdn_chunked_enabled, gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm, GdnShape,
+};
 pub use q8::{
     activations, q8_beside, q8_twin, quantize_q8, release_q8_twins, Activations, TWINS_KEPT,
 };

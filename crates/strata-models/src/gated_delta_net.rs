@@ -16,9 +16,9 @@
 //!
 //! On a CUDA device whose sequence keeps its recurrent state there
 //! ([`crate::recurrent::RecurrentCache::on_device`]) the layer runs on our kernels
-//! (`strata_kernels::cuda::gdn_*`, `GatedDeltaNet::forward_gpu`): nothing goes to the host. Every
-//! pass takes the recurrent form there, one launch over its tokens (a thread per conv channel, a
-//! warp per state column).
+//! (`strata_kernels::cuda::gdn_*`, `GatedDeltaNet::forward_gpu`): nothing goes to the host. There
+//! too, passes of more than `EXACT_ROWS_MAX` tokens take the chunked form (`gdn_delta_chunked`,
+//! key heads of up to 128) and shorter ones the recurrent form (a warp per state column).
 
 use candle_core::Tensor;
 use strata_formats::{LinearAttnConfig, ModelConfig, ModelFiles};
@@ -206,7 +206,9 @@ impl GatedDeltaNet {
         let w = self.gpu.as_ref()?;
         let dev = cache.recurrent_device_mut()?;
         let mut run = || -> Result<Tensor> {
-            use strata_kernels::cuda::{gdn_conv, gdn_delta, gdn_gated_norm};
+            use strata_kernels::cuda::{
+                gdn_chunked_enabled, gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm,
+            };
             let s = *dev.shape();
             let parts = self
                 .in_proj
@@ -227,8 +229,16 @@ impl GatedDeltaNet {
             let qkv = gdn_conv(&s, &row, &state.conv, Some(&w.conv_w))?
                 .ok_or_else(|| candle_core::Error::msg("gdn_conv gave no output"))?;
             let q_scale = 1.0 / (self.dims.k_dim as f32).sqrt();
-            let o = gdn_delta(&s, &qkv, &row, &w.a_neg, &w.dt_bias, &state.ssm, q_scale, true)?
-                .ok_or_else(|| candle_core::Error::msg("gdn_delta gave no output"))?;
+            let (a, dt, ssm) = (&w.a_neg, &w.dt_bias, &state.ssm);
+            let o = if row.dim(0)? > crate::attention::EXACT_ROWS_MAX
+                && s.k_dim <= 128
+                && gdn_chunked_enabled()
+            {
+                gdn_delta_chunked(&s, &qkv, &row, a, dt, ssm, q_scale)?
+            } else {
+                gdn_delta(&s, &qkv, &row, a, dt, ssm, q_scale, true)?
+                    .ok_or_else(|| candle_core::Error::msg("gdn_delta gave no output"))?
+            };
             if let Some(log) = log {
                 log.push(&row, &qkv, &w.a_neg, &w.dt_bias);
             }

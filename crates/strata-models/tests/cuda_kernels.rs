@@ -1318,3 +1318,82 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
     let conv = Tensor::zeros((3, bad.conv_dim()), DType::F32, &dev).unwrap();
     assert!(gpu::gdn_conv(&bad, &row, &conv, None).is_err());
 }
+
+/// Prompt passes (more than 32 tokens): the conv's outputs all at once (`gdn_conv_rows`, then the
+/// window alone) and the chunked delta rule (`gdn_delta_chunked`) against the host's
+/// token-by-token definition — 150 tokens (nine chunks of 16 and a partial one) from non-zero
+/// states, outputs and final states within 1e-4 of the largest value, the conv window exact — and
+/// against the recurrent kernel over the same pass. Shapes as in the test above; a key head
+/// dimension over 128 is refused.
+#[test]
+fn gated_delta_net_prompt_kernels_match_the_host() {
+    let dev = cuda();
+    let mut rng = Rng(0x6a09_e667_f3bc_c908);
+    let shapes = [
+        gpu::GdnShape { k_heads: 2, v_heads: 4, k_dim: 16, v_dim: 16, kernel: 4, grouped: true },
+        gpu::GdnShape { k_heads: 2, v_heads: 6, k_dim: 48, v_dim: 24, kernel: 3, grouped: false },
+        gpu::GdnShape {
+            k_heads: 16,
+            v_heads: 64,
+            k_dim: 128,
+            v_dim: 128,
+            kernel: 4,
+            grouped: true,
+        },
+    ];
+    assert!(gpu::gdn_chunked_enabled(), "STRATA_GPU_GDN_CHUNKED=0 would skip the prompt kernels");
+    for s in shapes {
+        let t_len = 150;
+        let (rw, cd, nv, dk, dv) = (s.row_width(), s.conv_dim(), s.v_heads, s.k_dim, s.v_dim);
+        let row = rng.vec(t_len * rw, 2.0);
+        let conv0 = rng.vec((s.kernel - 1) * cd, 1.0);
+        let conv_w = rng.vec(cd * s.kernel, 0.7);
+        let a_neg: Vec<f32> = rng.vec(nv, 1.0).iter().map(|x| -(x + 1.2).exp()).collect();
+        let dt_bias = rng.vec(nv, 1.0);
+        let ssm0 = rng.vec(nv * dk * dv, 0.5);
+        let norm_w = rng.vec(dv, 1.0);
+        let eps = 1e-6;
+        let (mut conv_h, mut ssm_h) = (conv0.clone(), ssm0.clone());
+        let want =
+            gdn_host(&s, &row, &mut conv_h, &conv_w, &a_neg, &dt_bias, &mut ssm_h, &norm_w, eps);
+        let t = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &dev).unwrap();
+        let (cw, an, dt, nw) =
+            (t(&conv_w, &[cd, s.kernel]), t(&a_neg, &[nv]), t(&dt_bias, &[nv]), t(&norm_w, &[dv]));
+        let transpose = |m: &[f32], rows: usize, cols: usize| -> Vec<f32> {
+            (0..m.len())
+                .map(|x| {
+                    let (h, rest) = (x / (rows * cols), x % (rows * cols));
+                    m[h * rows * cols + (rest % rows) * cols + rest / rows]
+                })
+                .collect()
+        };
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let rows = t(&row, &[t_len, rw]);
+        let (conv, ssm) =
+            (t(&conv0, &[s.kernel - 1, cd]), t(&transpose(&ssm0, dk, dv), &[nv, dv, dk]));
+        let qkv = gpu::gdn_conv(&s, &rows, &conv, Some(&cw)).unwrap().unwrap();
+        let o = gpu::gdn_delta_chunked(&s, &qkv, &rows, &an, &dt, &ssm, q_scale).unwrap();
+        let have = flat(&gpu::gdn_gated_norm(&s, o.copy().unwrap(), &rows, &nw, eps).unwrap());
+        let ssm_d = transpose(&flat(&ssm), dv, dk);
+        for (what, a, b) in [("outputs", &have, &want), ("ssm", &ssm_d, &ssm_h)] {
+            let e = max_rel(a, b);
+            assert!(e < 1e-4, "{s:?}: chunked {what} differ from the host by {e:.3e}");
+        }
+        assert_eq!(flat(&conv), conv_h, "{s:?}: conv window after a prompt pass");
+        // The recurrent kernel over the same pass (same conv outputs): within the same bound.
+        let ssm_r = t(&transpose(&ssm0, dk, dv), &[nv, dv, dk]);
+        let o_r =
+            gpu::gdn_delta(&s, &qkv, &rows, &an, &dt, &ssm_r, q_scale, true).unwrap().unwrap();
+        let e = max_rel(&flat(&o), &flat(&o_r));
+        assert!(e < 1e-4, "{s:?}: chunked and recurrent readouts differ by {e:.3e}");
+        let e = max_rel(&flat(&ssm), &flat(&ssm_r));
+        assert!(e < 1e-4, "{s:?}: chunked and recurrent states differ by {e:.3e}");
+    }
+    let wide =
+        gpu::GdnShape { k_heads: 1, v_heads: 1, k_dim: 192, v_dim: 8, kernel: 4, grouped: true };
+    let z = |r: usize, c: usize| Tensor::zeros((r, c), DType::F32, &dev).unwrap();
+    let (row, qkv) = (z(40, wide.row_width()), z(40, wide.conv_dim()));
+    let (a, ssm) =
+        (z(1, 1).flatten_all().unwrap(), Tensor::zeros((1, 8, 192), DType::F32, &dev).unwrap());
+    assert!(gpu::gdn_delta_chunked(&wide, &qkv, &row, &a, &a, &ssm, 1.0).is_err());
+}

@@ -4,9 +4,10 @@
 //! reference `strata_models::gated_delta_net` (transformers `torch_recurrent_gated_delta_rule`).
 //!
 //! A pass of `T` tokens reads `row: [T, rw]`, per token the in-projections' outputs in
-//! `[qkv (cd) | z (vw) | b (nv) | a (nv)]` order. Every pass runs the recurrent form token by
-//! token, so a verify pass's rows equal decode steps bit for bit; the state tensors are updated
-//! in place.
+//! `[qkv (cd) | z (vw) | b (nv) | a (nv)]` order. [`gdn_delta`] runs the recurrent form token by
+//! token, so a verify pass's rows equal decode steps bit for bit; prompt passes take
+//! [`gdn_delta_chunked`] (the chunked form: `T / 16` dependent steps instead of `T`, equal up to
+//! f32 rounding). The state tensors are updated in place.
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::{bail, Result, Tensor};
@@ -19,6 +20,21 @@ const KMAX: usize = 8;
 const DK_MAX: usize = 256;
 /// Value columns per delta block (`GDN_WARPS`).
 const WARPS: usize = 4;
+/// Largest key head dimension of the chunked form (`GDN_CDK`).
+const CHUNKED_DK_MAX: usize = 128;
+/// Value columns per chunked block (`GDN_CT`).
+const CHUNKED_COLS: usize = 32;
+/// Passes of more tokens than this compute the conv's outputs all at once (`gdn_conv_rows`);
+/// shorter ones (decode steps, verify passes) walk their tokens in one thread per channel.
+const CONV_ROWS_MIN: usize = 16;
+
+/// Whether prompt passes take the parallel conv and the chunked delta rule (on unless
+/// `STRATA_GPU_GDN_CHUNKED=0`, which keeps the token-by-token kernels for every pass: a
+/// measurement switch).
+pub fn gdn_chunked_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_GPU_GDN_CHUNKED").map_or(true, |v| v != "0"))
+}
 
 /// A Gated DeltaNet layer's dimensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,12 +120,7 @@ pub fn gdn_conv(
     }
     let row = row.contiguous()?;
     let weight = weight.map(Tensor::contiguous).transpose()?;
-    let cfg = LaunchConfig {
-        grid_dim: (cd.div_ceil(128) as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let args = [
+    let mut args = vec![
         Arg::Ptr(addr(&row)?),
         Arg::I32(s.row_width() as i32),
         Arg::Ptr(addr(conv_state)?),
@@ -119,6 +130,20 @@ pub fn gdn_conv(
         Arg::I32(cd as i32),
         Arg::I32(s.kernel as i32),
     ];
+    let blocks = cd.div_ceil(128) as u32;
+    if out.is_some() && t > CONV_ROWS_MIN && gdn_chunked_enabled() {
+        // Every output at once from the window as it was, then the window alone (`out` = 0).
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, t as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `gdn_conv_rows` takes `gdn_conv`'s arguments in its order; shapes as below.
+        unsafe { launch(dev, "gdn_conv_rows", cfg, &args) }?;
+        args[4] = Arg::Ptr(0);
+    }
+    let cfg =
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: arguments in `gdn_conv`'s order; row [T, rw], conv_state [K − 1, cd], weight
     // [cd, K] and out [T, cd] when given (checked above), all f32 on this device.
     unsafe { launch(dev, "gdn_conv", cfg, &args) }?;
@@ -145,6 +170,22 @@ pub fn gdn_delta(
     q_scale: f32,
     readout: bool,
 ) -> Result<Option<Tensor>> {
+    delta(s, qkv, row, a_neg, dt_bias, ssm, q_scale, readout, false)
+}
+
+/// Checks and launches `gdn_delta` (`chunked`: `gdn_delta_chunked`, readout only).
+#[allow(clippy::too_many_arguments)]
+fn delta(
+    s: &GdnShape,
+    qkv: &Tensor,
+    row: &Tensor,
+    a_neg: &Tensor,
+    dt_bias: &Tensor,
+    ssm: &Tensor,
+    q_scale: f32,
+    readout: bool,
+    chunked: bool,
+) -> Result<Option<Tensor>> {
     let t = check_shape(s, row)?;
     for (x, what) in [(qkv, "qkv"), (a_neg, "A"), (dt_bias, "dt_bias"), (ssm, "ssm state")] {
         check_f32(x, what)?;
@@ -169,9 +210,13 @@ pub fn gdn_delta(
         return Ok(out);
     }
     let (qkv, row) = (qkv.contiguous()?, row.contiguous()?);
+    let (name, cols, threads) = match chunked {
+        true => ("gdn_delta_chunked", CHUNKED_COLS, 256),
+        false => ("gdn_delta", WARPS, 32 * WARPS as u32),
+    };
     let cfg = LaunchConfig {
-        grid_dim: (nv as u32, s.v_dim.div_ceil(WARPS) as u32, 1),
-        block_dim: (32 * WARPS as u32, 1, 1),
+        grid_dim: (nv as u32, s.v_dim.div_ceil(cols) as u32, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let args = [
@@ -190,10 +235,33 @@ pub fn gdn_delta(
         Arg::I32(s.grouped as i32),
         Arg::F32(q_scale),
     ];
-    // SAFETY: arguments in `gdn_delta`'s order; every buffer's shape checked above (f32 on this
-    // device), k_dim ≤ 256 (`supported`).
-    unsafe { launch(dev, "gdn_delta", cfg, &args) }?;
+    // SAFETY: arguments in `gdn_delta`'s order (`gdn_delta_chunked` takes the same); every
+    // buffer's shape checked above (f32 on this device), k_dim ≤ 256 (`supported`; ≤ 128 for the
+    // chunked kernel, checked by its caller), an output whenever `chunked`.
+    unsafe { launch(dev, name, cfg, &args) }?;
     Ok(out)
+}
+
+/// [`gdn_delta`] with readout over a prompt pass in the chunked form (Yang et al. 2024 §3.3; CPU
+/// reference `strata_models::gated_delta_net::chunked_delta_rule`): the same shapes and result up
+/// to f32 rounding, in `T / 16` dependent steps. Returns `[T, v_heads · v_dim]`.
+///
+/// Errors: as [`gdn_delta`], and a key head dimension over 128.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_delta_chunked(
+    s: &GdnShape,
+    qkv: &Tensor,
+    row: &Tensor,
+    a_neg: &Tensor,
+    dt_bias: &Tensor,
+    ssm: &Tensor,
+    q_scale: f32,
+) -> Result<Tensor> {
+    if s.k_dim > CHUNKED_DK_MAX {
+        bail!("gdn_delta_chunked: key head dimension {} over {CHUNKED_DK_MAX}", s.k_dim);
+    }
+    delta(s, qkv, row, a_neg, dt_bias, ssm, q_scale, true, true)?
+        .ok_or_else(|| candle_core::Error::msg("gdn_delta_chunked gave no output"))
 }
 
 /// `Qwen3NextRMSNormGated` per token and value head, in place on `y: [T, v_heads · v_dim]`:
