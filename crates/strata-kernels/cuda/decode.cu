@@ -238,11 +238,34 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float
     for (int j = threadIdx.x; j < H; j += threads) out[base + j] = sum[base + j] * inv * w[j];
 }
 
-// f32 mat-vec (a MoE router's logits in a decode step): x [n, cols]; w [rows, cols]; y [n, rows]
-// = x · wᵀ. cols a multiple of 4, x and w 16-byte aligned. grid (ceil(rows / 4), n), 128 threads:
-// a warp per row, float4 loads.
+// f32 mat-vec (a MoE router's logits, a shared expert's gate in a decode step): x [n, cols];
+// w [rows, cols]; y [n, rows] = x · wᵀ. cols a multiple of 4, x and w 16-byte aligned. grid (rows,
+// n), MVF_THREADS threads: a block per (row, token), its threads striding over the row's float4s
+// (a few loads each, all in flight), then a warp sum and the block's four partial sums.
+#define MVF_THREADS 128
 extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __restrict__ w,
                                   float* __restrict__ y, int rows, int cols) {
+    PDL_ENTER();
+    __shared__ float part[MVF_THREADS / WARP];
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, r = blockIdx.x, t = blockIdx.y;
+    const float4* wr = (const float4*)(w + (size_t)r * cols);
+    const float4* xr = (const float4*)(x + (size_t)t * cols);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < cols / 4; i += MVF_THREADS) {
+        const float4 a = __ldg(wr + i), b = xr[i];
+        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) part[wid] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) y[(size_t)t * rows + r] = (part[0] + part[1]) + (part[2] + part[3]);
+}
+
+// The kernel mv_f32 replaced (STRATA_GPU_MV_F32=warp, a measurement switch): grid (ceil(rows / 4),
+// n), 128 threads, a warp per row walking all of its float4s.
+extern "C" __global__ void mv_f32_warp(const float* __restrict__ x, const float* __restrict__ w,
+                                       float* __restrict__ y, int rows, int cols) {
     PDL_ENTER();
     const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
     if (r >= rows) return;

@@ -1071,9 +1071,11 @@ fn mv_rows(total: usize, tokens: usize) -> usize {
     })
 }
 
-/// `x: [n, K]` times an f32 matrix `w: [R, K]` → `[n, R]` (`mv_f32`: a warp per row, 16-byte
-/// loads; a MoE router's logits in a decode step, one launch instead of cuBLAS's two). Summation
-/// order differs from cuBLAS (f32 rounding).
+/// `x: [n, K]` times an f32 matrix `w: [R, K]` → `[n, R]` (`mv_f32`: a block of 128 threads per
+/// row and token, 16-byte loads; a MoE router's logits or a shared expert's gate in a decode step,
+/// one launch instead of cuBLAS's two). Summation order differs from cuBLAS (f32 rounding); each
+/// output is independent of `n`. `STRATA_GPU_MV_F32=warp` launches the kernel before it (a warp per
+/// row: one block for a one-row gate), a measurement switch.
 ///
 /// Errors: not f32, `K` not a multiple of 4, shapes that disagree, not on one CUDA device.
 pub fn matvec_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -1090,8 +1092,11 @@ pub fn matvec_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         return Ok(y);
     }
     let (x, w) = (aligned16(x)?, aligned16(&w.contiguous()?)?);
+    static WARP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let warp = *WARP.get_or_init(|| std::env::var("STRATA_GPU_MV_F32").is_ok_and(|v| v == "warp"));
+    let (name, blocks) = if warp { ("mv_f32_warp", r.div_ceil(4)) } else { ("mv_f32", r) };
     let cfg = LaunchConfig {
-        grid_dim: (r.div_ceil(4) as u32, n as u32, 1),
+        grid_dim: (blocks as u32, n as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -1102,8 +1107,9 @@ pub fn matvec_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         Arg::I32(r as i32),
         Arg::I32(k as i32),
     ];
-    // SAFETY: arguments in `mv_f32`'s order; x [n, K], w [R, K] f32 16-byte aligned, K % 4 == 0.
-    unsafe { launch(dev, "mv_f32", cfg, &args) }?;
+    // SAFETY: arguments in `mv_f32`'s order (`mv_f32_warp` takes the same); x [n, K], w [R, K]
+    // f32 16-byte aligned, K % 4 == 0; the grid covers R rows as each kernel expects.
+    unsafe { launch(dev, name, cfg, &args) }?;
     Ok(y)
 }
 

@@ -547,12 +547,12 @@ fn quantize_q8_matches_the_host_rounding() {
     assert!(gpu::quantize_q8(&odd).is_err(), "K not a multiple of 32");
 }
 
-/// The f32 mat-vec (router logits) and the fused residual add + RMSNorm against f64 references.
+/// The f32 mat-vec (router logits, a shared expert's one-row gate) and the fused residual add + RMSNorm against f64 references.
 #[test]
 fn matvec_f32_and_add_rms_norm_match_the_reference() {
     let dev = cuda();
     let mut rng = Rng(0xf32);
-    for &(r, k, n) in &[(128usize, 2048usize, 1usize), (7, 12, 3), (64, 4, 1)] {
+    for &(r, k, n) in &[(128usize, 2048usize, 1usize), (7, 12, 3), (64, 4, 1), (1, 3072, 2)] {
         let (w, x) = (rng.vec(r * k, 1.0), rng.vec(n * k, 1.0));
         let wt = Tensor::from_vec(w.clone(), (r, k), &dev).unwrap();
         let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
