@@ -262,6 +262,41 @@ extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __re
     if (threadIdx.x == 0) y[(size_t)t * rows + r] = (part[0] + part[1]) + (part[2] + part[3]);
 }
 
+// A shared expert's gate and sum in one launch (qwen2_moe, Qwen3.5): y[t] = routed[t] + shared[t] ·
+// σ(x[t] · wg) for x, shared, routed, y [n, cols], wg [cols]; the gate's dot product as mv_f32
+// computes it, σ as candle's sigmoid (1 / (1 + e^−l), the division in f64), the product and the
+// sum rounded apart as candle's mul and add: the same bits as those four launches. grid n,
+// MVF_THREADS threads; cols a multiple of 4, x and wg 16-byte aligned.
+extern "C" __global__ void shared_gate_add(const float* __restrict__ x, const float* __restrict__ wg,
+                                           const float* __restrict__ shared,
+                                           const float* __restrict__ routed, float* __restrict__ y,
+                                           int cols) {
+    PDL_ENTER();
+    __shared__ float part[MVF_THREADS / WARP];
+    __shared__ float gate;
+    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, t = blockIdx.x;
+    const float4* wr = (const float4*)wg;
+    const float4* xr = (const float4*)(x + (size_t)t * cols);
+    float acc = 0.f;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < cols / 4; i += MVF_THREADS) {
+        const float4 a = __ldg(wr + i), b = xr[i];
+        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) part[wid] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const float l = (part[0] + part[1]) + (part[2] + part[3]);
+        gate = (float)(1.0 / (double)(1.f + expf(-l)));
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < cols; j += MVF_THREADS) {
+        const size_t o = (size_t)t * cols + j;
+        y[o] = __fadd_rn(routed[o], __fmul_rn(shared[o], gate));
+    }
+}
+
 // The kernel mv_f32 replaced (STRATA_GPU_MV_F32=warp, a measurement switch): grid (ceil(rows / 4),
 // n), 128 threads, a warp per row walking all of its float4s.
 extern "C" __global__ void mv_f32_warp(const float* __restrict__ x, const float* __restrict__ w,

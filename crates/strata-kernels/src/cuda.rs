@@ -1113,6 +1113,59 @@ pub fn matvec_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(y)
 }
 
+/// A shared expert's gated sum: `routed[t] + shared[t] · σ(x[t] · gate)` → `[n, H]`, with
+/// `x, shared, routed: [n, H]`, `gate: [1, H]` (qwen2_moe's and Qwen3.5's `shared_expert_gate`),
+/// f32, `H` a multiple of 4 — one launch (`shared_gate_add`) with the same bits as
+/// [`matvec_f32`], candle's sigmoid, mul and add.
+///
+/// Errors: not f32, shapes that disagree, `H` not a multiple of 4, not on one CUDA device.
+pub fn shared_gate_add(
+    routed: &Tensor,
+    shared: &Tensor,
+    x: &Tensor,
+    gate: &Tensor,
+) -> Result<Tensor> {
+    for (t, what) in [(routed, "routed"), (shared, "shared"), (x, "x"), (gate, "gate")] {
+        check_f32(t, what)?;
+    }
+    let (n, h) = routed.dims2()?;
+    if shared.dims() != [n, h]
+        || x.dims() != [n, h]
+        || gate.dims() != [1, h]
+        || !h.is_multiple_of(4)
+        || n > i32::MAX as usize
+    {
+        bail!(
+            "shared_gate_add: routed {:?}, shared {:?}, x {:?}, gate {:?}",
+            routed.dims(),
+            shared.dims(),
+            x.dims(),
+            gate.dims()
+        );
+    }
+    let dev = cuda_device(routed)?;
+    let y = alloc::<f32>(dev, (n, h))?;
+    if n == 0 {
+        return Ok(y);
+    }
+    let (x, gate) = (aligned16(&x.contiguous()?)?, aligned16(&gate.contiguous()?)?);
+    let (shared, routed) = (shared.contiguous()?, routed.contiguous()?);
+    let cfg =
+        LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let args = [
+        Arg::Ptr(addr(&x)?),
+        Arg::Ptr(addr(&gate)?),
+        Arg::Ptr(addr(&shared)?),
+        Arg::Ptr(addr(&routed)?),
+        Arg::Ptr(addr(&y)?),
+        Arg::I32(h as i32),
+    ];
+    // SAFETY: arguments in `shared_gate_add`'s order; x, shared, routed, y [n, H], gate [1, H]
+    // f32 on this device, x and gate 16-byte aligned, H % 4 == 0 (checked above).
+    unsafe { launch(dev, "shared_gate_add", cfg, &args) }?;
+    Ok(y)
+}
+
 /// The residual add and the next RMSNorm in one launch (`add_rms_norm`): `a, b: [n, H]` f32,
 /// `w: [H]` → `(a + b, rms_norm(a + b) · w)` with `rms_norm(s) = s / sqrt(mean(s²) + eps)`
 /// (Zhang & Sennrich 2019), as candle's add then `rms_norm` up to summation order. Where

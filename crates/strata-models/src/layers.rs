@@ -211,6 +211,19 @@ impl Linear {
         }
     }
 
+    /// The f32 weight `[out, in]` of a dense layer without bias (`None` for a quantized or biased
+    /// one): for kernels that fuse the product with what follows it.
+    pub fn dense_f32(&self) -> Option<&Tensor> {
+        match (&self.w, &self.b) {
+            (LinearWeight::Candle(QMatMul::Tensor(t)), None)
+                if t.dtype() == candle_core::DType::F32 =>
+            {
+                Some(t)
+            }
+            _ => None,
+        }
+    }
+
     /// `x: [.., in] → [.., out]`. Each row's result is bit-identical however many rows are
     /// passed (up to [`crate::EXACT_ROWS_MAX`]).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {

@@ -555,8 +555,13 @@ impl SparseMoe {
             None => weighted_sum(&experts.forward(x, ids)?, w)?,
         };
         if let Some(s) = &self.shared {
+            let y = s.mlp.forward(x)?;
+            #[cfg(feature = "cuda")]
+            if let Some(g) = s.gate.dense_f32().filter(|_| shared_gate_fused(x)) {
+                return Ok(strata_kernels::cuda::shared_gate_add(&out, &y, x, g)?);
+            }
             let g = candle_nn::ops::sigmoid(&s.gate.forward(x)?)?;
-            out = (out + s.mlp.forward(x)?.broadcast_mul(&g)?)?;
+            out = (out + y.broadcast_mul(&g)?)?;
         }
         Ok(out)
     }
@@ -620,4 +625,17 @@ impl SparseMoe {
         }
         Ok(acc)
     }
+}
+
+/// Whether a shared expert's gate, sigmoid, product and sum run as one kernel
+/// (`strata_kernels::cuda::shared_gate_add`, the same bits): `x` f32 on a CUDA device, a width
+/// that is a multiple of 4, and not `STRATA_GPU_SHARED_GATE=0` (a measurement switch).
+#[cfg(feature = "cuda")]
+fn shared_gate_fused(x: &Tensor) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    x.device().is_cuda()
+        && x.dtype() == candle_core::DType::F32
+        && x.rank() == 2
+        && x.dims()[1].is_multiple_of(4)
+        && *ON.get_or_init(|| std::env::var("STRATA_GPU_SHARED_GATE").map_or(true, |v| v != "0"))
 }

@@ -547,6 +547,28 @@ fn quantize_q8_matches_the_host_rounding() {
     assert!(gpu::quantize_q8(&odd).is_err(), "K not a multiple of 32");
 }
 
+/// A shared expert's gated sum in one launch equals the four launches it replaces — the gate's
+/// `matvec_f32`, candle's sigmoid, mul and add — bit for bit, for one row (a decode step), a few
+/// and a prompt's worth; a gate of the wrong shape is an error.
+#[test]
+fn shared_gate_add_equals_matvec_sigmoid_mul_add() {
+    let dev = cuda();
+    let mut rng = Rng(0x5ca1_ab1e);
+    for &(n, h) in &[(1usize, 2048usize), (3, 12), (40, 3072)] {
+        let t = |v: Vec<f32>, shape: (usize, usize)| Tensor::from_vec(v, shape, &dev).unwrap();
+        let x = t(rng.vec(n * h, 1.0), (n, h));
+        let shared = t(rng.vec(n * h, 1.0), (n, h));
+        let routed = t(rng.vec(n * h, 1.0), (n, h));
+        let gate = t(rng.vec(h, 0.1), (1, h));
+        let g = candle_nn::ops::sigmoid(&gpu::matvec_f32(&x, &gate).unwrap()).unwrap();
+        let want = flat(&(&routed + shared.broadcast_mul(&g).unwrap()).unwrap());
+        let got = flat(&gpu::shared_gate_add(&routed, &shared, &x, &gate).unwrap());
+        assert_eq!(got, want, "n {n}, H {h}");
+    }
+    let z = |r: usize, c: usize| Tensor::zeros((r, c), DType::F32, &dev).unwrap();
+    assert!(gpu::shared_gate_add(&z(2, 8), &z(2, 8), &z(2, 8), &z(2, 8)).is_err());
+}
+
 /// The f32 mat-vec (router logits, a shared expert's one-row gate) and the fused residual add + RMSNorm against f64 references.
 #[test]
 fn matvec_f32_and_add_rms_norm_match_the_reference() {
