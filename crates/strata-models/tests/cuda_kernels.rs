@@ -1242,16 +1242,10 @@ fn gdn_host(
     y
 }
 
-/// The Gated DeltaNet kernels (gdn_conv → gdn_delta → gdn_gated_norm) against the host's
-/// definition over a pass of several tokens (outputs and final states within 2e-5 of the largest
-/// value); one token per pass gives the same outputs and states bit for bit; a replay (no weight,
-/// no readout) reaches the same state bit for bit. Shapes: the tiny fixtures' (k_dim 16, grouped),
-/// a k_dim that is no multiple of 32 (tiled), Qwen3.5-122B-A10B's (16 key / 64 value heads of 128).
-#[test]
-fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
-    let dev = cuda();
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let shapes = [
+/// The Gated DeltaNet kernel tests' shapes: the tiny fixtures' (k_dim 16, grouped), a k_dim that
+/// is no multiple of 32 (tiled), Qwen3.5-122B-A10B's (16 key / 64 value heads of 128).
+fn gdn_shapes() -> [gpu::GdnShape; 3] {
+    [
         gpu::GdnShape { k_heads: 2, v_heads: 4, k_dim: 16, v_dim: 16, kernel: 4, grouped: true },
         gpu::GdnShape { k_heads: 2, v_heads: 6, k_dim: 48, v_dim: 24, kernel: 3, grouped: false },
         gpu::GdnShape {
@@ -1262,21 +1256,73 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
             kernel: 4,
             grouped: true,
         },
-    ];
-    for s in shapes {
+    ]
+}
+
+/// Random inputs of a Gated DeltaNet pass of `t_len` tokens: rows, conv window and weight, `A`
+/// (−exp), `dt_bias`, delta-rule state (host layout `[nv, dk, dv]`), norm weight.
+struct GdnInputs {
+    row: Vec<f32>,
+    conv0: Vec<f32>,
+    conv_w: Vec<f32>,
+    a_neg: Vec<f32>,
+    dt_bias: Vec<f32>,
+    ssm0: Vec<f32>,
+    norm_w: Vec<f32>,
+}
+
+impl GdnInputs {
+    fn new(rng: &mut Rng, s: &gpu::GdnShape, t_len: usize) -> Self {
+        let (cd, nv) = (s.conv_dim(), s.v_heads);
+        Self {
+            row: rng.vec(t_len * s.row_width(), 2.0),
+            conv0: rng.vec((s.kernel - 1) * cd, 1.0),
+            conv_w: rng.vec(cd * s.kernel, 0.7),
+            a_neg: rng.vec(nv, 1.0).iter().map(|x| -(x + 1.2).exp()).collect(),
+            dt_bias: rng.vec(nv, 1.0),
+            ssm0: rng.vec(nv * s.k_dim * s.v_dim, 0.5),
+            norm_w: rng.vec(s.v_dim, 1.0),
+        }
+    }
+
+    /// The host's definition over these inputs (norm epsilon 1e-6): the outputs, the conv window
+    /// and the delta-rule state after the pass.
+    fn host(&self, s: &gpu::GdnShape) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (mut conv, mut ssm) = (self.conv0.clone(), self.ssm0.clone());
+        let (a, dt) = (&self.a_neg, &self.dt_bias);
+        let y =
+            gdn_host(s, &self.row, &mut conv, &self.conv_w, a, dt, &mut ssm, &self.norm_w, 1e-6);
+        (y, conv, ssm)
+    }
+}
+
+/// Each head's `[rows, cols]` matrix of `m` (heads one after another) transposed: the device keeps
+/// the delta-rule state as `[nv, dv, dk]`, the host as `[nv, dk, dv]`.
+fn transpose_heads(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..m.len())
+        .map(|x| {
+            let (h, rest) = (x / (rows * cols), x % (rows * cols));
+            m[h * rows * cols + (rest % rows) * cols + rest / rows]
+        })
+        .collect()
+}
+
+/// The Gated DeltaNet kernels (gdn_conv → gdn_delta → gdn_gated_norm) against the host's
+/// definition over a pass of several tokens (outputs and final states within 2e-5 of the largest
+/// value); one token per pass gives the same outputs and states bit for bit; a replay (no weight,
+/// no readout) reaches the same state bit for bit. Shapes: the tiny fixtures' (k_dim 16, grouped),
+/// a k_dim that is no multiple of 32 (tiled), Qwen3.5-122B-A10B's (16 key / 64 value heads of 128).
+#[test]
+fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
+    let dev = cuda();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for s in gdn_shapes() {
         let t_len = 7;
         let (rw, cd, nv) = (s.row_width(), s.conv_dim(), s.v_heads);
-        let row = rng.vec(t_len * rw, 2.0);
-        let conv0 = rng.vec((s.kernel - 1) * cd, 1.0);
-        let conv_w = rng.vec(cd * s.kernel, 0.7);
-        let a_neg: Vec<f32> = rng.vec(nv, 1.0).iter().map(|x| -(x + 1.2).exp()).collect();
-        let dt_bias = rng.vec(nv, 1.0);
-        let ssm0 = rng.vec(nv * s.k_dim * s.v_dim, 0.5);
-        let norm_w = rng.vec(s.v_dim, 1.0);
+        let inputs = GdnInputs::new(&mut rng, &s, t_len);
+        let (want, conv_h, ssm_h) = inputs.host(&s);
+        let GdnInputs { row, conv0, conv_w, a_neg, dt_bias, ssm0, norm_w } = inputs;
         let eps = 1e-6;
-        let (mut conv_h, mut ssm_h) = (conv0.clone(), ssm0.clone());
-        let want =
-            gdn_host(&s, &row, &mut conv_h, &conv_w, &a_neg, &dt_bias, &mut ssm_h, &norm_w, eps);
 
         let t = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &dev).unwrap();
         let (cw, an, dt, nw) = (
@@ -1287,15 +1333,7 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
         );
         // The device keeps each head's state transposed: `[nv, dv, dk]`.
         let (dk, dv) = (s.k_dim, s.v_dim);
-        let transpose = |m: &[f32], rows: usize, cols: usize| -> Vec<f32> {
-            (0..m.len())
-                .map(|x| {
-                    let (h, rest) = (x / (rows * cols), x % (rows * cols));
-                    m[h * rows * cols + (rest % rows) * cols + rest / rows]
-                })
-                .collect()
-        };
-        let ssm0_t = transpose(&ssm0, dk, dv);
+        let ssm0_t = transpose_heads(&ssm0, dk, dv);
         let fresh = || (t(&conv0, &[s.kernel - 1, cd]), t(&ssm0_t, &[nv, dv, dk]));
         let q_scale = 1.0 / (s.k_dim as f32).sqrt();
         let pass = |rows: &Tensor, conv: &Tensor, ssm: &Tensor| {
@@ -1306,7 +1344,7 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
         let rows = t(&row, &[t_len, rw]);
         let (conv, ssm) = fresh();
         let have = pass(&rows, &conv, &ssm);
-        let (conv_d, ssm_d) = (flat(&conv), transpose(&flat(&ssm), dv, dk));
+        let (conv_d, ssm_d) = (flat(&conv), transpose_heads(&flat(&ssm), dv, dk));
         for (what, a, b) in
             [("outputs", &have, &want), ("ssm", &ssm_d, &ssm_h), ("conv", &conv_d, &conv_h)]
         {
@@ -1320,7 +1358,7 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
             steps.extend(pass(&rows.narrow(0, i, 1).unwrap(), &conv1, &ssm1));
         }
         assert_eq!(steps, have, "{s:?}: one-token passes differ from the {t_len}-token pass");
-        assert_eq!(transpose(&flat(&ssm1), dv, dk), ssm_d, "{s:?}: states differ");
+        assert_eq!(transpose_heads(&flat(&ssm1), dv, dk), ssm_d, "{s:?}: states differ");
         // A replay without readout: the same state.
         let (conv2, ssm2) = fresh();
         let qkv = gpu::gdn_conv(&s, &rows, &conv2, Some(&cw)).unwrap().unwrap();
@@ -1351,59 +1389,32 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
 fn gated_delta_net_prompt_kernels_match_the_host() {
     let dev = cuda();
     let mut rng = Rng(0x6a09_e667_f3bc_c908);
-    let shapes = [
-        gpu::GdnShape { k_heads: 2, v_heads: 4, k_dim: 16, v_dim: 16, kernel: 4, grouped: true },
-        gpu::GdnShape { k_heads: 2, v_heads: 6, k_dim: 48, v_dim: 24, kernel: 3, grouped: false },
-        gpu::GdnShape {
-            k_heads: 16,
-            v_heads: 64,
-            k_dim: 128,
-            v_dim: 128,
-            kernel: 4,
-            grouped: true,
-        },
-    ];
     assert!(gpu::gdn_chunked_enabled(), "STRATA_GPU_GDN_CHUNKED=0 would skip the prompt kernels");
-    for s in shapes {
+    for s in gdn_shapes() {
         let t_len = 150;
         let (rw, cd, nv, dk, dv) = (s.row_width(), s.conv_dim(), s.v_heads, s.k_dim, s.v_dim);
-        let row = rng.vec(t_len * rw, 2.0);
-        let conv0 = rng.vec((s.kernel - 1) * cd, 1.0);
-        let conv_w = rng.vec(cd * s.kernel, 0.7);
-        let a_neg: Vec<f32> = rng.vec(nv, 1.0).iter().map(|x| -(x + 1.2).exp()).collect();
-        let dt_bias = rng.vec(nv, 1.0);
-        let ssm0 = rng.vec(nv * dk * dv, 0.5);
-        let norm_w = rng.vec(dv, 1.0);
+        let inputs = GdnInputs::new(&mut rng, &s, t_len);
+        let (want, conv_h, ssm_h) = inputs.host(&s);
+        let GdnInputs { row, conv0, conv_w, a_neg, dt_bias, ssm0, norm_w } = inputs;
         let eps = 1e-6;
-        let (mut conv_h, mut ssm_h) = (conv0.clone(), ssm0.clone());
-        let want =
-            gdn_host(&s, &row, &mut conv_h, &conv_w, &a_neg, &dt_bias, &mut ssm_h, &norm_w, eps);
         let t = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &dev).unwrap();
         let (cw, an, dt, nw) =
             (t(&conv_w, &[cd, s.kernel]), t(&a_neg, &[nv]), t(&dt_bias, &[nv]), t(&norm_w, &[dv]));
-        let transpose = |m: &[f32], rows: usize, cols: usize| -> Vec<f32> {
-            (0..m.len())
-                .map(|x| {
-                    let (h, rest) = (x / (rows * cols), x % (rows * cols));
-                    m[h * rows * cols + (rest % rows) * cols + rest / rows]
-                })
-                .collect()
-        };
         let q_scale = 1.0 / (dk as f32).sqrt();
         let rows = t(&row, &[t_len, rw]);
         let (conv, ssm) =
-            (t(&conv0, &[s.kernel - 1, cd]), t(&transpose(&ssm0, dk, dv), &[nv, dv, dk]));
+            (t(&conv0, &[s.kernel - 1, cd]), t(&transpose_heads(&ssm0, dk, dv), &[nv, dv, dk]));
         let qkv = gpu::gdn_conv(&s, &rows, &conv, Some(&cw)).unwrap().unwrap();
         let o = gpu::gdn_delta_chunked(&s, &qkv, &rows, &an, &dt, &ssm, q_scale).unwrap();
         let have = flat(&gpu::gdn_gated_norm(&s, o.copy().unwrap(), &rows, &nw, eps).unwrap());
-        let ssm_d = transpose(&flat(&ssm), dv, dk);
+        let ssm_d = transpose_heads(&flat(&ssm), dv, dk);
         for (what, a, b) in [("outputs", &have, &want), ("ssm", &ssm_d, &ssm_h)] {
             let e = max_rel(a, b);
             assert!(e < 1e-4, "{s:?}: chunked {what} differ from the host by {e:.3e}");
         }
         assert_eq!(flat(&conv), conv_h, "{s:?}: conv window after a prompt pass");
         // The recurrent kernel over the same pass (same conv outputs): within the same bound.
-        let ssm_r = t(&transpose(&ssm0, dk, dv), &[nv, dv, dk]);
+        let ssm_r = t(&transpose_heads(&ssm0, dk, dv), &[nv, dv, dk]);
         let o_r =
             gpu::gdn_delta(&s, &qkv, &rows, &an, &dt, &ssm_r, q_scale, true).unwrap().unwrap();
         let e = max_rel(&flat(&o), &flat(&o_r));
