@@ -238,28 +238,42 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ a, const float
     for (int j = threadIdx.x; j < H; j += threads) out[base + j] = sum[base + j] * inv * w[j];
 }
 
+// Σ w[i]·x[i] over the float4s i = first, first + stride, … < n4, each float4's four products
+// folded into the sum by fmaf in w/x order: one thread's share of an f32 dot product.
+__device__ __forceinline__ float dot_f32x4(const float4* __restrict__ w, const float4* __restrict__ x,
+                                           int first, int n4, int stride) {
+    float acc = 0.f;
+#pragma unroll 4
+    for (int i = first; i < n4; i += stride) {
+        const float4 a = __ldg(w + i), b = x[i];
+        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
+    }
+    return acc;
+}
+
+// An f32 dot product of n4 float4s by a block of MVF_THREADS threads: each thread's dot_f32x4,
+// its warp's sum, then the four warps' sums in a fixed order. The result is valid in thread 0.
+#define MVF_THREADS 128
+__device__ __forceinline__ float block_dot_f32(const float4* __restrict__ w, const float4* __restrict__ x,
+                                               int n4) {
+    __shared__ float part[MVF_THREADS / WARP];
+    const float acc = warp_sum(dot_f32x4(w, x, threadIdx.x, n4, MVF_THREADS));
+    if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = acc;
+    __syncthreads();
+    return (part[0] + part[1]) + (part[2] + part[3]);
+}
+
 // f32 mat-vec (a MoE router's logits, a shared expert's gate in a decode step): x [n, cols];
 // w [rows, cols]; y [n, rows] = x · wᵀ. cols a multiple of 4, x and w 16-byte aligned. grid (rows,
 // n), MVF_THREADS threads: a block per (row, token), its threads striding over the row's float4s
 // (a few loads each, all in flight), then a warp sum and the block's four partial sums.
-#define MVF_THREADS 128
 extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __restrict__ w,
                                   float* __restrict__ y, int rows, int cols) {
     PDL_ENTER();
-    __shared__ float part[MVF_THREADS / WARP];
-    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, r = blockIdx.x, t = blockIdx.y;
-    const float4* wr = (const float4*)(w + (size_t)r * cols);
-    const float4* xr = (const float4*)(x + (size_t)t * cols);
-    float acc = 0.f;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < cols / 4; i += MVF_THREADS) {
-        const float4 a = __ldg(wr + i), b = xr[i];
-        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) part[wid] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) y[(size_t)t * rows + r] = (part[0] + part[1]) + (part[2] + part[3]);
+    const int r = blockIdx.x, t = blockIdx.y;
+    const float d = block_dot_f32((const float4*)(w + (size_t)r * cols),
+                                  (const float4*)(x + (size_t)t * cols), cols / 4);
+    if (threadIdx.x == 0) y[(size_t)t * rows + r] = d;
 }
 
 // A shared expert's gate and sum in one launch (qwen2_moe, Qwen3.5): y[t] = routed[t] + shared[t] ·
@@ -272,24 +286,10 @@ extern "C" __global__ void shared_gate_add(const float* __restrict__ x, const fl
                                            const float* __restrict__ routed, float* __restrict__ y,
                                            int cols) {
     PDL_ENTER();
-    __shared__ float part[MVF_THREADS / WARP];
     __shared__ float gate;
-    const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP, t = blockIdx.x;
-    const float4* wr = (const float4*)wg;
-    const float4* xr = (const float4*)(x + (size_t)t * cols);
-    float acc = 0.f;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < cols / 4; i += MVF_THREADS) {
-        const float4 a = __ldg(wr + i), b = xr[i];
-        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) part[wid] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const float l = (part[0] + part[1]) + (part[2] + part[3]);
-        gate = (float)(1.0 / (double)(1.f + expf(-l)));
-    }
+    const int t = blockIdx.x;
+    const float l = block_dot_f32((const float4*)wg, (const float4*)(x + (size_t)t * cols), cols / 4);
+    if (threadIdx.x == 0) gate = (float)(1.0 / (double)(1.f + expf(-l)));
     __syncthreads();
     for (int j = threadIdx.x; j < cols; j += MVF_THREADS) {
         const size_t o = (size_t)t * cols + j;
@@ -304,15 +304,8 @@ extern "C" __global__ void mv_f32_warp(const float* __restrict__ x, const float*
     PDL_ENTER();
     const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
     if (r >= rows) return;
-    const float4* wr = (const float4*)(w + (size_t)r * cols);
-    const float4* xr = (const float4*)(x + (size_t)t * cols);
-    float acc = 0.f;
-#pragma unroll 4
-    for (int i = lane; i < cols / 4; i += WARP) {
-        const float4 a = __ldg(wr + i), b = xr[i];
-        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc))));
-    }
-    acc = warp_sum(acc);
+    const float acc = warp_sum(dot_f32x4((const float4*)(w + (size_t)r * cols),
+                                         (const float4*)(x + (size_t)t * cols), lane, cols / 4, WARP));
     if (lane == 0) y[(size_t)t * rows + r] = acc;
 }
 

@@ -152,6 +152,23 @@ extern "C" __global__ void gdn_delta(const float* __restrict__ qkv, const float*
 #define GDN_CDK 128
 #define GDN_CKP (GDN_CDK + 4)  // shared row stride: float4 rows, lanes' rows on different banks
 
+// One warp's share of x_iᵀS for the chunk's rows x_i (sK or sQ): the state rows r0 .. r0 + 15 it
+// holds (s, a lane's column) against x_i's same 16 entries, into part[i][lane].
+__device__ __forceinline__ void gdn_row_shares(const float (*x)[GDN_CKP], const float (&s)[16], int r0,
+                                               float (*part)[GDN_CT], int lane) {
+#pragma unroll 4
+    for (int i = 0; i < GDN_CC; ++i) {
+        const float4* xi = reinterpret_cast<const float4*>(&x[i][r0]);
+        float p = 0.f;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const float4 a = xi[m];
+            p += a.x * s[4 * m] + a.y * s[4 * m + 1] + a.z * s[4 * m + 2] + a.w * s[4 * m + 3];
+        }
+        part[i][lane] = p;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
     gdn_delta_chunked(const float* __restrict__ qkv, const float* __restrict__ row, int rw,
                       const float* __restrict__ A, const float* __restrict__ dt_bias, float* __restrict__ ssm,
@@ -251,17 +268,7 @@ extern "C" __global__ void __launch_bounds__(256)
             sP[i][jj] = qk * e;
         }
         // This warp's rows' share of k̂_iᵀS.
-#pragma unroll 4
-        for (int i = 0; i < GDN_CC; ++i) {
-            const float4* ki = reinterpret_cast<const float4*>(&sK[i][r0]);
-            float p = 0.f;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const float4 a = ki[m];
-                p += a.x * s[4 * m] + a.y * s[4 * m + 1] + a.z * s[4 * m + 2] + a.w * s[4 * m + 3];
-            }
-            sPart[w][i][lane] = p;
-        }
+        gdn_row_shares(sK, s, r0, sPart[w], lane);
         __syncthreads();
         // Y_i = β_i (v_i − e^{G_i} k̂_iᵀS).
         for (int i = w; i < GDN_CC; i += 8) {
@@ -273,17 +280,7 @@ extern "C" __global__ void __launch_bounds__(256)
         }
         __syncthreads();
         // q̂_iᵀS shares; warp 0 then solves for V (each lane its column, rows in order).
-#pragma unroll 4
-        for (int i = 0; i < GDN_CC; ++i) {
-            const float4* qi = reinterpret_cast<const float4*>(&sQ[i][r0]);
-            float p = 0.f;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const float4 a = qi[m];
-                p += a.x * s[4 * m] + a.y * s[4 * m + 1] + a.z * s[4 * m + 2] + a.w * s[4 * m + 3];
-            }
-            sPart[w][i][lane] = p;
-        }
+        gdn_row_shares(sQ, s, r0, sPart[w], lane);
         if (w == 0) {
             for (int i = 1; i < n; ++i) {
                 float y = sV[i][lane];

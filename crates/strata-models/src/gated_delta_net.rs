@@ -206,9 +206,7 @@ impl GatedDeltaNet {
         let w = self.gpu.as_ref()?;
         let dev = cache.recurrent_device_mut()?;
         let mut run = || -> Result<Tensor> {
-            use strata_kernels::cuda::{
-                gdn_chunked_enabled, gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm,
-            };
+            use strata_kernels::cuda::{gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm};
             let s = *dev.shape();
             let parts = self
                 .in_proj
@@ -230,10 +228,7 @@ impl GatedDeltaNet {
                 .ok_or_else(|| candle_core::Error::msg("gdn_conv gave no output"))?;
             let q_scale = 1.0 / (self.dims.k_dim as f32).sqrt();
             let (a, dt, ssm) = (&w.a_neg, &w.dt_bias, &state.ssm);
-            let o = if row.dim(0)? > crate::attention::EXACT_ROWS_MAX
-                && s.k_dim <= 128
-                && gdn_chunked_enabled()
-            {
+            let o = if row.dim(0)? > crate::attention::EXACT_ROWS_MAX && s.takes_chunked() {
                 gdn_delta_chunked(&s, &qkv, &row, a, dt, ssm, q_scale)?
             } else {
                 gdn_delta(&s, &qkv, &row, a, dt, ssm, q_scale, true)?

@@ -67,6 +67,12 @@ impl GdnShape {
         self.conv_dim() + self.value_width() + 2 * self.v_heads
     }
 
+    /// Whether prompt passes of this shape can take [`gdn_delta_chunked`]: key heads of up to
+    /// 128, and [`gdn_chunked_enabled`].
+    pub fn takes_chunked(&self) -> bool {
+        self.k_dim <= CHUNKED_DK_MAX && gdn_chunked_enabled()
+    }
+
     /// Whether the kernels take this shape (`kernel ≤ 8`, `k_dim ≤ 256`, heads that divide).
     pub fn supported(&self) -> bool {
         (1..=KMAX).contains(&self.kernel)
