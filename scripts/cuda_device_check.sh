@@ -62,6 +62,13 @@
 #     the same rounds (llama.cpp CUDA built from the carried sdist as in PART=decode).
 # 12. PART=ncu-batch (instead of 2-11): every kernel of a 16-sequence decode step under ncu, on a
 #     12-layer cut of the synthetic 30B (realistic routing), and the cut's x1 / x16 step times.
+# 13. PART=kv16 (instead of 2-12): the f16 KV cache (`--kv-cache-dtype f16`, issue 24). Unless
+#     BENCH_ONLY: the kernel tests, compare-devices against the CPU's f32 reference with the
+#     device's cache in f32 and in f16 (fixtures, a 69-word prompt on tiny-moe Q4_K, batched
+#     decoding), graphs = op by op and speculation = plain decoding with the f16 cache. Unless
+#     CHECK_ONLY: `strata bench -p 512 -n 128 -d DEPTHS` (default 0,4096,16384) on the synthetic
+#     30B (realistic routing) with f32 and f16 caches, alternating (ROUNDS, default 2), and with
+#     LLAMA=1 llama-bench -d on the same file in the same rounds (its default cache: f16).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -515,6 +522,63 @@ print('$samp, $n tokens: equal prefix', sum(1 for _ in __import__('itertools').t
       fi
     done
   } 2>&1 | tee -a "$D/bench.md"
+  exit 0
+fi
+if [ "${PART:-}" = kv16 ]; then
+  D="$OUT/kv16"; mkdir -p "$D"
+  start_llama_build
+  SP="one two three four five six seven eight nine ten one two three four five six seven eight nine ten one two three"
+  if [ -z "${BENCH_ONLY:-}" ]; then
+    kernel_tests "$D"
+    grep -h "f16 KV cache" "$D/kernels.txt" | tee -a "$D/check.md"
+    echo "## compare-devices (cuda vs the CPU's f32 cache): device cache f32, then f16" | tee -a "$D/check.md"
+    "$S" synth --preset tiny-moe --quant Q4_K --routing realistic --out /tmp/tiny-Q4_K.gguf >/dev/null 2>&1
+    for kv in f32 f16; do
+      for m in qwen3_moe qwen3_5_moe; do
+        I=$(ids $F/moe-tiny/$m.reference.json)
+        printf "%s.gguf, %s cache: " $m $kv | tee -a "$D/check.md"
+        timeout 120 "$S" compare-devices -m $F/moe-tiny/$m.gguf --ids "$I" -n 16 --kv-cache-dtype $kv 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+      done
+      printf "qwen3_next (HF), 69-word prompt, %s cache: " $kv | tee -a "$D/check.md"
+      STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m $F/moe-tiny/qwen3_next -p "$SP $SP $SP" -n 16 --kv-cache-dtype $kv 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
+      printf "tiny-moe Q4_K, 69-word prompt, 64 tokens, batch 4, %s cache: " $kv | tee -a "$D/check.md"
+      STRATA_CPU_DEQUANTIZE=1 timeout 180 "$S" compare-devices -m /tmp/tiny-Q4_K.gguf -p "$SP $SP $SP" -n 64 --tolerance 5e-2 --batch 4 --kv-cache-dtype $kv 2>>"$D/compare.err" | tail -3 | tee -a "$D/check.md"
+    done
+    echo "## f16 cache: graphs = op by op, speculation = plain decoding (greedy, 300 and 96 tokens)" | tee -a "$D/check.md"
+    for v in graphs opbyop; do
+      envs=(X=1); [ $v = opbyop ] && envs=(STRATA_GPU_GRAPHS=0)
+      env "${envs[@]}" "$S" generate -m /tmp/tiny-Q4_K.gguf --device cuda --kv-cache-dtype f16 -p "The quick brown fox" -n 300 --ignore-eos --temp 0 --json 2>>"$D/compare.err" > /tmp/gen-$v.json
+    done
+    python3 -c "
+import json; a=json.load(open('/tmp/gen-graphs.json'))['generated_token_ids']; b=json.load(open('/tmp/gen-opbyop.json'))['generated_token_ids']
+print('f16 cache, graphs vs op by op, 300 tokens: identical:', a==b, len(a))" | tee -a "$D/check.md"
+    "$S" generate -m /tmp/tiny-Q4_K.gguf --device cuda --kv-cache-dtype f16 -p "$SP" -n 96 --ignore-eos --temp 0 --json 2>>"$D/compare.err" > /tmp/gen-plain.json
+    for spec in "--spec self --draft-layers 1" "--spec ngram"; do
+      "$S" generate -m /tmp/tiny-Q4_K.gguf --device cuda --kv-cache-dtype f16 -p "$SP" -n 96 --ignore-eos --temp 0 $spec --draft-policy fixed --num-draft-tokens 4 --json 2>>"$D/compare.err" > /tmp/gen-spec.json
+      python3 -c "
+import json; a=json.load(open('/tmp/gen-spec.json')); b=json.load(open('/tmp/gen-plain.json'))['generated_token_ids']
+g=a['generated_token_ids']; print('f16 cache $spec: identical to plain:', g==b, len(g))" | tee -a "$D/check.md"
+    done
+  fi
+  [ -z "${CHECK_ONLY:-}" ] || exit 0
+  M=/tmp/q3-30b-realistic.gguf
+  [ -f $M ] || { "$S" synth --preset qwen3-30b-a3b --routing realistic --out $M 2>&1 | tail -1 > "$D/synth.txt"; sync; sleep 3; }
+  DEPTHS=${DEPTHS:-0,4096,16384}
+  if [ -f /tmp/llama-build.started ]; then
+    while [ ! -f /tmp/llama-build.done ]; do sleep 5; done
+    cp /tmp/llama-build.txt "$D/"; tail -1 /tmp/llama-build.txt
+  fi
+  for round in $(seq 1 ${ROUNDS:-2}); do
+    for kv in f32 f16; do
+      echo "### strata, $kv cache, round $round" | tee -a "$D/bench.md"
+      timeout 400 "$S" bench -m $M --device cuda -p 512 -n 128 -d $DEPTHS -r ${REPS:-2} --stream-experts off --kv-cache-dtype $kv 2>/tmp/kvb.err | grep "^|" | tee -a "$D/bench.md"
+      tail -2 /tmp/kvb.err >> "$D/bench.err"
+    done
+    if [ -x /tmp/llama/bin/llama-bench ]; then
+      echo "### llama.cpp (f16 cache, flash attention auto), round $round" | tee -a "$D/bench.md"
+      timeout 400 /tmp/llama/bin/llama-bench -m $M -ngl 99 -p 512 -n 128 -d $DEPTHS -r ${REPS:-2} -o md 2>&1 | grep "^|" | tee -a "$D/bench.md"
+    fi
+  done
   exit 0
 fi
 if [ "${PART:-}" = decode ]; then

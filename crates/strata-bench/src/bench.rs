@@ -1,5 +1,6 @@
 //! `llama-bench`-style throughput: pp (prompt processing: one forward over N tokens from an empty
-//! cache) and tg (text generation: N single-token forwards), median of several runs.
+//! cache) and tg (text generation: N single-token forwards), median of several runs; with a depth
+//! D (llama-bench's `-d`), both after D context tokens already in the cache.
 
 use serde::Serialize;
 use strata_models::Logits;
@@ -37,12 +38,56 @@ fn read_logits(out: &strata_models::ForwardOutput) -> Result<()> {
     Ok(())
 }
 
-/// Prompt processing: `n` tokens in one forward pass (chunked by `chunk`), `reps` times after one
-/// untimed run (llama-bench's warm-up).
-pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Result<BenchResult> {
+/// Context tokens of a depth-`depth` test (llama-bench's `-d`): distinct from the tested tokens.
+fn depth_tokens(engine: &Engine, depth: usize) -> Vec<u32> {
+    let vocab = engine.model.config().vocab_size as u32;
+    (0..depth as u32).map(|i| (i * 6151 + 101) % vocab).collect()
+}
+
+/// Clears `cache` and fills it with `context` (untimed), in prompt passes of at most
+/// [`DEPTH_CHUNK`] tokens.
+fn fill_context(
+    engine: &Engine,
+    cache: &mut strata_models::KvCache,
+    context: &[u32],
+) -> Result<()> {
+    cache.clear();
+    for part in context.chunks(DEPTH_CHUNK) {
+        let out = strata_models::prefill_scope(part.len(), 0, || {
+            engine.model.forward(part, cache, Logits::Last, &[])
+        })?;
+        read_logits(&out)?;
+    }
+    Ok(())
+}
+
+/// Prompt tokens per pass while a depth test fills its context (the CLI's default
+/// `--prefill-chunk`).
+pub const DEPTH_CHUNK: usize = 512;
+
+/// A test's name in llama-bench's form: `pp512`, `tg128 @ d4096`.
+fn test_name(kind: &str, n: usize, depth: usize) -> String {
+    if depth == 0 {
+        format!("{kind}{n}")
+    } else {
+        format!("{kind}{n} @ d{depth}")
+    }
+}
+
+/// Prompt processing: `n` tokens in one forward pass (chunked by `chunk`) after `depth` context
+/// tokens (filled untimed before each run), `reps` times after one untimed run (llama-bench's
+/// warm-up).
+pub fn bench_prefill(
+    engine: &Engine,
+    n: usize,
+    chunk: usize,
+    depth: usize,
+    reps: usize,
+) -> Result<BenchResult> {
     let vocab = engine.model.config().vocab_size as u32;
     let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let mut cache = engine.new_cache(n + 1)?;
+    let context = depth_tokens(engine, depth);
+    let mut cache = engine.new_cache(depth + n + 1)?;
     // Prompt tokens, as the engine's prefill runs them; the last logits `[vocab]` read to the
     // host as generation reads them (on a GPU: the pass's end, not its launch).
     let prefill = |part: &[u32], cache: &mut strata_models::KvCache| -> Result<()> {
@@ -56,52 +101,60 @@ pub fn bench_prefill(engine: &Engine, n: usize, chunk: usize, reps: usize) -> Re
     // test's n_prompt). A GPU's first prompt pass loads what the later ones reuse (5.4 s for the
     // synthetic 30B's first 512-token pass on an H100: 94.5 tok/s, then 9,969 tok/s), which a
     // 16-token warm-up (the decode kernels' rows) did not reach.
+    fill_context(engine, &mut cache, &context)?;
     for part in tokens.chunks(chunk.max(1)) {
         prefill(part, &mut cache)?;
     }
     let mut runs = Vec::new();
     for _ in 0..reps {
-        cache.clear();
+        fill_context(engine, &mut cache, &context)?;
         let t = std::time::Instant::now();
         for part in tokens.chunks(chunk.max(1)) {
             prefill(part, &mut cache)?;
         }
         runs.push(n as f64 / t.elapsed().as_secs_f64());
     }
-    Ok(BenchResult { test: format!("pp{n}"), tokens: n, median_tok_s: median(&runs), runs })
+    let test = test_name("pp", n, depth);
+    Ok(BenchResult { test, tokens: n, median_tok_s: median(&runs), runs })
 }
 
-/// Text generation: `n` single-token forwards from an empty cache, `reps` times. Each step's
+/// Text generation: `n` single-token forwards after `depth` context tokens (filled untimed
+/// before each run; 0: from an empty cache), `reps` times. Each step's
 /// logits `[vocab]` are read to the host, as the sampler of a generation reads them (and as
 /// llama-bench waits for each token): on a GPU a step whose pass never synchronizes (a dense
 /// model's replayed graph) would otherwise time only its launch.
-pub fn bench_decode(engine: &Engine, n: usize, reps: usize) -> Result<BenchResult> {
+pub fn bench_decode(engine: &Engine, n: usize, depth: usize, reps: usize) -> Result<BenchResult> {
     let vocab = engine.model.config().vocab_size as u32;
-    let mut cache = engine.new_cache(n + 1)?;
+    let context = depth_tokens(engine, depth);
+    let mut cache = engine.new_cache(depth + n + 1)?;
     let mut runs = Vec::new();
     let step = |cache: &mut strata_models::KvCache, token: u32| -> Result<()> {
         let out = engine.model.forward(&[token], cache, Logits::Last, &[])?;
         read_logits(&out)?;
         Ok(())
     };
+    fill_context(engine, &mut cache, &context)?;
     step(&mut cache, 1)?;
-    let reads = strata_models::gpu::host_reads();
+    let mut reads = 0;
     for _ in 0..reps {
-        cache.clear();
+        fill_context(engine, &mut cache, &context)?;
+        let before = strata_models::gpu::host_reads();
         let t = std::time::Instant::now();
         for i in 0..n as u32 {
             step(&mut cache, (i * 7919 + 13) % vocab)?;
         }
         runs.push(n as f64 / t.elapsed().as_secs_f64());
+        reads += strata_models::gpu::host_reads() - before;
     }
     if !engine.model.device().is_cpu() {
-        let per = (strata_models::gpu::host_reads() - reads) as f64 / (n * reps).max(1) as f64;
+        let per = reads as f64 / (n * reps).max(1) as f64;
         eprintln!(
             "tg{n}: {per:.2} device→host reads per decode step inside the model's layers \
              (host paths of Gated DeltaNet layers and routers; a pass's routing record)"
         );
     }
-    Ok(BenchResult { test: format!("tg{n}"), tokens: n, median_tok_s: median(&runs), runs })
+    let test = test_name("tg", n, depth);
+    Ok(BenchResult { test, tokens: n, median_tok_s: median(&runs), runs })
 }
 
 /// Speculative verify passes at zero acceptance: `n` passes of `width` tokens each, every

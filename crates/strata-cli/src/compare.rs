@@ -48,6 +48,10 @@ pub struct CompareArgs {
     /// this (max |Δ| ÷ max |logit|).
     #[arg(long, default_value_t = 1e-5)]
     pub batch_tolerance: f64,
+    /// The device side's KV cache element type (f32 or f16; the CPU side keeps f32): with f16
+    /// the comparison measures the half-precision cache's accuracy cost.
+    #[arg(long, default_value = "f32", value_parser = clap::value_parser!(strata_models::KvDtype))]
+    pub kv_cache_dtype: strata_models::KvDtype,
 }
 
 pub fn run(a: CompareArgs) -> Result<()> {
@@ -57,6 +61,7 @@ pub fn run(a: CompareArgs) -> Result<()> {
     }
     let load = |opts: LoadOptions| Engine::load(&a.model, &opts, &mut |_, _| {});
     let mut dev_opts = LoadOptions::new(4096, device.clone());
+    dev_opts.kv_dtype = a.kv_cache_dtype;
     dev_opts.stream_experts =
         a.gpu_expert_cache.map(|gpu_expert_cache| strata_engine::StreamOptions {
             budget: strata_engine::CacheBudget::Percent(100.0),

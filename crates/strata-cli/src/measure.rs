@@ -67,6 +67,11 @@ pub struct BenchArgs {
     /// Text-generation test size (tokens).
     #[arg(long, short = 'n', default_value_t = 128)]
     pub n_gen: usize,
+    /// Context depth (llama-bench's `-d`): the pp and tg tests run after this many tokens
+    /// already in the KV cache (filled untimed before each run); repeatable or comma-separated:
+    /// `-d 0,4096,16384`.
+    #[arg(long, short = 'd', value_delimiter = ',', default_value = "0")]
+    pub n_depth: Vec<usize>,
     /// Repetitions (median reported).
     #[arg(long, short = 'r', default_value_t = 3)]
     pub reps: usize,
@@ -274,15 +279,21 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         return bench_routing(&a);
     }
     let mut m = a.model.clone();
-    m.ctx_size = m.ctx_size.max(a.n_prompt + a.n_gen + 1);
+    let deepest = a.n_depth.iter().copied().max().unwrap_or(0);
+    m.ctx_size = m.ctx_size.max(deepest + a.n_prompt + a.n_gen + 1);
     let engine = m.load()?;
-    let pp = strata_bench::bench::bench_prefill(&engine, a.n_prompt, a.n_prompt, a.reps.max(1))?;
-    let tg = strata_bench::bench::bench_decode(&engine, a.n_gen, a.reps.max(1))?;
-    let mut results = vec![pp, tg];
+    let reps = a.reps.max(1);
+    let mut results = Vec::new();
+    for &d in if a.n_depth.is_empty() { &[0][..] } else { &a.n_depth[..] } {
+        results.push(strata_bench::bench::bench_prefill(&engine, a.n_prompt, a.n_prompt, d, reps)?);
+        results.push(strata_bench::bench::bench_decode(&engine, a.n_gen, d, reps)?);
+    }
     for &b in a.batch.iter().filter(|&&b| b > 1) {
         results.push(strata_bench::bench::bench_batch_decode(&engine, b, a.n_gen, a.reps.max(1))?);
     }
-    let tg_tok_s = results[1].median_tok_s;
+    // Verify passes start from an empty cache: their ratio is to the depth-0 tg (else the first).
+    let tg_name = format!("tg{}", a.n_gen);
+    let tg_tok_s = results.iter().find(|r| r.test == tg_name).unwrap_or(&results[1]).median_tok_s;
     let mut ratios = Vec::new();
     for &w in a.verify.iter().filter(|&&w| w > 0) {
         let v = strata_bench::bench::bench_verify(&engine, w, a.n_gen, a.reps.max(1))?;

@@ -86,6 +86,12 @@ pub struct ModelArgs {
     /// cpu), cpu, cuda, cuda:N.
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(strata_engine::device::DeviceChoice))]
     pub device: strata_engine::device::DeviceChoice,
+    /// Element type of the KV cache's keys and values: f32 (default) or f16 (CUDA devices only:
+    /// half the cache's memory and the bytes a decode step reads from it; each key and value
+    /// rounded to nearest when written, attention still computed in f32 — accuracy cost and
+    /// speed in docs/performance.md). The memory plan counts the chosen size.
+    #[arg(long, default_value = "f32", value_parser = clap::value_parser!(strata_models::KvDtype))]
+    pub kv_cache_dtype: strata_models::KvDtype,
     #[command(flatten)]
     pub spec: crate::spec_args::SpecArgs,
     /// What the server will hold besides the model (set by `serve` and `info` from their flags).
@@ -144,6 +150,7 @@ impl ModelArgs {
             device,
             parallel: self.serving.parallel,
             prefix_cache_bytes: self.serving.prefix_cache,
+            kv_dtype: self.kv_cache_dtype,
         })
     }
 
@@ -184,6 +191,12 @@ impl ModelArgs {
         let path = self.model_path()?;
         self.spec.kind()?; // flag errors before loading anything
         let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
+        if self.kv_cache_dtype != strata_models::KvDtype::F32 && device.is_cpu() {
+            anyhow::bail!(
+                "--kv-cache-dtype {} needs --device cuda (the CPU attention reads f32 keys and values)",
+                self.kv_cache_dtype
+            );
+        }
         let req = self.load_request(device.clone())?;
         let files = strata_formats::ModelFiles::open(&path)?;
         let plan = strata_engine::plan_for(&files, &path, &req)?;

@@ -88,11 +88,19 @@ pub struct LoadOptions {
     pub stream_experts: Option<StreamOptions>,
     /// Experts per token override (`--moe-top-k`, `STRATA_MOE_TOP_K`).
     pub moe_top_k: Option<usize>,
+    /// Element type of the KV caches (`--kv-cache-dtype`; f16 only on a CUDA device).
+    pub kv_dtype: strata_models::KvDtype,
 }
 
 impl LoadOptions {
     pub fn new(ctx_size: usize, device: Device) -> Self {
-        Self { ctx_size, device, stream_experts: None, moe_top_k: None }
+        Self {
+            ctx_size,
+            device,
+            stream_experts: None,
+            moe_top_k: None,
+            kv_dtype: strata_models::KvDtype::F32,
+        }
     }
 }
 
@@ -129,6 +137,7 @@ impl Engine {
         let mut model =
             Transformer::load_with_experts(files, &opts.device, opts.ctx_size, experts, progress)?;
         model.set_moe_top_k(opts.moe_top_k);
+        model.set_kv_dtype(opts.kv_dtype)?;
         if let Some(so) = &opts.stream_experts {
             model.set_prefetch(so.prefetch);
         }

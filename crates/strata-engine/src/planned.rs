@@ -47,6 +47,8 @@ pub struct LoadRequest {
     pub parallel: usize,
     /// Bytes of the server's prefix cache, counted by the plan.
     pub prefix_cache_bytes: u64,
+    /// Element type of the KV caches (`--kv-cache-dtype`): the plan counts its bytes.
+    pub kv_dtype: strata_models::KvDtype,
 }
 
 impl LoadRequest {
@@ -72,6 +74,7 @@ impl LoadRequest {
             device,
             parallel: 1,
             prefix_cache_bytes: 0,
+            kv_dtype: strata_models::KvDtype::F32,
         }
     }
 }
@@ -81,7 +84,9 @@ impl LoadRequest {
 ///
 /// Errors: the draft model cannot be opened or its metadata is invalid.
 pub fn plan_for(files: &ModelFiles, path: &Path, req: &LoadRequest) -> Result<Plan> {
-    let facts = strata_plan::ModelFacts::read(files)?;
+    let mut facts = strata_plan::ModelFacts::read(files)?;
+    // ModelFacts counts f32 keys and values.
+    facts.kv_bytes_per_token = facts.kv_bytes_per_token / 4 * req.kv_dtype.bytes() as u64;
     let draft = match &req.draft {
         Some(d) => Some(strata_plan::ModelFacts::read(&ModelFiles::open(d)?)?),
         None => None,
@@ -108,6 +113,7 @@ pub fn plan_for(files: &ModelFiles, path: &Path, req: &LoadRequest) -> Result<Pl
 pub fn load_options(req: &LoadRequest, plan: &Plan) -> LoadOptions {
     let mut opts = LoadOptions::new(req.ctx_size, req.device.clone());
     opts.moe_top_k = req.moe_top_k;
+    opts.kv_dtype = req.kv_dtype;
     if plan.strategy.streams_experts() {
         let budget = match (req.expert_cache, plan.expert_cache_bytes) {
             (CacheBudget::Auto, Some(b)) => CacheBudget::Bytes(b),

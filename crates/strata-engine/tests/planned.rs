@@ -63,3 +63,25 @@ fn a_model_that_does_not_fit_is_refused_before_loading() {
     }
     std::fs::remove_file(&path).ok();
 }
+
+/// `--kv-cache-dtype f16`: the plan counts half the KV bytes of f32 (the model's
+/// `kv_bytes_per_token` at 2 bytes a value), and loading it on the CPU — whose attention reads
+/// f32 — is an error, not a silently f32 cache.
+#[test]
+fn an_f16_kv_cache_halves_the_planned_bytes_and_needs_a_gpu() {
+    let path = synth_moe("kv16", 2);
+    let mut req = LoadRequest::new(4096, candle_core::Device::Cpu);
+    req.ram = Some(64 << 30);
+    let files = strata_formats::ModelFiles::open(&path).unwrap();
+    let f32_plan = strata_engine::plan_for(&files, &path, &req).unwrap();
+    req.kv_dtype = strata_models::KvDtype::F16;
+    let f16_plan = strata_engine::plan_for(&files, &path, &req).unwrap();
+    let cfg = files.config().unwrap();
+    assert_eq!(f32_plan.memory.kv_cache, 4096 * cfg.kv_bytes_per_token() as u64);
+    assert_eq!(f16_plan.memory.kv_cache * 2, f32_plan.memory.kv_cache);
+    match load_planned(&path, &req, &mut |_, _| {}) {
+        Err(e) => assert!(e.to_string().contains("--kv-cache-dtype f16"), "{e}"),
+        Ok(_) => panic!("an f16 KV cache on the CPU must be refused"),
+    }
+    std::fs::remove_file(&path).ok();
+}

@@ -11,6 +11,8 @@
 //                   written into the KV cache at their positions, q returned rotated.
 //  attn_decode      attention of a few query rows over the KV cache (split-K online softmax,
 //                   FlashDecoding: Dao et al. 2023), row i over positions [0, pos + i].
+//                   Both also for an f16 KV cache (`_f16` names): values rounded to nearest on
+//                   the write, arithmetic in f32.
 //  attn_combine     merges the split-K partial results.
 //  causal_softmax   softmax(scale · scores) under the causal mask, in place (prompt passes).
 //  add_rms_norm     residual add + RMSNorm in one pass.
@@ -25,6 +27,7 @@
 
 #include <stdint.h>
 #include <math_constants.h>
+#include <cuda_fp16.h>
 
 #define WARP 32
 
@@ -346,6 +349,14 @@ extern "C" __global__ void causal_softmax(float* __restrict__ x, int total, int 
 }
 
 // ---------------------------------------------------------------------------------------------
+// A KV cache holds f32 or f16 values (`--kv-cache-dtype`); kernels read and write them through
+// these and compute in f32. The f16 write rounds to nearest even (as candle's casts do).
+__device__ __forceinline__ float kv_load(const float* p) { return *p; }
+__device__ __forceinline__ float kv_load(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ void kv_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kv_store(__half* p, float v) { *p = __float2half_rn(v); }
+
+// ---------------------------------------------------------------------------------------------
 // RoPE + KV append. q [seq, nh, hd], k, v [seq, nkv, hd] (contiguous); cos, sin [max_pos, rd/2];
 // cache_k, cache_v [nkv, cap, hd] (one layer's cache, batch 1); q_out [seq, nh, hd]. pos_dev
 // (nullable): the position read from the device instead of `pos` (a captured CUDA graph).
@@ -369,7 +380,8 @@ __device__ __forceinline__ float head_rms_inv(const float* x, int hd, float eps)
 }
 
 // nw (nullable): the head's RMSNorm weight [hd], applied (x · inv · nw) before the rotation.
-__device__ __forceinline__ void rope_row(const float* x, float* o, const float* c, const float* s,
+template <typename O>
+__device__ __forceinline__ void rope_row(const float* x, O* o, const float* c, const float* s,
                                          int hd, int rd, int style, const float* nw, float inv) {
     int half = rd / 2;
     for (int p = threadIdx.x; p < hd / 2; p += blockDim.x) {
@@ -380,13 +392,13 @@ __device__ __forceinline__ void rope_row(const float* x, float* o, const float* 
                 x0 = x0 * inv * nw[a];
                 x1 = x1 * inv * nw[b];
             }
-            o[a] = x0 * cs - x1 * sn;
-            o[b] = x0 * sn + x1 * cs;
+            kv_store(o + a, x0 * cs - x1 * sn);
+            kv_store(o + b, x0 * sn + x1 * cs);
         } else {
             // tail: dims rd + 2(p - half) and the next one
             int d = rd + 2 * (p - half);
-            o[d] = nw ? x[d] * inv * nw[d] : x[d];
-            o[d + 1] = nw ? x[d + 1] * inv * nw[d + 1] : x[d + 1];
+            kv_store(o + d, nw ? x[d] * inv * nw[d] : x[d]);
+            kv_store(o + d + 1, nw ? x[d + 1] * inv * nw[d + 1] : x[d + 1]);
         }
     }
 }
@@ -394,36 +406,39 @@ __device__ __forceinline__ void rope_row(const float* x, float* o, const float* 
 // A batched pass's rows of several sequences (rows_tab, nullable): per row 5 u32 — its position,
 // then the addresses of its sequence's cache k and v for this layer (low word first). Every cache
 // has the shape [nkv, cap, hd] of the launch.
+// Every cache of a table holds the launch's element type T.
+template <typename T>
 struct RowKv {
     int pos;
-    float* k;
-    float* v;
+    T* k;
+    T* v;
 };
 
-__device__ __forceinline__ RowKv row_kv(const uint32_t* __restrict__ tab, int i) {
+template <typename T>
+__device__ __forceinline__ RowKv<T> row_kv(const uint32_t* __restrict__ tab, int i) {
     const uint32_t* t = tab + 5 * (size_t)i;
-    RowKv r;
+    RowKv<T> r;
     r.pos = (int)t[0];
-    r.k = (float*)(((uint64_t)t[2] << 32) | t[1]);
-    r.v = (float*)(((uint64_t)t[4] << 32) | t[3]);
+    r.k = (T*)(((uint64_t)t[2] << 32) | t[1]);
+    r.v = (T*)(((uint64_t)t[4] << 32) | t[3]);
     return r;
 }
 
-extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const float* __restrict__ k,
-                                          const float* __restrict__ v, const float* __restrict__ cos_t,
-                                          const float* __restrict__ sin_t, float* __restrict__ q_out,
-                                          float* __restrict__ cache_k, float* __restrict__ cache_v,
-                                          int nh, int nkv, int hd, int rd, int style, int pos, int cap,
-                                          const uint32_t* __restrict__ pos_dev,
-                                          const uint32_t* __restrict__ rows_tab,
-                                          const float* __restrict__ q_norm,
-                                          const float* __restrict__ k_norm, float eps) {
-    PDL_ENTER();
+template <typename T>
+__device__ void rope_kv_append_impl(const float* __restrict__ q, const float* __restrict__ k,
+                                    const float* __restrict__ v, const float* __restrict__ cos_t,
+                                    const float* __restrict__ sin_t, float* __restrict__ q_out,
+                                    T* __restrict__ cache_k, T* __restrict__ cache_v, int nh,
+                                    int nkv, int hd, int rd, int style, int pos, int cap,
+                                    const uint32_t* __restrict__ pos_dev,
+                                    const uint32_t* __restrict__ rows_tab,
+                                    const float* __restrict__ q_norm,
+                                    const float* __restrict__ k_norm, float eps) {
     if (pos_dev) pos = (int)*pos_dev;
     const int i = blockIdx.x, h = blockIdx.y;
     int p = pos + i;
     if (rows_tab) {
-        const RowKv r = row_kv(rows_tab, i);
+        const RowKv<T> r = row_kv<T>(rows_tab, i);
         p = r.pos;
         cache_k = r.k;
         cache_v = r.v;
@@ -439,9 +454,24 @@ extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const flo
         size_t src = ((size_t)i * nkv + g) * hd, dst = ((size_t)g * cap + p) * hd;
         const float inv = k_norm ? head_rms_inv(k + src, hd, eps) : 1.f;
         rope_row(k + src, cache_k + dst, c, s, hd, rd, style, k_norm, inv);
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) cache_v[dst + d] = v[src + d];
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) kv_store(cache_v + dst + d, v[src + d]);
     }
 }
+
+#define ROPE_KV_KERNEL(NAME, T)                                                                   \
+    extern "C" __global__ void NAME(                                                              \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,    \
+        const float* __restrict__ cos_t, const float* __restrict__ sin_t,                         \
+        float* __restrict__ q_out, T* __restrict__ cache_k, T* __restrict__ cache_v, int nh,      \
+        int nkv, int hd, int rd, int style, int pos, int cap, const uint32_t* __restrict__ pos_dev, \
+        const uint32_t* __restrict__ rows_tab, const float* __restrict__ q_norm,                  \
+        const float* __restrict__ k_norm, float eps) {                                            \
+        PDL_ENTER();                                                                              \
+        rope_kv_append_impl<T>(q, k, v, cos_t, sin_t, q_out, cache_k, cache_v, nh, nkv, hd, rd,   \
+                               style, pos, cap, pos_dev, rows_tab, q_norm, k_norm, eps);          \
+    }
+ROPE_KV_KERNEL(rope_kv_append, float)
+ROPE_KV_KERNEL(rope_kv_append_f16, __half)
 
 // ---------------------------------------------------------------------------------------------
 // Decode attention. q [seq, nh, hd]; cache [nkv, cap, hd]; row i attends positions [0, pos + i]
@@ -456,10 +486,15 @@ extern "C" __global__ void rope_kv_append(const float* __restrict__ q, const flo
 #define ATT_WARPS 4
 #define ATT_THREADS (ATT_WARPS * WARP)
 #define REP 4
+// Positions whose keys and values a warp loads before updating with the first of them (2 for
+// head dims of 256, whose rows take twice the registers).
+#define ATT_UNROLL 4
+// Most splits of a context (ATTN_SPLITS_LIMIT in src/cuda.rs): attn_combine's shared weights.
+#define ATT_SPLITS_MAX 512
 
-template <int HPL>
-__device__ void attn_decode_impl(const float* __restrict__ q, const float* __restrict__ ck,
-                                 const float* __restrict__ cv, float* __restrict__ out,
+template <int HPL, typename T>
+__device__ void attn_decode_impl(const float* __restrict__ q, const T* __restrict__ ck,
+                                 const T* __restrict__ cv, float* __restrict__ out,
                                  float* __restrict__ part, int nh, int nkv, int cap, int pos,
                                  int chunk, float scale, const uint32_t* __restrict__ pos_dev,
                                  const uint32_t* __restrict__ rows_tab, int8_t* __restrict__ oq,
@@ -474,7 +509,7 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
     const int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
     int total = pos + row + 1;
     if (rows_tab) {
-        const RowKv r = row_kv(rows_tab, row);
+        const RowKv<T> r = row_kv<T>(rows_tab, row);
         total = r.pos + 1;
         ck = r.k;
         cv = r.v;
@@ -493,15 +528,12 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
             qr[r][d] = r < nr ? q[((size_t)row * nh + h0 + r) * HD + d * WARP + lane] * scale : 0.f;
         }
     }
-    const float* kb = ck + (size_t)kvh * cap * HD;
-    const float* vb = cv + (size_t)kvh * cap * HD;
-    for (int j = j0 + wid; j < j1; j += ATT_WARPS) {
-        float kr[HPL], vr[HPL];
-#pragma unroll
-        for (int d = 0; d < HPL; d++) {
-            kr[d] = kb[(size_t)j * HD + d * WARP + lane];
-            vr[d] = vb[(size_t)j * HD + d * WARP + lane];
-        }
+    const T* kb = ck + (size_t)kvh * cap * HD;
+    const T* vb = cv + (size_t)kvh * cap * HD;
+    // One position's update of the REP rows' online softmax (the order of positions per warp is
+    // j0 + wid, + ATT_WARPS, ...; unrolling below only issues the loads of ATT_UNROLL of them
+    // before the first update, so several rows of keys and values are in flight per warp).
+    auto update = [&](const float (&kr)[HPL], const float (&vr)[HPL]) {
 #pragma unroll
         for (int r = 0; r < REP; r++) {
             if (r >= nr) break;
@@ -515,6 +547,30 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
             for (int d = 0; d < HPL; d++) acc[r][d] = acc[r][d] * corr + pj * vr[d];
             m[r] = mn;
         }
+    };
+    constexpr int U = HPL >= 8 ? 2 : ATT_UNROLL;
+    int j = j0 + wid;
+    for (; j + (U - 1) * ATT_WARPS < j1; j += U * ATT_WARPS) {
+        float kr[U][HPL], vr[U][HPL];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int d = 0; d < HPL; d++) {
+                kr[u][d] = kv_load(kb + (size_t)(j + u * ATT_WARPS) * HD + d * WARP + lane);
+                vr[u][d] = kv_load(vb + (size_t)(j + u * ATT_WARPS) * HD + d * WARP + lane);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) update(kr[u], vr[u]);
+    }
+    for (; j < j1; j += ATT_WARPS) {
+        float kr[HPL], vr[HPL];
+#pragma unroll
+        for (int d = 0; d < HPL; d++) {
+            kr[d] = kv_load(kb + (size_t)j * HD + d * WARP + lane);
+            vr[d] = kv_load(vb + (size_t)j * HD + d * WARP + lane);
+        }
+        update(kr, vr);
     }
 #pragma unroll
     for (int r = 0; r < REP; r++) {
@@ -549,40 +605,70 @@ __device__ void attn_decode_impl(const float* __restrict__ q, const float* __res
     }
 }
 
-#define ATT_KERNEL(HPL)                                                                               \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_decode_hd##HPL(                    \
-        const float* q, const float* ck, const float* cv, float* out, float* part, int nh, int nkv,   \
-        int cap, int pos, int chunk, float scale, const uint32_t* pos_dev, const uint32_t* rows_tab,  \
-        int8_t* oq, float* od) {                                                                      \
+#define ATT_KERNEL(NAME, HPL, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                               \
+        const float* q, const T* ck, const T* cv, float* out, float* part, int nh, int nkv,       \
+        int cap, int pos, int chunk, float scale, const uint32_t* pos_dev, const uint32_t* rows_tab, \
+        int8_t* oq, float* od) {                                                                  \
         PDL_ENTER();                                                                              \
-        attn_decode_impl<HPL>(q, ck, cv, out, part, nh, nkv, cap, pos, chunk, scale, pos_dev,         \
-                              rows_tab, oq, od);                                                     \
+        attn_decode_impl<HPL, T>(q, ck, cv, out, part, nh, nkv, cap, pos, chunk, scale, pos_dev,  \
+                                 rows_tab, oq, od);                                               \
     }
-ATT_KERNEL(1)
-ATT_KERNEL(2)
-ATT_KERNEL(3)
-ATT_KERNEL(4)
-ATT_KERNEL(8)
+ATT_KERNEL(attn_decode_hd1, 1, float)
+ATT_KERNEL(attn_decode_hd2, 2, float)
+ATT_KERNEL(attn_decode_hd3, 3, float)
+ATT_KERNEL(attn_decode_hd4, 4, float)
+ATT_KERNEL(attn_decode_hd8, 8, float)
+ATT_KERNEL(attn_decode_f16_hd1, 1, __half)
+ATT_KERNEL(attn_decode_f16_hd2, 2, __half)
+ATT_KERNEL(attn_decode_f16_hd3, 3, __half)
+ATT_KERNEL(attn_decode_f16_hd4, 4, __half)
+ATT_KERNEL(attn_decode_f16_hd8, 8, __half)
 
 // part [seq, nh, splits, hd + 2] -> out [seq, nh, hd]; oq [seq, nh · hd] int8, od [seq, nh · hd /
 // 32] (nullable): out's q8 rounding (q8_round_warp; hd is a multiple of 32). grid (nh, seq), block
-// hd threads.
+// hd threads (at most 1024), splits <= ATT_SPLITS_MAX. The splits' maxima and weights are taken
+// by the block's threads together (one split each), then every thread sums its dimension over the
+// splits from shared memory: no thread walks the splits' partials one dependent load at a time.
 extern "C" __global__ void attn_combine(const float* __restrict__ part, float* __restrict__ out,
                                         int8_t* __restrict__ oq, float* __restrict__ od, int nh,
                                         int hd, int splits) {
     PDL_ENTER();
+    __shared__ float w[ATT_SPLITS_MAX];
+    __shared__ float red[32];
     const int h = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
+    const int lane = d % WARP, wid = d / WARP, warps = blockDim.x / WARP;
     const float* pp = part + ((size_t)row * nh + h) * splits * (hd + 2);
+    float m = -CUDART_INF_F;
+    for (int s = d; s < splits; s += blockDim.x) m = fmaxf(m, pp[s * (hd + 2) + hd]);
+    m = warp_max(m);
+    if (lane == 0) red[wid] = m;
+    __syncthreads();
     float M = -CUDART_INF_F;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, pp[s * (hd + 2) + hd]);
-    float L = 0.f, A = 0.f;
-    for (int s = 0; s < splits; s++) {
-        float ms = pp[s * (hd + 2) + hd];
-        if (ms == -CUDART_INF_F) continue;
-        float f = expf(ms - M);
-        L += pp[s * (hd + 2) + hd + 1] * f;
-        A += pp[s * (hd + 2) + d] * f;
+    for (int i = 0; i < warps; i++) M = fmaxf(M, red[i]);
+    __syncthreads();
+    float l = 0.f;
+    for (int s = d; s < splits; s += blockDim.x) {
+        const float ms = pp[s * (hd + 2) + hd];
+        const float f = ms == -CUDART_INF_F ? 0.f : expf(ms - M);
+        w[s] = f;
+        l += pp[s * (hd + 2) + hd + 1] * f;
     }
+    l = warp_sum(l);
+    if (lane == 0) red[wid] = l;
+    __syncthreads();
+    float L = 0.f;
+    for (int i = 0; i < warps; i++) L += red[i];
+    // Four partial sums, so that 16 loads are in flight per thread.
+    float a[4] = {0.f, 0.f, 0.f, 0.f};
+    int s = 0;
+#pragma unroll 4
+    for (; s + 4 <= splits; s += 4) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] += pp[(s + i) * (hd + 2) + d] * w[s + i];
+    }
+    for (; s < splits; s++) a[0] += pp[s * (hd + 2) + d] * w[s];
+    const float A = (a[0] + a[1]) + (a[2] + a[3]);
     const size_t o = ((size_t)row * nh + h) * hd + d;
     out[o] = A / L;
     if (oq) q8_round_warp(A / L, o, true, oq, od);

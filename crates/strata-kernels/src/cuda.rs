@@ -37,23 +37,27 @@ pub const ATTN_CHUNK: usize = 256;
 /// (Qwen3-30B-A3B's 4 kv heads) and the step's time growing with the context (measured in
 /// docs/performance.md: 16 and 8 equal, 32 3.8% and 256 15% slower on the 30B's decode step).
 const ATTN_CHUNK_MIN: usize = 16;
-/// Most chunks one query row's attention is split into (longer contexts take longer chunks).
+/// Most chunks one query row's attention is split into by default (longer contexts take longer
+/// chunks).
 const ATTN_SPLITS_MAX: usize = 128;
+/// The largest split count `attn_combine` takes (`ATT_SPLITS_MAX` in decode.cu).
+const ATTN_SPLITS_LIMIT: usize = 512;
 
 /// Positions per attention block for a context of `last` positions: [`ATTN_CHUNK_MIN`], or more
-/// so that at most [`ATTN_SPLITS_MAX`] chunks cover it. A measurement override of the minimum:
-/// `STRATA_GPU_ATTN_CHUNK=n` (256: the chunking before). A row's result does not depend on it
+/// so that at most [`ATTN_SPLITS_MAX`] chunks cover it. Measurement overrides:
+/// `STRATA_GPU_ATTN_CHUNK=n` the minimum (256: the chunking before), `STRATA_GPU_ATTN_SPLITS=n`
+/// the most chunks (at most [`ATTN_SPLITS_LIMIT`]). A row's result does not depend on them
 /// beyond f32 summation order.
 fn attn_chunk(last: usize) -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let min = *MIN.get_or_init(|| {
-        std::env::var("STRATA_GPU_ATTN_CHUNK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&c: &usize| c > 0)
-            .unwrap_or(ATTN_CHUNK_MIN)
+    static MIN: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    let (min, splits) = *MIN.get_or_init(|| {
+        let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+        (
+            var("STRATA_GPU_ATTN_CHUNK").filter(|&c| c > 0).unwrap_or(ATTN_CHUNK_MIN),
+            var("STRATA_GPU_ATTN_SPLITS").unwrap_or(ATTN_SPLITS_MAX).clamp(1, ATTN_SPLITS_LIMIT),
+        )
     });
-    last.div_ceil(ATTN_SPLITS_MAX).max(min)
+    last.div_ceil(splits).max(min)
 }
 /// Threads of an attention block (`ATT_THREADS` in decode.cu).
 const ATTN_THREADS: u32 = 128;
@@ -433,29 +437,28 @@ pub enum Position<'a> {
 pub struct RowTable {
     words: Vec<u32>,
     max: usize,
-    shape: Option<Vec<usize>>,
+    shape: Option<(Vec<usize>, DType)>,
 }
 
 /// A [`RowTable`] on the device: u32 `[rows, 5]` (position, then the cache k and v addresses,
-/// low word first), the largest position and the caches' shape.
+/// low word first), the largest position and the caches' shape and element type.
 #[derive(Debug)]
 pub struct Rows {
     table: Tensor,
     max: usize,
-    shape: Vec<usize>,
+    shape: (Vec<usize>, DType),
 }
 
 impl RowTable {
     /// Adds `rows` rows of one sequence at positions `first..first + rows`, over `cache`.
     ///
-    /// Errors: a cache tensor not f32, contiguous, on a CUDA device, or of another shape than
-    /// the caches already in the table (k and v alike).
+    /// Errors: a cache not [`LayerKv::check`]ed, or of another shape or element type than the
+    /// caches already in the table; a cache tensor not contiguous on a CUDA device.
     pub fn push(&mut self, first: usize, rows: usize, cache: LayerKv<'_>) -> Result<()> {
-        check_f32(cache.k, "cache k")?;
-        check_f32(cache.v, "cache v")?;
-        let shape = self.shape.get_or_insert_with(|| cache.k.dims().to_vec());
-        if cache.k.dims() != shape.as_slice() || cache.v.dims() != shape.as_slice() {
-            bail!("row table: caches {:?} / {:?} after {shape:?}", cache.k.dims(), cache.v.dims());
+        cache.check()?;
+        let shape = self.shape.get_or_insert_with(|| cache.signature());
+        if cache.signature() != *shape {
+            bail!("row table: cache {:?} after {shape:?}", cache.signature());
         }
         let (k, v) = (addr(cache.k)?, addr(cache.v)?);
         for p in first..first + rows {
@@ -477,7 +480,7 @@ impl RowTable {
         Ok(Rows {
             table: Tensor::from_slice(&self.words, (rows, 5), device)?,
             max: self.max,
-            shape: self.shape.clone().unwrap_or_default(),
+            shape: self.shape.clone().unwrap_or((Vec::new(), DType::F32)),
         })
     }
 }
@@ -487,10 +490,11 @@ impl Rows {
     /// CUDA graph's: its positions and caches change from step to step, the launches stay):
     /// `table` u32 `[rows, 5]` contiguous as [`RowTable::words`] lays it out, every position in
     /// it at most `max` (the launches' split counts cover positions `0..=max`), every cache of
-    /// shape `cache_shape` (`[1, n_kv_heads, capacity, head_dim]`).
+    /// the shape and element type of `like` (`[1, n_kv_heads, capacity, head_dim]`).
     ///
-    /// Errors: `table` not u32 `[rows, 5]` or not contiguous.
-    pub fn in_buffer(table: Tensor, max: usize, cache_shape: &[usize]) -> Result<Rows> {
+    /// Errors: `table` not u32 `[rows, 5]` or not contiguous, `like` not [`LayerKv::check`]ed.
+    pub fn in_buffer(table: Tensor, max: usize, like: LayerKv<'_>) -> Result<Rows> {
+        like.check()?;
         if table.dtype() != DType::U32 || table.dims2()?.1 != 5 || !table.is_contiguous() {
             bail!(
                 "row table: expected contiguous u32 [rows, 5], got {:?} {:?}",
@@ -498,7 +502,7 @@ impl Rows {
                 table.dims()
             );
         }
-        Ok(Rows { table, max, shape: cache_shape.to_vec() })
+        Ok(Rows { table, max, shape: like.signature() })
     }
 }
 
@@ -541,12 +545,12 @@ impl Position<'_> {
             Position::Device { pos, .. } if pos.dtype() != DType::U32 || pos.elem_count() != 1 => {
                 bail!("device position: expected one u32, got {:?} {:?}", pos.dtype(), pos.dims())
             }
-            Position::Rows(r) if r.table.dims() != [seq, 5] || r.shape != cache.k.dims() => {
+            Position::Rows(r) if r.table.dims() != [seq, 5] || r.shape != cache.signature() => {
                 bail!(
                     "row table: {:?} rows of caches {:?}, for {seq} rows of caches {:?}",
                     r.table.dims(),
                     r.shape,
-                    cache.k.dims()
+                    cache.signature()
                 )
             }
             _ => Ok(()),
@@ -554,11 +558,40 @@ impl Position<'_> {
     }
 }
 
-/// One layer's KV cache on the device: `k`, `v: [1, n_kv_heads, capacity, head_dim]` f32,
-/// contiguous, written in place.
+/// One layer's KV cache on the device: `k`, `v: [1, n_kv_heads, capacity, head_dim]`, f32 or
+/// f16 (both alike), contiguous, written in place. The kernels compute in f32 whatever the
+/// storage; an f16 cache rounds each written key and value to nearest (`--kv-cache-dtype`).
 pub struct LayerKv<'a> {
     pub k: &'a Tensor,
     pub v: &'a Tensor,
+}
+
+impl LayerKv<'_> {
+    /// Errors: k and v of different shapes or element types, or not f32 / f16.
+    fn check(&self) -> Result<()> {
+        let (k, v) = (self.k, self.v);
+        if k.dims() != v.dims() || k.dtype() != v.dtype() || k.rank() != 4 {
+            bail!("KV cache: k {:?} {:?}, v {:?} {:?}", k.dtype(), k.dims(), v.dtype(), v.dims());
+        }
+        if !matches!(k.dtype(), DType::F32 | DType::F16) {
+            bail!("KV cache: {:?} values, expected f32 or f16", k.dtype());
+        }
+        Ok(())
+    }
+
+    /// The caches' shape and element type.
+    fn signature(&self) -> (Vec<usize>, DType) {
+        (self.k.dims().to_vec(), self.k.dtype())
+    }
+
+    /// The suffix of the kernels that take this cache's element type.
+    fn kernel_suffix(&self) -> &'static str {
+        if self.k.dtype() == DType::F16 {
+            "_f16"
+        } else {
+            ""
+        }
+    }
 }
 
 /// RoPE and the KV-cache write of `seq` tokens at positions `pos..pos + seq` (`pos` on the host
@@ -587,8 +620,7 @@ pub fn rope_kv_append(
     for (t, w) in [(q, "q"), (k, "k"), (v, "v"), (cos, "cos"), (sin, "sin")] {
         check_f32(t, w)?;
     }
-    check_f32(cache.k, "cache k")?;
-    check_f32(cache.v, "cache v")?;
+    cache.check()?;
     let (seq, nh, hd) = q.dims3()?;
     let (_, nkv, cap, chd) = cache.k.dims4()?;
     let (max_pos, half) = cos.dims2()?;
@@ -602,8 +634,8 @@ pub fn rope_kv_append(
             cache.k.dims()
         );
     }
-    if cache.v.dims() != cache.k.dims() || sin.dims() != cos.dims() {
-        bail!("rope_kv_append: cache or table shapes differ");
+    if sin.dims() != cos.dims() {
+        bail!("rope_kv_append: table shapes differ");
     }
     let last = pos.end(seq);
     if rd > hd || !hd.is_multiple_of(2) || last > cap || last > max_pos {
@@ -643,11 +675,12 @@ pub fn rope_kv_append(
     args.push(Arg::Ptr(norm_w(norms.as_ref().map(|n| n.q))?.unwrap_or(0)));
     args.push(Arg::Ptr(norm_w(norms.as_ref().map(|n| n.k))?.unwrap_or(0)));
     args.push(Arg::F32(norms.as_ref().map_or(0.0, |n| n.eps)));
-    // SAFETY: arguments in `rope_kv_append`'s order; shapes and positions checked above (a row
-    // table's caches by its builder and caller: contiguous f32 caches of this shape). The caches
-    // are written in place: their tensors belong to KvCaches used by one pass at a time on this
-    // stream.
-    unsafe { launch(dev, "rope_kv_append", cfg, &args) }?;
+    // SAFETY: arguments in `rope_kv_append*`'s order; shapes, element type and positions
+    // checked above (a row table's caches by its builder and caller: contiguous caches of this
+    // shape and element type). The caches are written in place: their tensors belong to
+    // KvCaches used by one pass at a time on this stream.
+    let name = format!("rope_kv_append{}", cache.kernel_suffix());
+    unsafe { launch(dev, &name, cfg, &args) }?;
     Ok(q_out)
 }
 
@@ -667,7 +700,7 @@ pub fn attend_supports(head_dim: usize) -> bool {
 /// Attention of `seq` query rows over one layer's KV cache: `q: [seq, nh, hd]` (rotated), row `i`
 /// attends positions `0..=pos + i` of `cache` (the rows' own keys already written) → `[seq, nh ·
 /// hd]`. Query head `h` reads kv head `h / (nh / nkv)` (GQA). Softmax in f32 with an online
-/// maximum, split over chunks of 16 or more positions (at most 128 chunks) merged in a second launch
+/// maximum, split over chunks of 16 or more positions (at most 128 chunks by default) merged in a second launch
 /// (FlashDecoding, Dao et al. 2023) when the context (the longest `pos` may be, [`Position`])
 /// spans more than one chunk. Where [`q8_beside`] says so, the output's q8 rounding is written
 /// by the same launches and kept as its twin (the o projection's input).
@@ -680,6 +713,7 @@ pub fn attend_decode(
     cache: LayerKv<'_>,
 ) -> Result<Tensor> {
     check_f32(q, "q")?;
+    cache.check()?;
     let (seq, nh, hd) = q.dims3()?;
     pos.check(seq, &cache)?;
     let (_, nkv, cap, chd) = cache.k.dims4()?;
@@ -698,6 +732,9 @@ pub fn attend_decode(
     }
     let chunk = attn_chunk(last);
     let splits = last.div_ceil(chunk);
+    if splits > ATTN_SPLITS_LIMIT {
+        bail!("attend_decode: {splits} splits, attn_combine takes {ATTN_SPLITS_LIMIT}");
+    }
     let groups = (nh / nkv).div_ceil(ATTN_REP);
     let cfg = LaunchConfig {
         grid_dim: ((nkv * groups) as u32, splits as u32, seq as u32),
@@ -725,10 +762,12 @@ pub fn attend_decode(
     // The q8 outputs are written by the launch that writes `out`.
     let (dq, dd) = if splits > 1 { (0, 0) } else { (oq, od) };
     args.extend([Arg::Ptr(dq), Arg::Ptr(dd)]);
-    // SAFETY: arguments in `attn_decode_hd*`'s order; shapes checked above; `part` holds
-    // `seq · nh · splits · (hd + 2)` values when there are several splits; the q8 outputs (when
-    // given) `[seq, nh · hd]` bytes and `[seq, nh · hd / 32]` f32.
-    unsafe { launch(dev, &format!("attn_decode_hd{}", hd / 32), cfg, &args) }?;
+    // SAFETY: arguments in `attn_decode*_hd*`'s order; shapes and the caches' element type
+    // (the kernel's) checked above; `part` holds `seq · nh · splits · (hd + 2)` values when there
+    // are several splits; the q8 outputs (when given) `[seq, nh · hd]` bytes and
+    // `[seq, nh · hd / 32]` f32.
+    let name = format!("attn_decode{}_hd{}", cache.kernel_suffix(), hd / 32);
+    unsafe { launch(dev, &name, cfg, &args) }?;
     if let Some(p) = &part {
         let cfg = LaunchConfig {
             grid_dim: (nh as u32, seq as u32, 1),

@@ -1,5 +1,6 @@
-//! Per-sequence state: a preallocated KV cache (`[1, n_kv_heads, capacity, head_dim]` f32 per
-//! full-attention layer for K and V, written in place) and, for hybrid models, the recurrent state of
+//! Per-sequence state: a preallocated KV cache (`[1, n_kv_heads, capacity, head_dim]` per
+//! full-attention layer for K and V, f32 or — on a GPU — f16 ([`KvDtype`]), written in place)
+//! and, for hybrid models, the recurrent state of
 //! the Gated DeltaNet layers ([`RecurrentCache`]). Rolling back (speculative decoding) moves the KV
 //! length and restores the recurrent state from its checkpoint; storage is never reallocated.
 
@@ -9,6 +10,51 @@ use strata_formats::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::recurrent::{LinearState, RecurrentCache, RecurrentSnapshot, StepLog};
 use crate::synthetic_routing::RoutingHistory;
+
+/// Element type of the KV cache's keys and values (`--kv-cache-dtype`; vLLM's
+/// `--kv-cache-dtype`, llama.cpp's `-ctk`/`-ctv`). Attention computes in f32 either way; `F16`
+/// rounds each key and value to nearest when it is written and halves the cache's bytes. Only
+/// on a CUDA device (the CPU kernels read f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    F16,
+}
+
+impl KvDtype {
+    pub fn dtype(self) -> DType {
+        match self {
+            KvDtype::F32 => DType::F32,
+            KvDtype::F16 => DType::F16,
+        }
+    }
+
+    /// Bytes per key or value element.
+    pub fn bytes(self) -> usize {
+        self.dtype().size_in_bytes()
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Ok(KvDtype::F32),
+            "f16" | "float16" | "half" => Ok(KvDtype::F16),
+            _ => Err(format!("KV cache dtype `{s}`: expected f32 or f16")),
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        })
+    }
+}
 
 /// A copy of a run of positions of one sequence's KV cache (see [`KvCache::export_block`]).
 #[derive(Debug)]
@@ -33,7 +79,7 @@ impl KvBlock {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        let t: usize = self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum();
+        let t: usize = self.k.iter().chain(&self.v).map(tensor_bytes).sum();
         t + self.routing.as_ref().map_or(0, |r| r.iter().map(|v| v.len() * 4).sum())
     }
 }
@@ -62,12 +108,35 @@ struct GpuState {
     position: Option<(Tensor, usize)>,
 }
 
+/// Bytes of a tensor's elements.
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
 impl KvCache {
-    /// Allocates `2 · attention_layers · kv_heads · capacity · head_dim · 4` bytes of KV cache and
-    /// [`ModelConfig::recurrent_state_bytes`] of recurrent state.
+    /// Allocates `2 · attention_layers · kv_heads · capacity · head_dim · 4` bytes of f32 KV
+    /// cache and [`ModelConfig::recurrent_state_bytes`] of recurrent state.
     pub fn new(cfg: &ModelConfig, capacity: usize, device: &Device) -> Result<Self> {
+        Self::with_dtype(cfg, capacity, device, KvDtype::F32)
+    }
+
+    /// [`Self::new`] with keys and values held as `dtype` (`dtype.bytes()` per element).
+    ///
+    /// Errors: an f16 cache on the CPU; the allocation fails.
+    pub fn with_dtype(
+        cfg: &ModelConfig,
+        capacity: usize,
+        device: &Device,
+        dtype: KvDtype,
+    ) -> Result<Self> {
+        if dtype != KvDtype::F32 && device.is_cpu() {
+            return Err(candle_core::Error::msg(format!(
+                "a {dtype} KV cache needs a CUDA device (the CPU attention reads f32)"
+            ))
+            .into());
+        }
         let mk =
-            || Tensor::zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), DType::F32, device);
+            || Tensor::zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), dtype.dtype(), device);
         let (mut k, mut v, mut slot) = (Vec::new(), Vec::new(), Vec::with_capacity(cfg.num_layers));
         for i in 0..cfg.num_layers {
             if cfg.is_recurrent_layer(i) {
@@ -193,9 +262,10 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes `k, v: [1, kv_heads, n, head_dim]` of `layer` at positions `len..len+n` and returns
-    /// views of positions `0..len+n`. [`KvCache::advance`] commits the `n` tokens after the last
-    /// layer.
+    /// Writes `k, v: [1, kv_heads, n, head_dim]` (f32) of `layer` at positions `len..len+n`
+    /// (rounded to the cache's [`KvDtype`]) and returns positions `0..len+n` in f32: views of an
+    /// f32 cache, copies of an f16 one. [`KvCache::advance`] commits the `n` tokens after the
+    /// last layer.
     pub fn append(
         &mut self,
         layer: usize,
@@ -204,13 +274,24 @@ impl KvCache {
     ) -> candle_core::Result<(Tensor, Tensor)> {
         let n = k.dim(2)?;
         let layer = self.kv_slot(layer)?;
-        self.k[layer].slice_set(&k.contiguous()?, 2, self.len)?;
-        self.v[layer].slice_set(&v.contiguous()?, 2, self.len)?;
+        let dtype = self.k[layer].dtype();
+        self.k[layer].slice_set(&k.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
+        self.v[layer].slice_set(&v.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
         let total = self.len + n;
-        Ok((self.k[layer].narrow(2, 0, total)?, self.v[layer].narrow(2, 0, total)?))
+        let read = |t: &Tensor| t.narrow(2, 0, total)?.to_dtype(DType::F32);
+        Ok((read(&self.k[layer])?, read(&self.v[layer])?))
     }
 
-    /// Layer `layer`'s key and value storage `[1, n_kv_heads, capacity, head_dim]` (f32), for
+    /// The element type of the keys and values.
+    pub fn dtype(&self) -> KvDtype {
+        match self.k.first().map(|t| t.dtype()) {
+            Some(DType::F16) => KvDtype::F16,
+            _ => KvDtype::F32,
+        }
+    }
+
+    /// Layer `layer`'s key and value storage `[1, n_kv_heads, capacity, head_dim]` (f32, or f16
+    /// for a [`KvDtype::F16`] cache), for
     /// kernels that write positions `len()..` in place and read them (the GPU decode path).
     /// Errors: the layer has no KV cache (a recurrent layer).
     pub fn layer_kv(&self, layer: usize) -> candle_core::Result<(&Tensor, &Tensor)> {
@@ -395,8 +476,26 @@ impl KvCache {
 
     /// Bytes allocated (KV cache, recurrent state and its checkpoint).
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|t| t.elem_count() * 4).sum::<usize>()
+        self.k.iter().chain(&self.v).map(tensor_bytes).sum::<usize>()
             + self.recurrent.bytes()
             + self.routing.as_ref().map_or(0, RoutingHistory::bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KvDtype;
+
+    #[test]
+    fn kv_dtype_parses_what_it_prints_and_refuses_other_types() {
+        for d in [KvDtype::F32, KvDtype::F16] {
+            assert_eq!(d.to_string().parse::<KvDtype>(), Ok(d));
+            assert_eq!(d.to_string().to_uppercase().parse::<KvDtype>(), Ok(d));
+        }
+        assert_eq!(KvDtype::F16.bytes() * 2, KvDtype::F32.bytes());
+        for bad in ["bf16", "q8_0", "", "f64"] {
+            let err = bad.parse::<KvDtype>().unwrap_err();
+            assert!(err.contains("expected f32 or f16"), "{err}");
+        }
     }
 }

@@ -22,7 +22,7 @@ pub use attention::EXACT_ROWS_MAX;
 pub use dflash::DFlashDraft;
 pub use error::{ModelError, Result};
 pub use experts::{Expert, ExpertProvider, ExpertStats, FusedCall, FusedExperts, ResidentExperts};
-pub use kv_cache::{KvBlock, KvCache};
+pub use kv_cache::{KvBlock, KvCache, KvDtype};
 pub use moe::{ExpertFailure, LayerRouting, Router, SeqRoute, SparseMoe};
 pub use prefetch::{PredictorStats, PrefetchMode, PrefetchStats};
 pub use recurrent::RecurrentSnapshot;

@@ -95,6 +95,8 @@ pub struct Transformer {
     /// Predicts the next MoE layer's experts for a streaming provider (`None`: no prediction).
     prefetcher: Option<Prefetcher>,
     device: Device,
+    /// Element type of the KV caches [`Self::new_cache`] makes.
+    kv_dtype: crate::KvDtype,
     /// Batched decode steps captured as CUDA graphs, shared by every sequence
     /// ([`batch_graph`]).
     #[cfg(feature = "cuda")]
@@ -197,6 +199,7 @@ impl Transformer {
             experts,
             prefetcher: None,
             device: device.clone(),
+            kv_dtype: crate::KvDtype::F32,
             #[cfg(feature = "cuda")]
             batch_graphs: std::sync::Mutex::new(None),
         };
@@ -215,6 +218,26 @@ impl Transformer {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// `--kv-cache-dtype`: the element type of the KV caches [`Self::new_cache`] makes from now
+    /// on (f32 by default).
+    ///
+    /// Errors: f16 on the CPU (its attention kernels read f32).
+    pub fn set_kv_dtype(&mut self, dtype: crate::KvDtype) -> Result<()> {
+        if dtype != crate::KvDtype::F32 && self.device.is_cpu() {
+            return Err(candle_core::Error::msg(format!(
+                "--kv-cache-dtype {dtype} needs --device cuda (the CPU attention reads f32)"
+            ))
+            .into());
+        }
+        self.kv_dtype = dtype;
+        Ok(())
+    }
+
+    /// The element type of the KV caches [`Self::new_cache`] makes.
+    pub fn kv_dtype(&self) -> crate::KvDtype {
+        self.kv_dtype
     }
 
     /// `--moe-top-k`: every MoE layer uses only the `k` best of its router's choices (see
@@ -268,10 +291,10 @@ impl Transformer {
     }
 
     /// A KV cache (and recurrent state, for hybrid models) for `capacity` tokens (clamped to the
-    /// RoPE table size).
+    /// RoPE table size), its keys and values of [`Self::kv_dtype`].
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let cap = capacity.min(self.rope.max_positions());
-        KvCache::new(&self.cfg, cap, &self.device)
+        KvCache::with_dtype(&self.cfg, cap, &self.device, self.kv_dtype)
     }
 
     /// Runs `tokens` at positions `cache.len()..` and commits them to the cache.

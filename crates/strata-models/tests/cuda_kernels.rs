@@ -215,7 +215,7 @@ fn silu_mul_and_combine_match_candle() {
     assert!(gpu::moe_combine(&g, &u).is_err());
 }
 
-/// One attention case: `seq` query rows after `pos` cached positions.
+/// One attention case: `seq` query rows after `pos` cached positions, a cache of `dtype`.
 struct Case {
     nh: usize,
     nkv: usize,
@@ -224,9 +224,22 @@ struct Case {
     style: RopeStyle,
     pos: usize,
     seq: usize,
+    dtype: DType,
 }
 
-fn check_attention(c: &Case, rng: &mut Rng) {
+/// f32 → the cache's element type → f32 (the half crate rounds to nearest even, as the kernels'
+/// `__float2half_rn` and candle's casts do).
+fn kv_round(x: &[f32], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+        _ => x.to_vec(),
+    }
+}
+
+/// Checks `rope_kv_append` and `attend_decode` on one case; returns the attention output's
+/// largest difference from the same attention over the unrounded (f32) keys and values,
+/// relative to its largest magnitude: an f16 cache's accuracy cost.
+fn check_attention(c: &Case, rng: &mut Rng) -> f32 {
     let (dev, cpu) = (cuda(), Device::Cpu);
     let cap = c.pos + c.seq + 3;
     let (nh, nkv, hd, seq) = (c.nh, c.nkv, c.hd, c.seq);
@@ -237,8 +250,9 @@ fn check_attention(c: &Case, rng: &mut Rng) {
     // Earlier positions already in the cache (rotated keys, as the model writes them).
     let cache_k0 = rng.vec(nkv * cap * hd, 1.0);
     let cache_v0 = rng.vec(nkv * cap * hd, 1.0);
-    let ck = Tensor::from_vec(cache_k0.clone(), (1, nkv, cap, hd), &dev).unwrap();
-    let cv = Tensor::from_vec(cache_v0.clone(), (1, nkv, cap, hd), &dev).unwrap();
+    let up_cache =
+        |x: &Vec<f32>| Tensor::from_vec(x.clone(), (1, nkv, cap, hd), &dev)?.to_dtype(c.dtype);
+    let (ck, cv) = (up_cache(&cache_k0).unwrap(), up_cache(&cache_v0).unwrap());
     let (q, k, v) =
         (rng.vec(seq * nh * hd, 1.0), rng.vec(seq * nkv * hd, 1.0), rng.vec(seq * nkv * hd, 1.0));
     let up = |x: &Vec<f32>, n: usize| Tensor::from_vec(x.clone(), (seq, n, hd), &dev).unwrap();
@@ -282,70 +296,96 @@ fn check_attention(c: &Case, rng: &mut Rng) {
     let q_got = q_rot.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let err = max_rel(&q_got, &q_ref);
     assert!(err < 1e-5, "rotated q off by {err}");
-    // The cache: the new rows at pos.., everything else untouched.
-    let mut k_want = cache_k0;
-    let mut v_want = cache_v0;
+    // The cache: the new rows at pos.., everything else untouched (f32 values, and as the cache
+    // holds them).
+    let (mut k_exact, mut v_exact) = (cache_k0, cache_v0);
     for i in 0..seq {
         for g in 0..nkv {
             let dst = (g * cap + c.pos + i) * hd;
             let src = (i * nkv + g) * hd;
-            k_want[dst..dst + hd].copy_from_slice(&k_ref[src..src + hd]);
-            v_want[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
+            k_exact[dst..dst + hd].copy_from_slice(&k_ref[src..src + hd]);
+            v_exact[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
         }
     }
-    let k_got = ck.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let v_got = cv.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert!(max_rel(&k_got, &k_want) < 1e-5, "cache keys");
-    assert_eq!(v_got, v_want, "cache values");
-    let mut want = vec![0f32; seq * nh * hd];
-    for i in 0..seq {
-        let total = c.pos + i + 1;
-        for h in 0..nh {
-            let g = h / (nh / nkv);
-            let qh = &q_ref[(i * nh + h) * hd..(i * nh + h + 1) * hd];
-            let s: Vec<f64> = (0..total)
-                .map(|j| {
-                    let kj = &k_want[(g * cap + j) * hd..(g * cap + j + 1) * hd];
-                    qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
-                        * scale as f64
-                })
-                .collect();
-            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-            let z: f64 = e.iter().sum();
-            for d in 0..hd {
-                let a: f64 = (0..total).map(|j| e[j] * v_want[(g * cap + j) * hd + d] as f64).sum();
-                want[(i * nh + h) * hd + d] = (a / z) as f32;
+    let (k_want, v_want) = (kv_round(&k_exact, c.dtype), kv_round(&v_exact, c.dtype));
+    let read = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>();
+    let (k_got, v_got) = (read(&ck).unwrap(), read(&cv).unwrap());
+    // f16: the kernel's rotation and candle's differ in the last f32 bits, which may move a key's
+    // rounding by one f16 step (2⁻¹⁰ relative).
+    let k_bound = if c.dtype == DType::F16 { 1e-3 } else { 1e-5 };
+    assert!(max_rel(&k_got, &k_want) < k_bound, "cache keys ({:?})", c.dtype);
+    assert_eq!(v_got, v_want, "cache values ({:?})", c.dtype);
+    // The reference attends over the cache as the kernel reads it.
+    let attend_ref = |k_all: &[f32], v_all: &[f32]| -> Vec<f32> {
+        let mut want = vec![0f32; seq * nh * hd];
+        for i in 0..seq {
+            let total = c.pos + i + 1;
+            for h in 0..nh {
+                let g = h / (nh / nkv);
+                let qh = &q_ref[(i * nh + h) * hd..(i * nh + h + 1) * hd];
+                let s: Vec<f64> = (0..total)
+                    .map(|j| {
+                        let kj = &k_all[(g * cap + j) * hd..(g * cap + j + 1) * hd];
+                        qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let a: f64 =
+                        (0..total).map(|j| e[j] * v_all[(g * cap + j) * hd + d] as f64).sum();
+                    want[(i * nh + h) * hd + d] = (a / z) as f32;
+                }
             }
         }
-    }
-    let err = max_rel(&out, &want);
+        want
+    };
+    let err = max_rel(&out, &attend_ref(&k_got, &v_got));
     assert!(
         err < 2e-5,
-        "attention off by {err} (nh {nh} nkv {nkv} hd {hd} pos {} seq {seq})",
-        c.pos
+        "attention off by {err} (nh {nh} nkv {nkv} hd {hd} pos {} seq {seq}, {:?} cache)",
+        c.pos,
+        c.dtype
     );
+    max_rel(&out, &attend_ref(&k_exact, &v_exact))
 }
 
+/// RoPE with the cache write and the split-K decode attention against candle's CPU RoPE and an
+/// f64 attention, for an f32 cache and an f16 one (`--kv-cache-dtype f16`): the f16 cache holds
+/// exactly the rounded keys and values, and the attention over them is as exact as over f32;
+/// the rounding's own cost (the output against f32 keys and values) is printed and bounded.
 #[test]
 fn rope_append_and_decode_attention_match_the_reference() {
     let mut rng = Rng(0xdead_beef);
-    let mut n = 0;
-    for &(nh, nkv, hd) in
-        &[(9usize, 3usize, 64usize), (32, 4, 128), (16, 16, 32), (8, 1, 256), (6, 2, 96)]
-    {
-        for &(pos, seq) in
-            &[(0usize, 1usize), (5, 1), (300, 1), (1000, 4), (17, 16), (255, 1), (256, 3)]
+    let (mut n, mut f16_cost) = (0, 0f32);
+    for dtype in [DType::F32, DType::F16] {
+        for &(nh, nkv, hd) in
+            &[(9usize, 3usize, 64usize), (32, 4, 128), (16, 16, 32), (8, 1, 256), (6, 2, 96)]
         {
-            for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
-                for rope_dim in [hd, hd / 2] {
-                    check_attention(&Case { nh, nkv, hd, rope_dim, style, pos, seq }, &mut rng);
-                    n += 1;
+            for &(pos, seq) in
+                &[(0usize, 1usize), (5, 1), (300, 1), (1000, 4), (17, 16), (255, 1), (256, 3)]
+            {
+                for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+                    for rope_dim in [hd, hd / 2] {
+                        let c = Case { nh, nkv, hd, rope_dim, style, pos, seq, dtype };
+                        let cost = check_attention(&c, &mut rng);
+                        if dtype == DType::F16 {
+                            f16_cost = f16_cost.max(cost);
+                        } else {
+                            assert!(cost < 2e-5, "f32 cache: {cost}");
+                        }
+                        n += 1;
+                    }
                 }
             }
         }
     }
-    assert_eq!(n, 5 * 7 * 2 * 2);
+    assert_eq!(n, 2 * 5 * 7 * 2 * 2);
+    println!("f16 KV cache: attention outputs within {f16_cost:.2e} of the f32 cache's");
+    // Keys and values in [-1, 1) rounded to f16 (relative 2⁻¹¹): the outputs move by about that.
+    assert!(f16_cost > 0.0 && f16_cost < 4e-3, "f16 KV cache cost {f16_cost}");
 }
 
 /// The dense Q4_K product of a few rows equals the f64 product over the dequantized weights
@@ -722,6 +762,12 @@ fn rope_with_head_norms_equals_norm_then_rope() {
 /// split boundary, and a sequence with two rows.
 #[test]
 fn row_table_batch_equals_each_sequence_alone() {
+    check_row_table(DType::F32);
+    check_row_table(DType::F16);
+}
+
+/// [`row_table_batch_equals_each_sequence_alone`] with caches of `dtype`.
+fn check_row_table(dtype: DType) {
     let dev = cuda();
     let mut rng = Rng(0xba7c);
     let (nh, nkv, hd, cap) = (8usize, 2usize, 64usize, 700usize);
@@ -733,7 +779,9 @@ fn row_table_batch_equals_each_sequence_alone() {
     let rows: usize = seqs.iter().map(|s| s.1).sum();
     let caches: Vec<(Vec<f32>, Vec<f32>)> =
         seqs.iter().map(|_| (rng.vec(nkv * cap * hd, 1.0), rng.vec(nkv * cap * hd, 1.0))).collect();
-    let cache = |c: &Vec<f32>| Tensor::from_vec(c.clone(), (1, nkv, cap, hd), &dev).unwrap();
+    let cache = |c: &Vec<f32>| {
+        Tensor::from_vec(c.clone(), (1, nkv, cap, hd), &dev).unwrap().to_dtype(dtype).unwrap()
+    };
     let (q, k, v) = (
         rng.vec(rows * nh * hd, 1.0),
         rng.vec(rows * nkv * hd, 1.0),
@@ -741,7 +789,9 @@ fn row_table_batch_equals_each_sequence_alone() {
     );
     let t = |x: &Vec<f32>, n: usize| Tensor::from_vec(x.clone(), (rows, n, hd), &dev).unwrap();
     let (qt, kt, vt) = (t(&q, nh), t(&k, nkv), t(&v, nkv));
-    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let flat = |t: &Tensor| {
+        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
     // Alone: each sequence's rows with a host position.
     let alone: Vec<(Tensor, Tensor)> = caches.iter().map(|(a, b)| (cache(a), cache(b))).collect();
     let (mut q_alone, mut out_alone, mut start) = (Vec::new(), Vec::new(), 0);
@@ -793,10 +843,15 @@ fn row_table_batch_equals_each_sequence_alone() {
     let short = short.upload(&dev).unwrap();
     let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
     assert!(gpu::attend_decode(&qr, gpu::Position::Rows(&short), scale, kv).is_err());
-    let other = Tensor::zeros((1, nkv, cap + 1, hd), DType::F32, &dev).unwrap();
+    let other = Tensor::zeros((1, nkv, cap + 1, hd), dtype, &dev).unwrap();
     let mut mixed = gpu::RowTable::default();
     mixed.push(5, 1, gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 }).unwrap();
     assert!(mixed.push(5, 1, gpu::LayerKv { k: &other, v: &other }).is_err());
+    // ... and a cache of the other element type, in a table or beside its own values.
+    let other_type = if dtype == DType::F16 { DType::F32 } else { DType::F16 };
+    let retyped = batched[1].0.to_dtype(other_type).unwrap();
+    assert!(mixed.push(5, 1, gpu::LayerKv { k: &retyped, v: &retyped }).is_err());
+    assert!(mixed.push(5, 1, gpu::LayerKv { k: &batched[1].0, v: &retyped }).is_err());
     let mut lone = gpu::RowTable::default();
     for _ in 0..rows {
         lone.push(5, 1, gpu::LayerKv { k: &other, v: &other }).unwrap();

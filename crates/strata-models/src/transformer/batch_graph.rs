@@ -170,7 +170,6 @@ impl Transformer {
     ) -> Result<Vec<Rows>> {
         let n = seqs.len();
         let mut words = Vec::with_capacity(self.layers.len() * n * 5);
-        let mut shapes = Vec::with_capacity(self.layers.len());
         for layer in 0..self.layers.len() {
             let mut table = gpu::RowTable::default();
             for s in seqs {
@@ -178,13 +177,13 @@ impl Transformer {
                 table.push(s.cache.len(), 1, gpu::LayerKv { k, v })?;
             }
             words.extend_from_slice(table.words());
-            shapes.push(seqs[0].cache.layer_kv(layer)?.0.dims().to_vec());
         }
         gpu::write_u32s(&g.tables, &words)?;
-        let mut out = Vec::with_capacity(shapes.len());
-        for (layer, shape) in shapes.iter().enumerate() {
+        let mut out = Vec::with_capacity(self.layers.len());
+        for layer in 0..self.layers.len() {
             let view = g.tables.narrow(0, layer * n * 5, n * 5)?.reshape((n, 5))?;
-            out.push(Rows::in_buffer(view, max, shape)?);
+            let (k, v) = seqs[0].cache.layer_kv(layer)?;
+            out.push(Rows::in_buffer(view, max, gpu::LayerKv { k, v })?);
         }
         Ok(out)
     }

@@ -1,0 +1,54 @@
+//! `strata bench` as a user runs it on a synthetic model: `-d` (llama-bench's context depth) adds
+//! a pp and a tg test per depth, named as llama-bench names them, each timed after its context is
+//! in the cache; and `--kv-cache-dtype f16` on the CPU is refused before anything loads.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn strata() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn tiny_moe() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("strata-cli-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let out = d.join("tiny.gguf");
+    let s = strata()
+        .args(["synth", "--preset", "tiny-moe", "--quant", "Q8_0", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(s.status.success(), "synth: {}", String::from_utf8_lossy(&s.stderr));
+    out
+}
+
+#[test]
+fn bench_depths_add_a_pp_and_a_tg_test_each_and_f16_kv_needs_a_gpu() {
+    let model = tiny_moe();
+    let run = |extra: &[&str]| {
+        strata()
+            .args(["bench", "-p", "8", "-n", "4", "-r", "1", "-t", "2", "--device", "cpu", "-m"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["-d", "0,24", "--json"]);
+    assert!(out.status.success(), "bench: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let results = v["results"].as_array().unwrap();
+    let names: Vec<&str> = results.iter().map(|r| r["test"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pp8", "tg4", "pp8 @ d24", "tg4 @ d24"]);
+    for r in results {
+        assert!(r["median_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+
+    let out = run(&["--kv-cache-dtype", "f16"]);
+    assert!(!out.status.success(), "an f16 KV cache on the CPU must be refused");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--kv-cache-dtype f16 needs --device cuda"), "{err}");
+    assert!(!err.contains("loading"), "refused before loading: {err}");
+    std::fs::remove_file(&model).ok();
+}
