@@ -44,6 +44,24 @@ fn depth_tokens(engine: &Engine, depth: usize) -> Vec<u32> {
     (0..depth as u32).map(|i| (i * 6151 + 101) % vocab).collect()
 }
 
+/// Runs `tokens` into `cache` as the engine's prefill runs a prompt: passes of at most `chunk`
+/// tokens, each pass's last logits `[vocab]` read to the host as generation reads them (on a
+/// GPU: the pass's end, not its launch).
+fn prompt_passes(
+    engine: &Engine,
+    cache: &mut strata_models::KvCache,
+    tokens: &[u32],
+    chunk: usize,
+) -> Result<()> {
+    for part in tokens.chunks(chunk.max(1)) {
+        let out = strata_models::prefill_scope(part.len(), 0, || {
+            engine.model.forward(part, cache, Logits::Last, &[])
+        })?;
+        read_logits(&out)?;
+    }
+    Ok(())
+}
+
 /// Clears `cache` and fills it with `context` (untimed), in prompt passes of at most
 /// [`DEPTH_CHUNK`] tokens.
 fn fill_context(
@@ -52,13 +70,7 @@ fn fill_context(
     context: &[u32],
 ) -> Result<()> {
     cache.clear();
-    for part in context.chunks(DEPTH_CHUNK) {
-        let out = strata_models::prefill_scope(part.len(), 0, || {
-            engine.model.forward(part, cache, Logits::Last, &[])
-        })?;
-        read_logits(&out)?;
-    }
-    Ok(())
+    prompt_passes(engine, cache, context, DEPTH_CHUNK)
 }
 
 /// Prompt tokens per pass while a depth test fills its context (the CLI's default
@@ -88,30 +100,17 @@ pub fn bench_prefill(
     let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let context = depth_tokens(engine, depth);
     let mut cache = engine.new_cache(depth + n + 1)?;
-    // Prompt tokens, as the engine's prefill runs them; the last logits `[vocab]` read to the
-    // host as generation reads them (on a GPU: the pass's end, not its launch).
-    let prefill = |part: &[u32], cache: &mut strata_models::KvCache| -> Result<()> {
-        let out = strata_models::prefill_scope(part.len(), 0, || {
-            engine.model.forward(part, cache, Logits::Last, &[])
-        })?;
-        read_logits(&out)?;
-        Ok(())
-    };
     // Warm-up: one untimed run of the whole test, as llama-bench warms up (`test_prompt` with the
     // test's n_prompt). A GPU's first prompt pass loads what the later ones reuse (5.4 s for the
     // synthetic 30B's first 512-token pass on an H100: 94.5 tok/s, then 9,969 tok/s), which a
     // 16-token warm-up (the decode kernels' rows) did not reach.
     fill_context(engine, &mut cache, &context)?;
-    for part in tokens.chunks(chunk.max(1)) {
-        prefill(part, &mut cache)?;
-    }
+    prompt_passes(engine, &mut cache, &tokens, chunk)?;
     let mut runs = Vec::new();
     for _ in 0..reps {
         fill_context(engine, &mut cache, &context)?;
         let t = std::time::Instant::now();
-        for part in tokens.chunks(chunk.max(1)) {
-            prefill(part, &mut cache)?;
-        }
+        prompt_passes(engine, &mut cache, &tokens, chunk)?;
         runs.push(n as f64 / t.elapsed().as_secs_f64());
     }
     let test = test_name("pp", n, depth);

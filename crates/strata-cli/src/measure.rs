@@ -284,7 +284,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let engine = m.load()?;
     let reps = a.reps.max(1);
     let mut results = Vec::new();
-    for &d in if a.n_depth.is_empty() { &[0][..] } else { &a.n_depth[..] } {
+    for &d in &a.n_depth {
         results.push(strata_bench::bench::bench_prefill(&engine, a.n_prompt, a.n_prompt, d, reps)?);
         results.push(strata_bench::bench::bench_decode(&engine, a.n_gen, d, reps)?);
     }

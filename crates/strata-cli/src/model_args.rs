@@ -191,12 +191,7 @@ impl ModelArgs {
         let path = self.model_path()?;
         self.spec.kind()?; // flag errors before loading anything
         let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
-        if self.kv_cache_dtype != strata_models::KvDtype::F32 && device.is_cpu() {
-            anyhow::bail!(
-                "--kv-cache-dtype {} needs --device cuda (the CPU attention reads f32 keys and values)",
-                self.kv_cache_dtype
-            );
-        }
+        self.kv_cache_dtype.check_device(&device).map_err(anyhow::Error::msg)?;
         let req = self.load_request(device.clone())?;
         let files = strata_formats::ModelFiles::open(&path)?;
         let plan = strata_engine::plan_for(&files, &path, &req)?;

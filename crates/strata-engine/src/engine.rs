@@ -122,6 +122,8 @@ impl Engine {
     ) -> Result<Self> {
         // Architecture and dimensions first: the most fundamental error is reported.
         let cfg = files.config()?;
+        // An f16 KV cache on the CPU: refused before any weight is read.
+        opts.kv_dtype.check_device(&opts.device).map_err(candle_core::Error::msg)?;
         let tokenizer = files.tokenizer()?;
         let chat_template = files.chat_template(&tokenizer)?;
         let mut resident_weight_bytes = files.total_tensor_bytes();

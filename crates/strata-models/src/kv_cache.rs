@@ -34,6 +34,21 @@ impl KvDtype {
     pub fn bytes(self) -> usize {
         self.dtype().size_in_bytes()
     }
+
+    /// Whether caches of this type can live on `device`: f16 needs a CUDA device (the CPU
+    /// attention reads f32). The one check behind the CLI's, the engine's and
+    /// [`KvCache::with_dtype`]'s refusals.
+    ///
+    /// Errors: the message to show, naming the flag.
+    pub fn check_device(self, device: &Device) -> std::result::Result<(), String> {
+        if self != KvDtype::F32 && device.is_cpu() {
+            return Err(format!(
+                "--kv-cache-dtype {self} needs --device cuda (the CPU attention reads f32 keys \
+                 and values)"
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl std::str::FromStr for KvDtype {
@@ -129,12 +144,7 @@ impl KvCache {
         device: &Device,
         dtype: KvDtype,
     ) -> Result<Self> {
-        if dtype != KvDtype::F32 && device.is_cpu() {
-            return Err(candle_core::Error::msg(format!(
-                "a {dtype} KV cache needs a CUDA device (the CPU attention reads f32)"
-            ))
-            .into());
-        }
+        dtype.check_device(device).map_err(candle_core::Error::msg)?;
         let mk =
             || Tensor::zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), dtype.dtype(), device);
         let (mut k, mut v, mut slot) = (Vec::new(), Vec::new(), Vec::with_capacity(cfg.num_layers));
@@ -280,14 +290,6 @@ impl KvCache {
         let total = self.len + n;
         let read = |t: &Tensor| t.narrow(2, 0, total)?.to_dtype(DType::F32);
         Ok((read(&self.k[layer])?, read(&self.v[layer])?))
-    }
-
-    /// The element type of the keys and values.
-    pub fn dtype(&self) -> KvDtype {
-        match self.k.first().map(|t| t.dtype()) {
-            Some(DType::F16) => KvDtype::F16,
-            _ => KvDtype::F32,
-        }
     }
 
     /// Layer `layer`'s key and value storage `[1, n_kv_heads, capacity, head_dim]` (f32, or f16

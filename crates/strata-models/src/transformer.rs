@@ -225,12 +225,7 @@ impl Transformer {
     ///
     /// Errors: f16 on the CPU (its attention kernels read f32).
     pub fn set_kv_dtype(&mut self, dtype: crate::KvDtype) -> Result<()> {
-        if dtype != crate::KvDtype::F32 && self.device.is_cpu() {
-            return Err(candle_core::Error::msg(format!(
-                "--kv-cache-dtype {dtype} needs --device cuda (the CPU attention reads f32)"
-            ))
-            .into());
-        }
+        dtype.check_device(&self.device).map_err(candle_core::Error::msg)?;
         self.kv_dtype = dtype;
         Ok(())
     }

@@ -231,7 +231,7 @@ struct Case {
 /// `__float2half_rn` and candle's casts do).
 fn kv_round(x: &[f32], dtype: DType) -> Vec<f32> {
     match dtype {
-        DType::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+        DType::F16 => x.iter().map(|&v| f16r(v) as f32).collect(),
         _ => x.to_vec(),
     }
 }
