@@ -64,8 +64,8 @@
 #     12-layer cut of the synthetic 30B (realistic routing), and the cut's x1 / x16 step times.
 # 13. PART=kv16 (instead of 2-12): the f16 KV cache (`--kv-cache-dtype f16`, issue 24). Unless
 #     BENCH_ONLY: the kernel tests, compare-devices against the CPU's f32 reference with the
-#     device's cache in f32 and in f16 (fixtures, a 69-word prompt on tiny-moe Q4_K, batched
-#     decoding), graphs = op by op and speculation = plain decoding with the f16 cache. Unless
+#     device's cache in f32 and in f16 (fixtures, a 69-word prompt on tiny-moe Q4_K batched and
+#     on tiny-hybrid Q4_K — head dimension 64: f16 prompt passes attend on tensor cores), graphs = op by op and speculation = plain decoding with the f16 cache. Unless
 #     CHECK_ONLY: `strata bench -p 512 -n 128 -d DEPTHS` (default 0,4096,16384) on the synthetic
 #     30B (realistic routing) with f32 and f16 caches, alternating (ROUNDS, default 2), and with
 #     LLAMA=1 llama-bench -d on the same file in the same rounds (its default cache: f16).
@@ -533,6 +533,7 @@ if [ "${PART:-}" = kv16 ]; then
     grep -h "f16 KV cache" "$D/kernels.txt" | tee -a "$D/check.md"
     echo "## compare-devices (cuda vs the CPU's f32 cache): device cache f32, then f16" | tee -a "$D/check.md"
     "$S" synth --preset tiny-moe --quant Q4_K --routing realistic --out /tmp/tiny-Q4_K.gguf >/dev/null 2>&1
+    "$S" synth --preset tiny-hybrid --quant Q4_K --routing realistic --out /tmp/tiny-hybrid-Q4_K.gguf >/dev/null 2>&1
     for kv in f32 f16; do
       for m in qwen3_moe qwen3_5_moe; do
         I=$(ids $F/moe-tiny/$m.reference.json)
@@ -543,6 +544,10 @@ if [ "${PART:-}" = kv16 ]; then
       STRATA_CPU_DEQUANTIZE=1 timeout 120 "$S" compare-devices -m $F/moe-tiny/qwen3_next -p "$SP $SP $SP" -n 16 --kv-cache-dtype $kv 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
       printf "tiny-moe Q4_K, 69-word prompt, 64 tokens, batch 4, %s cache: " $kv | tee -a "$D/check.md"
       STRATA_CPU_DEQUANTIZE=1 timeout 180 "$S" compare-devices -m /tmp/tiny-Q4_K.gguf -p "$SP $SP $SP" -n 64 --tolerance 5e-2 --batch 4 --kv-cache-dtype $kv 2>>"$D/compare.err" | tail -3 | tee -a "$D/check.md"
+      # tiny-moe and tiny-hybrid have head dimension 64: with the f16 cache their 69-word prompt
+      # passes attend on tensor cores (attend_prefill), the hybrid's beside its Gated DeltaNet.
+      printf "tiny-hybrid Q4_K, 69-word prompt, %s cache: " $kv | tee -a "$D/check.md"
+      STRATA_CPU_DEQUANTIZE=1 timeout 180 "$S" compare-devices -m /tmp/tiny-hybrid-Q4_K.gguf -p "$SP $SP $SP" -n 16 --tolerance 5e-2 --kv-cache-dtype $kv 2>>"$D/compare.err" | tail -1 | tee -a "$D/check.md"
     done
     echo "## f16 cache: graphs = op by op, speculation = plain decoding (greedy, 300 and 96 tokens)" | tee -a "$D/check.md"
     for v in graphs opbyop; do

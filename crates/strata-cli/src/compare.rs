@@ -48,8 +48,10 @@ pub struct CompareArgs {
     /// this (max |Δ| ÷ max |logit|).
     #[arg(long, default_value_t = 1e-5)]
     pub batch_tolerance: f64,
-    /// The device side's KV cache element type (f32 or f16; the CPU side keeps f32): with f16
-    /// the comparison measures the half-precision cache's accuracy cost.
+    /// The device side's KV cache element type (f32 or f16; the CPU side keeps f32). Default
+    /// f32, the exact check (`run`, `serve` and `bench` default to f16 on a CUDA device): with
+    /// f16 the comparison measures the half-precision cache's accuracy cost, its prompt passes'
+    /// tensor-core attention included.
     #[arg(long, default_value = "f32", value_parser = clap::value_parser!(strata_models::KvDtype))]
     pub kv_cache_dtype: strata_models::KvDtype,
 }

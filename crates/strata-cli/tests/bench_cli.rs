@@ -1,6 +1,7 @@
 //! `strata bench` as a user runs it on a synthetic model: `-d` (llama-bench's context depth) adds
 //! a pp and a tg test per depth, named as llama-bench names them, each timed after its context is
-//! in the cache; and `--kv-cache-dtype f16` on the CPU is refused before anything loads.
+//! in the cache; and `--kv-cache-dtype f16` on the CPU is refused before anything loads. The KV
+//! cache's default element type follows the device: f16 on CUDA, f32 on the CPU (the plan shows it).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -11,10 +12,11 @@ fn strata() -> Command {
     Command::new(env!("CARGO_BIN_EXE_strata"))
 }
 
-fn tiny_moe() -> PathBuf {
+/// A tiny synthetic MoE written to a file of its own for the test `name` (tests run in parallel).
+fn tiny_moe(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("strata-cli-bench-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
-    let out = d.join("tiny.gguf");
+    let out = d.join(format!("{name}.gguf"));
     let s = strata()
         .args(["synth", "--preset", "tiny-moe", "--quant", "Q8_0", "--out"])
         .arg(&out)
@@ -26,7 +28,7 @@ fn tiny_moe() -> PathBuf {
 
 #[test]
 fn bench_depths_add_a_pp_and_a_tg_test_each_and_f16_kv_needs_a_gpu() {
-    let model = tiny_moe();
+    let model = tiny_moe("depths");
     let run = |extra: &[&str]| {
         strata()
             .args(["bench", "-p", "8", "-n", "4", "-r", "1", "-t", "2", "--device", "cpu", "-m"])
@@ -50,5 +52,30 @@ fn bench_depths_add_a_pp_and_a_tg_test_each_and_f16_kv_needs_a_gpu() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--kv-cache-dtype f16 needs --device cuda"), "{err}");
     assert!(!err.contains("loading"), "refused before loading: {err}");
+    std::fs::remove_file(&model).ok();
+}
+
+/// Without `--kv-cache-dtype`, the plan for a CUDA device (simulated with `--vram`, so this runs
+/// without a GPU) counts an f16 KV cache — half the f32 bytes — and the plan for the CPU an f32 one.
+#[test]
+fn the_kv_cache_defaults_to_f16_on_cuda_and_f32_on_the_cpu() {
+    let model = tiny_moe("kv-default");
+    let kv_bytes = |extra: &[&str]| -> u64 {
+        let out = strata()
+            .args(["info", "--json", "--ctx-size", "1024", "-m"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "info: {}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["memory"]["kv_cache"].as_u64().unwrap()
+    };
+    let cuda = ["--device", "cuda", "--vram", "8GiB"];
+    let f32_bytes = kv_bytes(&[&cuda[..], &["--kv-cache-dtype", "f32"]].concat());
+    assert!(f32_bytes > 0);
+    assert_eq!(kv_bytes(&cuda), f32_bytes / 2, "CUDA default: f16");
+    assert_eq!(kv_bytes(&cuda), kv_bytes(&[&cuda[..], &["--kv-cache-dtype", "f16"]].concat()));
+    assert_eq!(kv_bytes(&["--device", "cpu"]), f32_bytes, "CPU default: f32");
     std::fs::remove_file(&model).ok();
 }

@@ -21,6 +21,8 @@
 //                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
 //  moe_tc_sort, q4k_mm_tc (moe_tc.cuh): prompt passes' Q4_K products on tensor cores, MoE pairs
 //                   grouped by expert on the device.
+//  attn_prefill_f16_hd* (attn_tc.cuh): prompt passes' attention over an f16 KV cache on tensor
+//                   cores (FlashAttention-2).
 //  gdn_conv, gdn_delta, gdn_gated_norm (gdn.cuh): Gated DeltaNet layers of hybrid models — the
 //                   causal conv with its window, the delta rule over the recurrent state, the
 //                   gated RMSNorm (CPU reference: strata-models' gated_delta_net.rs).
@@ -667,7 +669,10 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 #pragma unroll
         for (int i = 0; i < 4; i++) a[i] += pp[(s + i) * (hd + 2) + d] * w[s + i];
     }
-    for (; s < splits; s++) a[0] += pp[s * (hd + 2) + d] * w[s];
+    // Split s always adds into a[s % 4], in the same order, whatever the split count: a graph's
+    // launch (more splits, the extra ones empty: zero weight, zero partial) sums exactly as the
+    // op-by-op step over the same context.
+    for (; s < splits; s++) a[s % 4] += pp[s * (hd + 2) + d] * w[s];
     const float A = (a[0] + a[1]) + (a[2] + a[3]);
     const size_t o = ((size_t)row * nh + h) * hd + d;
     out[o] = A / L;
@@ -678,3 +683,4 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 #include "moe_tc.cuh"
 #include "mv_q8.cuh"
 #include "gdn.cuh"
+#include "attn_tc.cuh"

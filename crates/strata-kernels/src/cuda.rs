@@ -783,6 +783,70 @@ pub fn attend_decode(
     Ok(out)
 }
 
+/// Query rows (`FA_BM`) and threads (`FA_THREADS`) of an [`attend_prefill`] block (attn_tc.cuh).
+const PREFILL_BM: usize = 64;
+const PREFILL_THREADS: u32 = 128;
+
+/// Head dimensions [`attend_prefill`] has kernels for.
+pub fn attend_prefill_supports(head_dim: usize) -> bool {
+    matches!(head_dim, 64 | 128 | 256)
+}
+
+/// Prompt-pass attention on tensor cores over an f16 KV cache (FlashAttention-2: Dao 2023,
+/// Algorithm 1; the kernel is attn_tc.cuh): `q: [seq, nh, hd]` f32 (rotated), row `i` attends
+/// positions `0..=pos + i` of `cache` (f16, this pass's keys and values already written, e.g. by
+/// [`rope_kv_append`]) → `[seq, nh · hd]` f32. Query head `h` reads kv head `h / (nh / nkv)`.
+/// One launch; no `[heads, rows, positions]` score tensor. q and the softmax weights are rounded
+/// to f16 for the tensor cores (the cache already is), products and sums are f32: the accuracy
+/// class of `--kv-cache-dtype f16`, stated with its test in crates/strata-models/tests/cuda_kernels.rs.
+///
+/// Errors: a cache that is not f16, a head dimension without a kernel
+/// ([`attend_prefill_supports`]), `nh` not a multiple of the kv heads, positions past the cache.
+pub fn attend_prefill(q: &Tensor, pos: usize, scale: f32, cache: LayerKv<'_>) -> Result<Tensor> {
+    check_f32(q, "q")?;
+    cache.check()?;
+    let (seq, nh, hd) = q.dims3()?;
+    let (_, nkv, cap, chd) = cache.k.dims4()?;
+    if cache.k.dtype() != DType::F16
+        || chd != hd
+        || !attend_prefill_supports(hd)
+        || nkv == 0
+        || !nh.is_multiple_of(nkv)
+        || pos + seq > cap
+    {
+        bail!(
+            "attend_prefill: q {:?}, {:?} cache {:?}, positions up to {}",
+            q.dims(),
+            cache.k.dtype(),
+            cache.k.dims(),
+            pos + seq
+        );
+    }
+    let dev = cuda_device(q)?;
+    let out = alloc::<f32>(dev, (seq, nh * hd))?;
+    if seq == 0 {
+        return Ok(out);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: ((nh / nkv * seq).div_ceil(PREFILL_BM) as u32, nkv as u32, 1),
+        block_dim: (PREFILL_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = vec![
+        Arg::Ptr(addr(q)?),
+        Arg::Ptr(addr(cache.k)?),
+        Arg::Ptr(addr(cache.v)?),
+        Arg::Ptr(addr(&out)?),
+    ];
+    args.extend(i32s(&[nh, nkv, cap, pos, seq]));
+    args.push(Arg::F32(scale));
+    // SAFETY: arguments in `attn_prefill_f16_hd*`'s order; q `[seq, nh, hd]` f32 and the f16
+    // caches `[1, nkv, cap, hd]` checked above (contiguous: `addr`), pos + seq <= cap; `out`
+    // holds `seq · nh · hd` values.
+    unsafe { launch(dev, &format!("attn_prefill_f16_hd{hd}"), cfg, &args) }?;
+    Ok(out)
+}
+
 /// Shapes of a MoE call over Q4_K experts.
 struct MoeDims {
     n: usize,

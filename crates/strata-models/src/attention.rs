@@ -348,15 +348,43 @@ impl Attention {
         rope: &RotaryEmbedding,
     ) -> Result<Option<Tensor>> {
         use strata_kernels::cuda as gpu;
-        if !self.gpu_attends(q, q.dim(0)?) {
-            return Ok(None);
+        let rows = q.dim(0)?;
+        if self.gpu_attends(q, rows) {
+            let pos = match cache.device_position() {
+                Some((pos, max)) => gpu::Position::Device { pos, max },
+                None => gpu::Position::Host(cache.len()),
+            };
+            let (ck, cv) = cache.layer_kv(layer)?;
+            return self
+                .rope_attend_gpu(q, k, v, rope, pos, gpu::LayerKv { k: ck, v: cv })
+                .map(Some);
         }
-        let pos = match cache.device_position() {
-            Some((pos, max)) => gpu::Position::Device { pos, max },
-            None => gpu::Position::Host(cache.len()),
-        };
         let (ck, cv) = cache.layer_kv(layer)?;
-        self.rope_attend_gpu(q, k, v, rope, pos, gpu::LayerKv { k: ck, v: cv }).map(Some)
+        if self.gpu_prefills(q, rows, ck.dtype()) {
+            // Prompt passes are never captured in a CUDA graph: the host's length is the position
+            // (as for candle's path), also where a graph keeps a copy of it on the device.
+            let pos = gpu::Position::Host(cache.len());
+            let q = self.rope_append_gpu(q, k, v, rope, pos, gpu::LayerKv { k: ck, v: cv })?;
+            let kv = gpu::LayerKv { k: ck, v: cv };
+            return Ok(Some(gpu::attend_prefill(&q, cache.len(), self.scale as f32, kv)?));
+        }
+        Ok(None)
+    }
+
+    /// Whether a prompt pass of `rows` tokens (more than [`GPU_ATTEND_ROWS_MAX`]) attends on
+    /// tensor cores ([`strata_kernels::cuda::attend_prefill`]): the conditions of
+    /// [`Self::gpu_attends`] but the row count, a `cache` of f16 values (`--kv-cache-dtype f16`:
+    /// the kernel's inputs are f16; an f32 cache keeps the exact f32 path through candle), a
+    /// head dimension the kernel has, `STRATA_GPU_ATTN_TC` not `0`.
+    #[cfg(feature = "cuda")]
+    fn gpu_prefills(&self, q: &Tensor, rows: usize, cache: candle_core::DType) -> bool {
+        q.device().is_cuda()
+            && rows > GPU_ATTEND_ROWS_MAX
+            && cache == candle_core::DType::F16
+            && self.gpu_decodable()
+            && strata_kernels::cuda::attend_prefill_supports(self.head_dim)
+            && crate::gpu::enabled(crate::gpu::GpuPath::Attention)
+            && crate::gpu::enabled(crate::gpu::GpuPath::AttnTc)
     }
 
     /// Whether a pass of `rows` tokens (`q` on its device) attends on our kernels: a CUDA
@@ -370,11 +398,29 @@ impl Attention {
             && crate::gpu::enabled(crate::gpu::GpuPath::Attention)
     }
 
-    /// The kernels' part of [`Self::attend_gpu`] and [`Self::attend_batch_gpu`]: q/k norms and
-    /// head splits of the projections `q: [rows, nh·hd]`, `k, v: [rows, nkv·hd]`, then RoPE with
-    /// the KV-cache write and split-K attention at `pos` over `cache` → `[rows, nh·hd]`.
+    /// The kernels' part of [`Self::attend_gpu`] and [`Self::attend_batch_gpu`]: RoPE with the
+    /// KV-cache write ([`Self::rope_append_gpu`]), then split-K attention at `pos` over `cache`
+    /// → `[rows, nh·hd]`.
     #[cfg(feature = "cuda")]
     fn rope_attend_gpu(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &RotaryEmbedding,
+        pos: strata_kernels::cuda::Position<'_>,
+        cache: strata_kernels::cuda::LayerKv<'_>,
+    ) -> Result<Tensor> {
+        let kv = strata_kernels::cuda::LayerKv { k: cache.k, v: cache.v };
+        let q = self.rope_append_gpu(q, k, v, rope, pos, kv)?;
+        Ok(strata_kernels::cuda::attend_decode(&q, pos, self.scale as f32, cache)?)
+    }
+
+    /// q/k norms and head splits of the projections `q: [rows, nh·hd]`, `k, v: [rows, nkv·hd]`,
+    /// then one launch of RoPE with the KV-cache write at `pos` (`rope_kv_append`) → the rotated
+    /// `q: [rows, nh, hd]`.
+    #[cfg(feature = "cuda")]
+    fn rope_append_gpu(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -400,10 +446,8 @@ impl Attention {
         let k = self.split_heads(k, self.num_kv_heads, kn)?;
         let v = self.split_heads(v, self.num_kv_heads, &None)?;
         let (cos, sin, style) = rope.tables();
-        let kv = || gpu::LayerKv { k: cache.k, v: cache.v };
         let style = gpu_rope_style(style);
-        let q = gpu::rope_kv_append(&q, &k, &v, cos, sin, style, pos, kv(), norms)?;
-        Ok(gpu::attend_decode(&q, pos, self.scale as f32, kv())?)
+        Ok(gpu::rope_kv_append(&q, &k, &v, cos, sin, style, pos, cache, norms)?)
     }
 
     /// [`Self::attend_gpu`] for a batched pass over several sequences, in two launches for all of

@@ -8,6 +8,8 @@
 //! `MATMUL_ROWS_MAX` rows through candle: the whole matrix dequantized to f32, then cuBLAS),
 //! `STRATA_GPU_MOE_TC=0` / `STRATA_GPU_DENSE_TC=0` (the Q4_K experts / dense Q4_K products of
 //! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums),
+//! `STRATA_GPU_ATTN_TC=0` (prompt passes over an f16 KV cache attend through candle's f32
+//! matmuls over an f32 copy of the cache instead of our tensor-core flash-attention kernel),
 //! `STRATA_GPU_MATVEC=0` (one-row dense Q4_K products through candle's DMMV kernel instead of
 //! ours, q/k/v as three launches instead of one, router logits through cuBLAS),
 //! `STRATA_GPU_Q8=0` (the Q4_K mat-vec and short-pass MoE kernels on f32 inputs instead of
@@ -63,6 +65,10 @@ pub enum GpuPath {
     MoeTc,
     /// Dense Q4_K products of prompt passes on our tensor-core kernel ([`crate::layers::Linear`]).
     DenseTc,
+    /// Attention of prompt passes over an f16 KV cache on our tensor-core kernel
+    /// (`strata_kernels::cuda::attend_prefill`, [`crate::attention`]); needs
+    /// [`GpuPath::Attention`].
+    AttnTc,
     /// The decode step captured once per context bucket as a CUDA graph and replayed
     /// (`Transformer`'s graph path).
     Graphs,
@@ -117,6 +123,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static SHORT_MATVEC: OnceLock<bool> = OnceLock::new();
     static MOE_TC: OnceLock<bool> = OnceLock::new();
     static DENSE_TC: OnceLock<bool> = OnceLock::new();
+    static ATTN_TC: OnceLock<bool> = OnceLock::new();
     static DELTANET: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
@@ -131,6 +138,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::ShortMatVec => (&SHORT_MATVEC, "STRATA_GPU_SHORT_MATVEC"),
         GpuPath::MoeTc => (&MOE_TC, "STRATA_GPU_MOE_TC"),
         GpuPath::DenseTc => (&DENSE_TC, "STRATA_GPU_DENSE_TC"),
+        GpuPath::AttnTc => (&ATTN_TC, "STRATA_GPU_ATTN_TC"),
         GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {

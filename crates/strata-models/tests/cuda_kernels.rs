@@ -236,6 +236,47 @@ fn kv_round(x: &[f32], dtype: DType) -> Vec<f32> {
     }
 }
 
+/// Shape of an attention reference call: `seq` query rows after `pos` cached positions, caches
+/// `[nkv, cap, hd]`, softmax scale `scale`.
+struct AttnShape {
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    cap: usize,
+    pos: usize,
+    seq: usize,
+    scale: f32,
+}
+
+/// Causal GQA attention in f64: `q: [seq, nh, hd]`, row `i` over positions `0..=pos + i` of
+/// `k, v: [nkv, cap, hd]` → `[seq, nh, hd]`.
+fn attention_f64(a: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+    let (nh, nkv, hd, cap) = (a.nh, a.nkv, a.hd, a.cap);
+    let mut want = vec![0f32; a.seq * nh * hd];
+    for i in 0..a.seq {
+        let total = a.pos + i + 1;
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            let qh = &q[(i * nh + h) * hd..(i * nh + h + 1) * hd];
+            let s: Vec<f64> = (0..total)
+                .map(|j| {
+                    let kj = &k[(g * cap + j) * hd..(g * cap + j + 1) * hd];
+                    qh.iter().zip(kj).map(|(x, y)| *x as f64 * *y as f64).sum::<f64>()
+                        * a.scale as f64
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hd {
+                let acc: f64 = (0..total).map(|j| e[j] * v[(g * cap + j) * hd + d] as f64).sum();
+                want[(i * nh + h) * hd + d] = (acc / z) as f32;
+            }
+        }
+    }
+    want
+}
+
 /// Checks `rope_kv_append` and `attend_decode` on one case; returns the attention output's
 /// largest difference from the same attention over the unrounded (f32) keys and values,
 /// relative to its largest magnitude: an f16 cache's accuracy cost.
@@ -316,32 +357,8 @@ fn check_attention(c: &Case, rng: &mut Rng) -> f32 {
     assert!(max_rel(&k_got, &k_want) < k_bound, "cache keys ({:?})", c.dtype);
     assert_eq!(v_got, v_want, "cache values ({:?})", c.dtype);
     // The reference attends over the cache as the kernel reads it.
-    let attend_ref = |k_all: &[f32], v_all: &[f32]| -> Vec<f32> {
-        let mut want = vec![0f32; seq * nh * hd];
-        for i in 0..seq {
-            let total = c.pos + i + 1;
-            for h in 0..nh {
-                let g = h / (nh / nkv);
-                let qh = &q_ref[(i * nh + h) * hd..(i * nh + h + 1) * hd];
-                let s: Vec<f64> = (0..total)
-                    .map(|j| {
-                        let kj = &k_all[(g * cap + j) * hd..(g * cap + j + 1) * hd];
-                        qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
-                            * scale as f64
-                    })
-                    .collect();
-                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..hd {
-                    let a: f64 =
-                        (0..total).map(|j| e[j] * v_all[(g * cap + j) * hd + d] as f64).sum();
-                    want[(i * nh + h) * hd + d] = (a / z) as f32;
-                }
-            }
-        }
-        want
-    };
+    let shape = AttnShape { nh, nkv, hd, cap, pos: c.pos, seq, scale };
+    let attend_ref = |k_all: &[f32], v_all: &[f32]| attention_f64(&shape, &q_ref, k_all, v_all);
     let err = max_rel(&out, &attend_ref(&k_got, &v_got));
     assert!(
         err < 2e-5,
@@ -876,6 +893,74 @@ fn attention_refuses_what_it_cannot_run() {
         .is_err());
     assert!(!gpu::attend_supports(80));
     assert!(gpu::attend_supports(128));
+}
+
+/// The prompt-pass attention on tensor cores (`attend_prefill`, FlashAttention-2 over an f16 KV
+/// cache) against an f64 attention over the same f16 keys and values and the f32 queries: its
+/// own rounding (q and the softmax weights to f16) is all that separates them. Positions past the
+/// pass hold NaN: the kernel must never read them. Row counts that leave the last 64-row tile
+/// part empty, GQA groups of 1, 3, 8 and 16 heads, passes after a long context. It also matches
+/// the split-K decode kernel (f32 arithmetic) over the same cache within that rounding.
+#[test]
+fn prefill_attention_on_tensor_cores_matches_the_reference() {
+    let dev = cuda();
+    let mut rng = Rng(0x5eed_f1a5);
+    let mut worst = 0f32;
+    let mut n = 0;
+    for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (32, 4, 128), (8, 1, 256), (16, 16, 128)] {
+        for &(pos, seq) in &[(0usize, 17usize), (0, 100), (333, 64), (1000, 37), (70, 203)] {
+            let cap = pos + seq + 40;
+            let scale = 1.0 / (hd as f32).sqrt();
+            // Keys and values as the f16 cache holds them; NaN past the pass.
+            let mut k = kv_round(&rng.vec(nkv * cap * hd, 1.0), DType::F16);
+            let mut v = kv_round(&rng.vec(nkv * cap * hd, 1.0), DType::F16);
+            for g in 0..nkv {
+                for j in pos + seq..cap {
+                    for d in 0..hd {
+                        k[(g * cap + j) * hd + d] = f32::NAN;
+                        v[(g * cap + j) * hd + d] = f32::NAN;
+                    }
+                }
+            }
+            let q = rng.vec(seq * nh * hd, 2.0);
+            let up = |x: &Vec<f32>| {
+                Tensor::from_vec(x.clone(), (1, nkv, cap, hd), &dev)
+                    .unwrap()
+                    .to_dtype(DType::F16)
+                    .unwrap()
+            };
+            let (ck, cv) = (up(&k), up(&v));
+            let qt = Tensor::from_vec(q.clone(), (seq, nh, hd), &dev).unwrap();
+            let kv = || gpu::LayerKv { k: &ck, v: &cv };
+            let got = flat(&gpu::attend_prefill(&qt, pos, scale, kv()).unwrap());
+            let shape = AttnShape { nh, nkv, hd, cap, pos, seq, scale };
+            let err = max_rel(&got, &attention_f64(&shape, &q, &k, &v));
+            assert!(
+                err < 3e-3,
+                "attend_prefill off by {err} (nh {nh} nkv {nkv} hd {hd} pos {pos} seq {seq})"
+            );
+            let split_k =
+                flat(&gpu::attend_decode(&qt, gpu::Position::Host(pos), scale, kv()).unwrap());
+            assert!(max_rel(&got, &split_k) < 3e-3, "against attend_decode");
+            worst = worst.max(err);
+            n += 1;
+        }
+    }
+    assert_eq!(n, 4 * 5);
+    println!(
+        "attend_prefill: within {worst:.2e} of the f64 attention (relative to the largest output)"
+    );
+    // Refusals: an f32 cache, a head dimension without a kernel, positions past the cache.
+    let q = Tensor::zeros((20, 4, 64), DType::F32, &dev).unwrap();
+    let c32 = Tensor::zeros((1, 2, 64, 64), DType::F32, &dev).unwrap();
+    assert!(gpu::attend_prefill(&q, 0, 1.0, gpu::LayerKv { k: &c32, v: &c32 }).is_err());
+    let c16 = c32.to_dtype(DType::F16).unwrap();
+    assert!(gpu::attend_prefill(&q, 0, 1.0, gpu::LayerKv { k: &c16, v: &c16 }).is_ok());
+    assert!(gpu::attend_prefill(&q, 45, 1.0, gpu::LayerKv { k: &c16, v: &c16 }).is_err());
+    let q96 = Tensor::zeros((20, 4, 96), DType::F32, &dev).unwrap();
+    let c96 = Tensor::zeros((1, 2, 64, 96), DType::F16, &dev).unwrap();
+    assert!(gpu::attend_prefill(&q96, 0, 1.0, gpu::LayerKv { k: &c96, v: &c96 }).is_err());
+    assert!(!gpu::attend_prefill_supports(96) && gpu::attend_prefill_supports(128));
 }
 
 #[test]
