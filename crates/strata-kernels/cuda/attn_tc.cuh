@@ -7,6 +7,14 @@
 //  attn_prefill_f16_hd{64,128,256}
 //      q [seq, nh, hd] f32 (rotated), cache k, v [nkv, cap, hd] f16 (this pass's rows already
 //      written) -> out [seq, nh * hd] f32; row i attends positions [0, pos + i].
+//  attn_decode_tc_f16_hd{64,128,256}
+//      the same for decode steps and verify passes (a few rows), split over chunks of positions
+//      (FlashDecoding: grid z = splits of `chunk` positions, a multiple of the key tile) into
+//      partials part [seq, nh, splits, hd + 2] (unnormalised output, natural-log maximum, sum)
+//      that attn_combine merges; pos_dev (nullable): the position read from the device (a
+//      captured CUDA graph; splits past a row's length give empty partials); rows_tab
+//      (nullable): a batched pass's row table (decode.cu's RowKv), one block column per row, each
+//      over its own sequence's cache. The block's warps that hold no query row only copy tiles.
 //
 // A block takes one kv head and FA_BM "query rows" of its n_rep query heads, numbered t = i·n_rep
 // + r (token i, head kvh·n_rep + r): the heads that share the kv head share its key/value tiles,
@@ -75,11 +83,26 @@ __device__ __forceinline__ void fa_load_tile(__half* s, const __half* __restrict
     fa_cp_commit();
 }
 
-// grid (ceil(n_rep · seq / FA_BM), nkv), FA_THREADS threads. scale: the softmax scale (1/√hd).
+// grid (ceil(n_rep · seq / FA_BM), nkv, splits), FA_THREADS threads. scale: the softmax scale
+// (1/√hd). part null: out is written (one split); else split z's partials (chunk positions each).
 template <int HD, int BN>
-__device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __restrict__ ck,
-                                  const __half* __restrict__ cv, float* __restrict__ out, int nh,
-                                  int nkv, int cap, int pos, int seq, float scale) {
+__device__ void attn_tc_impl(const float* __restrict__ q, const __half* __restrict__ ck,
+                             const __half* __restrict__ cv, float* __restrict__ out,
+                             float* __restrict__ part, int nh, int nkv, int cap, int pos, int seq,
+                             float scale, int chunk, const uint32_t* __restrict__ pos_dev,
+                             const uint32_t* __restrict__ rows_tab) {
+    if (pos_dev) pos = (int)*pos_dev;
+    // With a row table (a batched pass over several sequences), block x takes batch row x alone:
+    // its query heads over its own sequence's cache up to its position.
+    int row0 = 0;
+    if (rows_tab) {
+        const RowKv<__half> r = row_kv<__half>(rows_tab, blockIdx.x);
+        row0 = blockIdx.x;
+        pos = r.pos;
+        ck = r.k;
+        cv = r.v;
+        seq = 1;
+    }
     constexpr int LD = HD + 8;  // f16 pitch: rows 16-byte aligned, ldmatrix off the banks
     constexpr int QS = HD / 16, NT = BN / 8, DT = HD / 8;
     static_assert(2 * BN >= FA_BM, "the query tile is staged in the key and value buffers");
@@ -88,7 +111,7 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
     const int n_rep = nh / nkv, rows = n_rep * seq;
     const int kvh = blockIdx.y;
     // The longest-running tiles (the last tokens) first.
-    const int t0 = (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    const int t0 = rows_tab ? 0 : (gridDim.x - 1 - blockIdx.x) * FA_BM;
     const int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
     const __half* kb = ck + (size_t)kvh * cap * HD;
     const __half* vb = cv + (size_t)kvh * cap * HD;
@@ -99,7 +122,7 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
         const int r = c / (HD / 4), x = (c % (HD / 4)) * 4, t = t0 + r;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (t < rows) {
-            const int i = t / n_rep, h = kvh * n_rep + t % n_rep;
+            const int i = row0 + t / n_rep, h = kvh * n_rep + t % n_rep;
             v = *(const float4*)(q + ((size_t)i * nh + h) * HD + x);
         }
         __half* d = (r < BN ? Ks + r * LD : Vs + (r - BN) * LD) + x;
@@ -118,8 +141,11 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
 
     // This thread's two rows (g and g + 8 of the warp's 16) and the positions they may see.
     const int last = min(t0 + FA_BM, rows) - 1;
-    const int n_end = pos + last / n_rep + 1;  // positions any row of the tile sees
-    const int lim_min = pos + t0 / n_rep;      // positions every row of the tile sees
+    const int lim_min = pos + t0 / n_rep;  // positions every row of the tile sees
+    // This split's positions [j_first, n_end): those any row of the tile sees.
+    const int split = blockIdx.z, j_first = split * chunk;
+    const int n_end = min(pos + last / n_rep + 1, part ? j_first + chunk : 0x7fffffff);
+    const bool active = t0 + w * 16 < rows;  // the warp holds query rows
     int lim[2];
 #pragma unroll
     for (int e = 0; e < 2; e++) {
@@ -131,11 +157,14 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
 #pragma unroll
     for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
 
-    fa_load_tile<HD, BN>(Ks, kb, 0, n_end);
-    for (int j0 = 0; j0 < n_end; j0 += BN) {
+    if (j_first < n_end) fa_load_tile<HD, BN>(Ks, kb, j_first, n_end);
+    for (int j0 = j_first; j0 < n_end; j0 += BN) {
         fa_cp_wait();
         __syncthreads();  // K[j0] in; every warp is done with V of the last tile
         fa_load_tile<HD, BN>(Vs, vb, j0, n_end);
+        uint32_t pa[BN / 16][4];
+        float corr[2];
+        if (active) {
         float s[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
@@ -164,20 +193,22 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
                 mx[e] = fmaxf(mx[e], x);
             }
         }
-        float corr[2];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
             mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
-            corr[e] = exp2f(m[e] - mx[e]);  // 0 on the first tile (m = −∞)
+            // A row that has seen no position yet (a split past its end) keeps m = −∞: its
+            // weights are 0 and its state stays zero (no −∞ − −∞).
+            const float mref = mx[e] == -CUDART_INF_F ? 0.f : mx[e];
+            corr[e] = exp2f(m[e] - mref);  // 0 on the row's first tile (m = −∞)
             m[e] = mx[e];
             l[e] *= corr[e];
+            mx[e] = mref;
         }
-        uint32_t pa[BN / 16][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const float p0 = exp2f(s[nt][0] - m[0]), p1 = exp2f(s[nt][1] - m[0]);
-            const float p2 = exp2f(s[nt][2] - m[1]), p3 = exp2f(s[nt][3] - m[1]);
+            const float p0 = exp2f(s[nt][0] - mx[0]), p1 = exp2f(s[nt][1] - mx[0]);
+            const float p2 = exp2f(s[nt][2] - mx[1]), p3 = exp2f(s[nt][3] - mx[1]);
             l[0] += p0 + p1;
             l[1] += p2 + p3;
             // The accumulator of n-tiles 2k, 2k + 1 is the A fragment of k-step k.
@@ -191,9 +222,11 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
             o[d][2] *= corr[1];
             o[d][3] *= corr[1];
         }
+        }  // active
         fa_cp_wait();
         __syncthreads();  // V[j0] in; every warp is done with K[j0]
         if (j0 + BN < n_end) fa_load_tile<HD, BN>(Ks, kb, j0 + BN, n_end);
+        if (!active) continue;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
 #pragma unroll
@@ -213,7 +246,19 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
         l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
         const int t = t0 + w * 16 + lane / 4 + 8 * e;
         if (t >= rows) continue;
-        const int i = t / n_rep, h = kvh * n_rep + t % n_rep;
+        const int i = row0 + t / n_rep, h = kvh * n_rep + t % n_rep;
+        if (part) {
+            // Unnormalised, with the maximum in natural-log units (attn_combine's partials).
+            float* pp = part + (((size_t)i * nh + h) * gridDim.z + split) * (HD + 2);
+#pragma unroll
+            for (int d = 0; d < DT; d++)
+                *(float2*)(pp + d * 8 + 2 * (lane % 4)) = make_float2(o[d][2 * e], o[d][2 * e + 1]);
+            if (lane % 4 == 0) {
+                pp[HD] = m[e] == -CUDART_INF_F ? -CUDART_INF_F : m[e] * 0.6931471805599453f;
+                pp[HD + 1] = l[e];
+            }
+            continue;
+        }
         float* dst = out + ((size_t)i * nh + h) * HD + 2 * (lane % 4);
         const float inv = 1.f / l[e];
 #pragma unroll
@@ -227,7 +272,16 @@ __device__ void attn_prefill_impl(const float* __restrict__ q, const __half* __r
         const float* __restrict__ q, const __half* __restrict__ ck, const __half* __restrict__ cv, \
         float* __restrict__ out, int nh, int nkv, int cap, int pos, int seq, float scale) {       \
         PDL_ENTER();                                                                              \
-        attn_prefill_impl<HD, BN>(q, ck, cv, out, nh, nkv, cap, pos, seq, scale);                 \
+        attn_tc_impl<HD, BN>(q, ck, cv, out, nullptr, nh, nkv, cap, pos, seq, scale, 0, nullptr,  \
+                             nullptr);                                                            \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_decode_tc_f16_hd##HD(           \
+        const float* __restrict__ q, const __half* __restrict__ ck, const __half* __restrict__ cv, \
+        float* __restrict__ part, int nh, int nkv, int cap, int pos, int seq, float scale,        \
+        int chunk, const uint32_t* __restrict__ pos_dev, const uint32_t* __restrict__ rows_tab) { \
+        PDL_ENTER();                                                                              \
+        attn_tc_impl<HD, BN>(q, ck, cv, nullptr, part, nh, nkv, cap, pos, seq, scale, chunk,      \
+                             pos_dev, rows_tab);                                                  \
     }
 FA_KERNEL(64, 64)
 FA_KERNEL(128, 64)

@@ -697,6 +697,39 @@ pub fn attend_supports(head_dim: usize) -> bool {
     head_dim.is_multiple_of(32) && matches!(head_dim / 32, 1..=4 | 8)
 }
 
+/// The shapes of an attention launch: `q: [seq, nh, hd]` f32 over `cache` up to position `last`
+/// (exclusive), `supports(hd)` the head dimensions of the kernel and `f16_only` whether it takes
+/// only an f16 cache → `(seq, nh, hd, nkv, cap)`. Errors name `what` and the shapes.
+fn check_attention(
+    what: &str,
+    q: &Tensor,
+    cache: &LayerKv<'_>,
+    last: impl Fn(usize) -> usize,
+    supports: fn(usize) -> bool,
+    f16_only: bool,
+) -> Result<(usize, usize, usize, usize, usize)> {
+    check_f32(q, "q")?;
+    cache.check()?;
+    let (seq, nh, hd) = q.dims3()?;
+    let (_, nkv, cap, chd) = cache.k.dims4()?;
+    let last = last(seq);
+    if (f16_only && cache.k.dtype() != DType::F16)
+        || chd != hd
+        || !supports(hd)
+        || nkv == 0
+        || !nh.is_multiple_of(nkv)
+        || last > cap
+    {
+        bail!(
+            "{what}: q {:?}, {:?} cache {:?}, positions up to {last}",
+            q.dims(),
+            cache.k.dtype(),
+            cache.k.dims()
+        );
+    }
+    Ok((seq, nh, hd, nkv, cap))
+}
+
 /// Attention of `seq` query rows over one layer's KV cache: `q: [seq, nh, hd]` (rotated), row `i`
 /// attends positions `0..=pos + i` of `cache` (the rows' own keys already written) → `[seq, nh ·
 /// hd]`. Query head `h` reads kv head `h / (nh / nkv)` (GQA). Softmax in f32 with an online
@@ -712,19 +745,10 @@ pub fn attend_decode(
     scale: f32,
     cache: LayerKv<'_>,
 ) -> Result<Tensor> {
-    check_f32(q, "q")?;
-    cache.check()?;
-    let (seq, nh, hd) = q.dims3()?;
-    pos.check(seq, &cache)?;
-    let (_, nkv, cap, chd) = cache.k.dims4()?;
+    pos.check(q.dim(0)?, &cache)?;
+    let (seq, nh, hd, nkv, cap) =
+        check_attention("attend_decode", q, &cache, |s| pos.end(s), attend_supports, false)?;
     let last = pos.end(seq);
-    if chd != hd || !attend_supports(hd) || nkv == 0 || !nh.is_multiple_of(nkv) || last > cap {
-        bail!(
-            "attend_decode: q {:?}, cache {:?}, positions up to {last}",
-            q.dims(),
-            cache.k.dims()
-        );
-    }
     let dev = cuda_device(q)?;
     let out = alloc::<f32>(dev, (seq, nh * hd))?;
     if seq == 0 {
@@ -769,16 +793,88 @@ pub fn attend_decode(
     let name = format!("attn_decode{}_hd{}", cache.kernel_suffix(), hd / 32);
     unsafe { launch(dev, &name, cfg, &args) }?;
     if let Some(p) = &part {
-        let cfg = LaunchConfig {
-            grid_dim: (nh as u32, seq as u32, 1),
-            block_dim: (hd as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = vec![Arg::Ptr(addr(p)?), Arg::Ptr(addr(&out)?), Arg::Ptr(oq), Arg::Ptr(od)];
-        args.extend(i32s(&[nh, hd, splits]));
-        // SAFETY: arguments in `attn_combine`'s order; the q8 outputs as above.
-        unsafe { launch(dev, "attn_combine", cfg, &args) }?;
+        attn_combine(dev, p, &out, (oq, od), [seq, nh, hd, splits])?;
     }
+    q8.keep_for(&out);
+    Ok(out)
+}
+
+/// Merges split-K partials `part: [seq, nh, splits, hd + 2]` into `out: [seq, nh · hd]` and its
+/// q8 rounding (`q8`: the addresses of `Q8Outputs`, or zeros).
+fn attn_combine(
+    dev: &CudaDevice,
+    part: &Tensor,
+    out: &Tensor,
+    (oq, od): (u64, u64),
+    [seq, nh, hd, splits]: [usize; 4],
+) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (nh as u32, seq as u32, 1),
+        block_dim: (hd as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = vec![Arg::Ptr(addr(part)?), Arg::Ptr(addr(out)?), Arg::Ptr(oq), Arg::Ptr(od)];
+    args.extend(i32s(&[nh, hd, splits]));
+    // SAFETY: arguments in `attn_combine`'s order; `part` and `out` of the shapes above (the
+    // callers allocate them so), the q8 outputs `[seq, nh · hd]` bytes and `[seq, nh · hd / 32]`
+    // f32 when given; hd <= 1024 threads, splits <= ATTN_SPLITS_LIMIT (checked by the callers).
+    unsafe { launch(dev, "attn_combine", cfg, &args) }
+}
+
+/// [`attend_decode`] on tensor cores for an f16 cache (`attn_decode_tc_f16_hd*`, attn_tc.cuh):
+/// the kernel shape of [`attend_prefill`] — a kv head's query heads and rows as the rows of
+/// `mma` tiles, no cross-lane reduction per position — split over chunks of positions (a
+/// multiple of 64, at most [`ATTN_SPLITS_MAX`] of them) and merged by `attn_combine`
+/// (FlashDecoding, Dao et al. 2023). `q: [seq, nh, hd]` (rotated), row `i` attends positions
+/// `0..=pos + i` → `[seq, nh · hd]`. Positions from the host, the device ([`Position::Device`]:
+/// capturable) or a batched pass's row table ([`Position::Rows`]: a block column per row, over
+/// its own sequence's cache). q and the softmax weights are rounded to f16, sums are f32 (the
+/// accuracy class of [`attend_prefill`]); a row's result does not depend on the other rows of its
+/// pass, nor on whether they are of its sequence.
+///
+/// Errors: as [`attend_prefill`].
+pub fn attend_decode_tc(
+    q: &Tensor,
+    pos: Position<'_>,
+    scale: f32,
+    cache: LayerKv<'_>,
+) -> Result<Tensor> {
+    pos.check(q.dim(0)?, &cache)?;
+    let supports = attend_prefill_supports;
+    let (seq, nh, hd, nkv, cap) =
+        check_attention("attend_decode_tc", q, &cache, |s| pos.end(s), supports, true)?;
+    let last = pos.end(seq);
+    let dev = cuda_device(q)?;
+    let out = alloc::<f32>(dev, (seq, nh * hd))?;
+    if seq == 0 {
+        return Ok(out);
+    }
+    let chunk = attn_chunk(last).next_multiple_of(PREFILL_BM);
+    let splits = last.div_ceil(chunk);
+    if splits > ATTN_SPLITS_LIMIT {
+        bail!("attend_decode_tc: {splits} splits, attn_combine takes {ATTN_SPLITS_LIMIT}");
+    }
+    let part = alloc::<f32>(dev, seq * nh * splits * (hd + 2))?;
+    // A row table: a block column per row (its own sequence); else tiles of 64 query rows.
+    let tiles = match pos {
+        Position::Rows(_) => seq,
+        _ => (nh / nkv * seq).div_ceil(PREFILL_BM),
+    };
+    let (cfg, mut args) = attn_tc_launch(q, &cache, &part, [tiles, nkv, splits])?;
+    args.extend(i32s(&[nh, nkv, cap]));
+    args.push(Arg::I32(pos.host()));
+    args.push(Arg::I32(seq as i32));
+    args.push(Arg::F32(scale));
+    args.push(Arg::I32(chunk as i32));
+    args.push(Arg::Ptr(pos.device_addr()?));
+    args.push(Arg::Ptr(pos.rows_addr()?));
+    // SAFETY: arguments in `attn_decode_tc_f16_hd*`'s order; q and the f16 caches checked above
+    // (a row table's caches have their shape and type: `pos.check`), positions below `last <= cap`; `part` holds `seq · nh · splits · (hd + 2)` values, every one
+    // written (each split writes its rows' partials, empty ones included).
+    unsafe { launch(dev, &format!("attn_decode_tc_f16_hd{hd}"), cfg, &args) }?;
+    // hd is a multiple of 32: every 32-value block of the q8 rounding lies in one head.
+    let q8 = Q8Outputs::new(dev, seq, nh * hd)?;
+    attn_combine(dev, &part, &out, q8.addrs()?, [seq, nh, hd, splits])?;
     q8.keep_for(&out);
     Ok(out)
 }
@@ -786,6 +882,24 @@ pub fn attend_decode(
 /// Query rows (`FA_BM`) and threads (`FA_THREADS`) of an [`attend_prefill`] block (attn_tc.cuh).
 const PREFILL_BM: usize = 64;
 const PREFILL_THREADS: u32 = 128;
+
+/// The grid `[query-row tiles, kv heads, splits]` of an attn_tc.cuh launch and its first four
+/// arguments: q, the cache's k and v, and the output (or partials) `dst`.
+fn attn_tc_launch(
+    q: &Tensor,
+    cache: &LayerKv<'_>,
+    dst: &Tensor,
+    [tiles, nkv, splits]: [usize; 3],
+) -> Result<(LaunchConfig, Vec<Arg>)> {
+    let cfg = LaunchConfig {
+        grid_dim: (tiles as u32, nkv as u32, splits as u32),
+        block_dim: (PREFILL_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args: Result<Vec<Arg>> =
+        [q, cache.k, cache.v, dst].iter().map(|t| addr(t).map(Arg::Ptr)).collect();
+    Ok((cfg, args?))
+}
 
 /// Head dimensions [`attend_prefill`] has kernels for.
 pub fn attend_prefill_supports(head_dim: usize) -> bool {
@@ -803,41 +917,16 @@ pub fn attend_prefill_supports(head_dim: usize) -> bool {
 /// Errors: a cache that is not f16, a head dimension without a kernel
 /// ([`attend_prefill_supports`]), `nh` not a multiple of the kv heads, positions past the cache.
 pub fn attend_prefill(q: &Tensor, pos: usize, scale: f32, cache: LayerKv<'_>) -> Result<Tensor> {
-    check_f32(q, "q")?;
-    cache.check()?;
-    let (seq, nh, hd) = q.dims3()?;
-    let (_, nkv, cap, chd) = cache.k.dims4()?;
-    if cache.k.dtype() != DType::F16
-        || chd != hd
-        || !attend_prefill_supports(hd)
-        || nkv == 0
-        || !nh.is_multiple_of(nkv)
-        || pos + seq > cap
-    {
-        bail!(
-            "attend_prefill: q {:?}, {:?} cache {:?}, positions up to {}",
-            q.dims(),
-            cache.k.dtype(),
-            cache.k.dims(),
-            pos + seq
-        );
-    }
+    let supports = attend_prefill_supports;
+    let (seq, nh, hd, nkv, cap) =
+        check_attention("attend_prefill", q, &cache, |s| pos + s, supports, true)?;
     let dev = cuda_device(q)?;
     let out = alloc::<f32>(dev, (seq, nh * hd))?;
     if seq == 0 {
         return Ok(out);
     }
-    let cfg = LaunchConfig {
-        grid_dim: ((nh / nkv * seq).div_ceil(PREFILL_BM) as u32, nkv as u32, 1),
-        block_dim: (PREFILL_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut args = vec![
-        Arg::Ptr(addr(q)?),
-        Arg::Ptr(addr(cache.k)?),
-        Arg::Ptr(addr(cache.v)?),
-        Arg::Ptr(addr(&out)?),
-    ];
+    let tiles = (nh / nkv * seq).div_ceil(PREFILL_BM);
+    let (cfg, mut args) = attn_tc_launch(q, &cache, &out, [tiles, nkv, 1])?;
     args.extend(i32s(&[nh, nkv, cap, pos, seq]));
     args.push(Arg::F32(scale));
     // SAFETY: arguments in `attn_prefill_f16_hd*`'s order; q `[seq, nh, hd]` f32 and the f16

@@ -400,7 +400,8 @@ impl Attention {
 
     /// The kernels' part of [`Self::attend_gpu`] and [`Self::attend_batch_gpu`]: RoPE with the
     /// KV-cache write ([`Self::rope_append_gpu`]), then split-K attention at `pos` over `cache`
-    /// → `[rows, nh·hd]`.
+    /// → `[rows, nh·hd]`: on tensor cores for an f16 cache (`attend_decode_tc`, unless
+    /// `STRATA_GPU_ATTN_TC_DECODE=0`), else `attend_decode`.
     #[cfg(feature = "cuda")]
     fn rope_attend_gpu(
         &self,
@@ -411,9 +412,18 @@ impl Attention {
         pos: strata_kernels::cuda::Position<'_>,
         cache: strata_kernels::cuda::LayerKv<'_>,
     ) -> Result<Tensor> {
-        let kv = strata_kernels::cuda::LayerKv { k: cache.k, v: cache.v };
+        use strata_kernels::cuda as gpu;
+        let kv = gpu::LayerKv { k: cache.k, v: cache.v };
         let q = self.rope_append_gpu(q, k, v, rope, pos, kv)?;
-        Ok(strata_kernels::cuda::attend_decode(&q, pos, self.scale as f32, cache)?)
+        // An f16 cache: the tensor-core split-K kernel (row tables too, so that a batched row
+        // is the same bits as the sequence alone).
+        let tc = cache.k.dtype() == candle_core::DType::F16
+            && gpu::attend_prefill_supports(self.head_dim)
+            && crate::gpu::enabled(crate::gpu::GpuPath::AttnTcDecode);
+        if tc {
+            return Ok(gpu::attend_decode_tc(&q, pos, self.scale as f32, cache)?);
+        }
+        Ok(gpu::attend_decode(&q, pos, self.scale as f32, cache)?)
     }
 
     /// q/k norms and head splits of the projections `q: [rows, nh·hd]`, `k, v: [rows, nkv·hd]`,

@@ -10,6 +10,8 @@
 //! prompt passes through candle instead of our tensor-core kernels: f16 inputs, f32 sums),
 //! `STRATA_GPU_ATTN_TC=0` (prompt passes over an f16 KV cache attend through candle's f32
 //! matmuls over an f32 copy of the cache instead of our tensor-core flash-attention kernel),
+//! `STRATA_GPU_ATTN_TC_DECODE=0` (decode and verify passes over an f16 cache on the CUDA-core
+//! split-K kernel `attend_decode` instead of the tensor-core one),
 //! `STRATA_GPU_MATVEC=0` (one-row dense Q4_K products through candle's DMMV kernel instead of
 //! ours, q/k/v as three launches instead of one, router logits through cuBLAS),
 //! `STRATA_GPU_Q8=0` (the Q4_K mat-vec and short-pass MoE kernels on f32 inputs instead of
@@ -69,6 +71,10 @@ pub enum GpuPath {
     /// (`strata_kernels::cuda::attend_prefill`, [`crate::attention`]); needs
     /// [`GpuPath::Attention`].
     AttnTc,
+    /// Decode and verify passes (batched ones too) over an f16 KV cache on the tensor-core split-K
+    /// kernel (`strata_kernels::cuda::attend_decode_tc`) instead of `attend_decode`; needs
+    /// [`GpuPath::Attention`].
+    AttnTcDecode,
     /// The decode step captured once per context bucket as a CUDA graph and replayed
     /// (`Transformer`'s graph path).
     Graphs,
@@ -124,6 +130,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static MOE_TC: OnceLock<bool> = OnceLock::new();
     static DENSE_TC: OnceLock<bool> = OnceLock::new();
     static ATTN_TC: OnceLock<bool> = OnceLock::new();
+    static ATTN_TC_DECODE: OnceLock<bool> = OnceLock::new();
     static DELTANET: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
@@ -139,6 +146,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::MoeTc => (&MOE_TC, "STRATA_GPU_MOE_TC"),
         GpuPath::DenseTc => (&DENSE_TC, "STRATA_GPU_DENSE_TC"),
         GpuPath::AttnTc => (&ATTN_TC, "STRATA_GPU_ATTN_TC"),
+        GpuPath::AttnTcDecode => (&ATTN_TC_DECODE, "STRATA_GPU_ATTN_TC_DECODE"),
         GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {

@@ -277,6 +277,57 @@ fn attention_f64(a: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
     want
 }
 
+impl AttnShape {
+    /// `seq` rows after `pos` positions in a cache with `spare` positions past the pass, the
+    /// softmax scale 1/√hd.
+    fn of(nh: usize, nkv: usize, hd: usize, pos: usize, seq: usize, spare: usize) -> Self {
+        let scale = 1.0 / (hd as f32).sqrt();
+        Self { nh, nkv, hd, cap: pos + seq + spare, pos, seq, scale }
+    }
+}
+
+/// A case for the tensor-core attention kernels: random keys and values as an f16 cache holds
+/// them, NaN past the pass (the kernels must never read them), random queries in [-2, 2), and
+/// their device tensors (`ck`, `cv: [1, nkv, cap, hd]` f16, `qt: [seq, nh, hd]` f32).
+struct F16Case {
+    shape: AttnShape,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    ck: Tensor,
+    cv: Tensor,
+    qt: Tensor,
+}
+
+impl F16Case {
+    fn new(rng: &mut Rng, dev: &Device, shape: AttnShape) -> Self {
+        let AttnShape { nh, nkv, hd, cap, pos, seq, .. } = shape;
+        let mut k = kv_round(&rng.vec(nkv * cap * hd, 1.0), DType::F16);
+        let mut v = kv_round(&rng.vec(nkv * cap * hd, 1.0), DType::F16);
+        for g in 0..nkv {
+            for j in pos + seq..cap {
+                k[(g * cap + j) * hd..(g * cap + j + 1) * hd].fill(f32::NAN);
+                v[(g * cap + j) * hd..(g * cap + j + 1) * hd].fill(f32::NAN);
+            }
+        }
+        let q = rng.vec(seq * nh * hd, 2.0);
+        let up = |x: &Vec<f32>| {
+            Tensor::from_vec(x.clone(), (1, nkv, cap, hd), dev)
+                .unwrap()
+                .to_dtype(DType::F16)
+                .unwrap()
+        };
+        let (ck, cv) = (up(&k), up(&v));
+        let qt = Tensor::from_vec(q.clone(), (seq, nh, hd), dev).unwrap();
+        Self { shape, k, v, q, ck, cv, qt }
+    }
+
+    /// The f64 attention over the case's queries and (rounded) cache.
+    fn reference(&self) -> Vec<f32> {
+        attention_f64(&self.shape, &self.q, &self.k, &self.v)
+    }
+}
+
 /// Checks `rope_kv_append` and `attend_decode` on one case; returns the attention output's
 /// largest difference from the same attention over the unrounded (f32) keys and values,
 /// relative to its largest magnitude: an f16 cache's accuracy cost.
@@ -853,6 +904,22 @@ fn check_row_table(dtype: DType) {
     }
     let err = max_rel(&out, &out_alone);
     assert!(err < 1e-6, "batched attention off by {err}");
+    if dtype == DType::F16 {
+        // The tensor-core kernel over the row table: each row the same bits as its sequence's
+        // rows alone, and within its rounding of the CUDA-core kernel.
+        let (mut tc_alone, mut start) = (Vec::new(), 0);
+        for (&(pos, n), (ck, cv)) in seqs.iter().zip(&batched) {
+            let qa = qr.narrow(0, start, n).unwrap().contiguous().unwrap();
+            let kv = gpu::LayerKv { k: ck, v: cv };
+            let o = gpu::attend_decode_tc(&qa, gpu::Position::Host(pos), scale, kv).unwrap();
+            tc_alone.extend(flat(&o));
+            start += n;
+        }
+        let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
+        let tc = flat(&gpu::attend_decode_tc(&qr, at, scale, kv).unwrap());
+        assert_eq!(tc, tc_alone, "tensor-core batched attention");
+        assert!(max_rel(&tc, &out) < 3e-3, "tensor-core against CUDA-core");
+    }
     // Refused: a table with fewer rows than the pass, a cache of another shape in a table, and
     // a table whose caches differ from the launch's.
     let mut short = gpu::RowTable::default();
@@ -909,38 +976,17 @@ fn prefill_attention_on_tensor_cores_matches_the_reference() {
     let mut n = 0;
     for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (32, 4, 128), (8, 1, 256), (16, 16, 128)] {
         for &(pos, seq) in &[(0usize, 17usize), (0, 100), (333, 64), (1000, 37), (70, 203)] {
-            let cap = pos + seq + 40;
-            let scale = 1.0 / (hd as f32).sqrt();
-            // Keys and values as the f16 cache holds them; NaN past the pass.
-            let mut k = kv_round(&rng.vec(nkv * cap * hd, 1.0), DType::F16);
-            let mut v = kv_round(&rng.vec(nkv * cap * hd, 1.0), DType::F16);
-            for g in 0..nkv {
-                for j in pos + seq..cap {
-                    for d in 0..hd {
-                        k[(g * cap + j) * hd + d] = f32::NAN;
-                        v[(g * cap + j) * hd + d] = f32::NAN;
-                    }
-                }
-            }
-            let q = rng.vec(seq * nh * hd, 2.0);
-            let up = |x: &Vec<f32>| {
-                Tensor::from_vec(x.clone(), (1, nkv, cap, hd), &dev)
-                    .unwrap()
-                    .to_dtype(DType::F16)
-                    .unwrap()
-            };
-            let (ck, cv) = (up(&k), up(&v));
-            let qt = Tensor::from_vec(q.clone(), (seq, nh, hd), &dev).unwrap();
-            let kv = || gpu::LayerKv { k: &ck, v: &cv };
-            let got = flat(&gpu::attend_prefill(&qt, pos, scale, kv()).unwrap());
-            let shape = AttnShape { nh, nkv, hd, cap, pos, seq, scale };
-            let err = max_rel(&got, &attention_f64(&shape, &q, &k, &v));
+            let c = F16Case::new(&mut rng, &dev, AttnShape::of(nh, nkv, hd, pos, seq, 40));
+            let (qt, scale) = (&c.qt, c.shape.scale);
+            let kv = || gpu::LayerKv { k: &c.ck, v: &c.cv };
+            let got = flat(&gpu::attend_prefill(qt, pos, scale, kv()).unwrap());
+            let err = max_rel(&got, &c.reference());
             assert!(
                 err < 3e-3,
                 "attend_prefill off by {err} (nh {nh} nkv {nkv} hd {hd} pos {pos} seq {seq})"
             );
             let split_k =
-                flat(&gpu::attend_decode(&qt, gpu::Position::Host(pos), scale, kv()).unwrap());
+                flat(&gpu::attend_decode(qt, gpu::Position::Host(pos), scale, kv()).unwrap());
             assert!(max_rel(&got, &split_k) < 3e-3, "against attend_decode");
             worst = worst.max(err);
             n += 1;
@@ -961,6 +1007,75 @@ fn prefill_attention_on_tensor_cores_matches_the_reference() {
     let c96 = Tensor::zeros((1, 2, 64, 96), DType::F16, &dev).unwrap();
     assert!(gpu::attend_prefill(&q96, 0, 1.0, gpu::LayerKv { k: &c96, v: &c96 }).is_err());
     assert!(!gpu::attend_prefill_supports(96) && gpu::attend_prefill_supports(128));
+}
+
+/// Decode and verify passes on tensor cores (`attend_decode_tc`, split-K over chunks of 64·n
+/// positions, merged by `attn_combine`) against the f64 attention over the same f16 cache (its
+/// rounding: q and the softmax weights to f16), and against the CUDA-core `attend_decode`. A row
+/// of a 4-row pass equals that row decoded alone bit for bit (speculative verification), and a
+/// position read from the device (a CUDA graph's launch, more splits) equals the host's.
+#[test]
+fn decode_attention_on_tensor_cores_matches_the_reference() {
+    let dev = cuda();
+    let mut rng = Rng(0xdec0_de7c);
+    let (mut worst, mut n) = (0f32, 0);
+    for &(nh, nkv, hd) in &[(9usize, 3usize, 64usize), (32, 4, 128), (8, 1, 256), (16, 16, 128)] {
+        for &(pos, seq) in
+            &[(0usize, 1usize), (5, 1), (63, 1), (64, 4), (1000, 4), (9000, 1), (300, 16)]
+        {
+            let c = F16Case::new(&mut rng, &dev, AttnShape::of(nh, nkv, hd, pos, seq, 70));
+            let (qt, q, scale, cap) = (&c.qt, &c.q, c.shape.scale, c.shape.cap);
+            let kv = || gpu::LayerKv { k: &c.ck, v: &c.cv };
+            let got =
+                flat(&gpu::attend_decode_tc(qt, gpu::Position::Host(pos), scale, kv()).unwrap());
+            let err = max_rel(&got, &c.reference());
+            assert!(
+                err < 3e-3,
+                "attend_decode_tc off by {err} (nh {nh} hd {hd} pos {pos} seq {seq})"
+            );
+            let cuda_cores =
+                flat(&gpu::attend_decode(qt, gpu::Position::Host(pos), scale, kv()).unwrap());
+            assert!(max_rel(&got, &cuda_cores) < 3e-3, "against attend_decode");
+            worst = worst.max(err);
+            // Each row alone, at its own position: the same bits.
+            for i in 0..seq {
+                let row = &q[i * nh * hd..(i + 1) * nh * hd];
+                let qi = Tensor::from_vec(row.to_vec(), (1, nh, hd), &dev).unwrap();
+                let alone = flat(
+                    &gpu::attend_decode_tc(&qi, gpu::Position::Host(pos + i), scale, kv()).unwrap(),
+                );
+                assert_eq!(alone, got[i * nh * hd..(i + 1) * nh * hd], "row {i} of {seq} at {pos}");
+            }
+            // The position from the device, a graph bucket's maximum above it.
+            if pos + seq < 2048 {
+                let p = Tensor::from_vec(vec![pos as u32], 1, &dev).unwrap();
+                let max = (pos + 64).min(cap - seq);
+                let on_dev = gpu::Position::Device { pos: &p, max };
+                let d = flat(&gpu::attend_decode_tc(qt, on_dev, scale, kv()).unwrap());
+                assert_eq!(d, got, "device position (nh {nh} hd {hd} pos {pos} seq {seq})");
+            }
+            n += 1;
+        }
+    }
+    assert_eq!(n, 4 * 7);
+    println!("attend_decode_tc: within {worst:.2e} of the f64 attention (relative to the largest output)");
+    let q = Tensor::zeros((1, 4, 64), DType::F32, &dev).unwrap();
+    let c32 = Tensor::zeros((1, 2, 64, 64), DType::F32, &dev).unwrap();
+    assert!(gpu::attend_decode_tc(
+        &q,
+        gpu::Position::Host(0),
+        1.0,
+        gpu::LayerKv { k: &c32, v: &c32 }
+    )
+    .is_err());
+    let c16 = c32.to_dtype(DType::F16).unwrap();
+    assert!(gpu::attend_decode_tc(
+        &q,
+        gpu::Position::Host(64),
+        1.0,
+        gpu::LayerKv { k: &c16, v: &c16 }
+    )
+    .is_err());
 }
 
 #[test]
