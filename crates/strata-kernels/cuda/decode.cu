@@ -21,8 +21,9 @@
 //                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
 //  moe_tc_sort, q4k_mm_tc (moe_tc.cuh): prompt passes' Q4_K products on tensor cores, MoE pairs
 //                   grouped by expert on the device.
-//  attn_prefill_f16_hd* (attn_tc.cuh): prompt passes' attention over an f16 KV cache on tensor
-//                   cores (FlashAttention-2).
+//  attn_prefill_f16_hd*, attn_decode_tc_f16_hd* (attn_tc.cuh): attention over an f16 KV cache
+//                   on tensor cores (FlashAttention-2) — prompt passes, and decode / verify /
+//                   batched passes split over positions (merged by attn_combine).
 //  gdn_conv, gdn_delta, gdn_gated_norm (gdn.cuh): Gated DeltaNet layers of hybrid models — the
 //                   causal conv with its window, the delta rule over the recurrent state, the
 //                   gated RMSNorm (CPU reference: strata-models' gated_delta_net.rs).

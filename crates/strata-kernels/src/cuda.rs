@@ -561,6 +561,8 @@ impl Position<'_> {
 /// One layer's KV cache on the device: `k`, `v: [1, n_kv_heads, capacity, head_dim]`, f32 or
 /// f16 (both alike), contiguous, written in place. The kernels compute in f32 whatever the
 /// storage; an f16 cache rounds each written key and value to nearest (`--kv-cache-dtype`).
+/// Two references: copied freely (the RoPE launch and the attention launch take the same one).
+#[derive(Clone, Copy)]
 pub struct LayerKv<'a> {
     pub k: &'a Tensor,
     pub v: &'a Tensor,
@@ -849,7 +851,7 @@ pub fn attend_decode_tc(
     if seq == 0 {
         return Ok(out);
     }
-    let chunk = attn_chunk(last).next_multiple_of(PREFILL_BM);
+    let chunk = attn_chunk(last).next_multiple_of(TC_KEY_TILE);
     let splits = last.div_ceil(chunk);
     if splits > ATTN_SPLITS_LIMIT {
         bail!("attend_decode_tc: {splits} splits, attn_combine takes {ATTN_SPLITS_LIMIT}");
@@ -869,8 +871,9 @@ pub fn attend_decode_tc(
     args.push(Arg::Ptr(pos.device_addr()?));
     args.push(Arg::Ptr(pos.rows_addr()?));
     // SAFETY: arguments in `attn_decode_tc_f16_hd*`'s order; q and the f16 caches checked above
-    // (a row table's caches have their shape and type: `pos.check`), positions below `last <= cap`; `part` holds `seq · nh · splits · (hd + 2)` values, every one
-    // written (each split writes its rows' partials, empty ones included).
+    // (a row table's caches have their shape and type: `pos.check`), positions below
+    // `last <= cap`; `part` holds `seq · nh · splits · (hd + 2)` values, every one written (each
+    // split writes its rows' partials, empty ones included).
     unsafe { launch(dev, &format!("attn_decode_tc_f16_hd{hd}"), cfg, &args) }?;
     // hd is a multiple of 32: every 32-value block of the q8 rounding lies in one head.
     let q8 = Q8Outputs::new(dev, seq, nh * hd)?;
@@ -882,6 +885,9 @@ pub fn attend_decode_tc(
 /// Query rows (`FA_BM`) and threads (`FA_THREADS`) of an [`attend_prefill`] block (attn_tc.cuh).
 const PREFILL_BM: usize = 64;
 const PREFILL_THREADS: u32 = 128;
+/// A multiple of every attn_tc.cuh kernel's key/value tile (64 positions, 32 at head dimension
+/// 256): [`attend_decode_tc`]'s chunks are multiples of it, so no tile crosses two splits.
+const TC_KEY_TILE: usize = 64;
 
 /// The grid `[query-row tiles, kv heads, splits]` of an attn_tc.cuh launch and its first four
 /// arguments: q, the cache's k and v, and the output (or partials) `dst`.

@@ -349,26 +349,32 @@ impl Attention {
     ) -> Result<Option<Tensor>> {
         use strata_kernels::cuda as gpu;
         let rows = q.dim(0)?;
+        let (ck, cv) = cache.layer_kv(layer)?;
+        let kv = gpu::LayerKv { k: ck, v: cv };
         if self.gpu_attends(q, rows) {
             let pos = match cache.device_position() {
                 Some((pos, max)) => gpu::Position::Device { pos, max },
                 None => gpu::Position::Host(cache.len()),
             };
-            let (ck, cv) = cache.layer_kv(layer)?;
-            return self
-                .rope_attend_gpu(q, k, v, rope, pos, gpu::LayerKv { k: ck, v: cv })
-                .map(Some);
+            return self.rope_attend_gpu(q, k, v, rope, pos, kv).map(Some);
         }
-        let (ck, cv) = cache.layer_kv(layer)?;
         if self.gpu_prefills(q, rows, ck.dtype()) {
             // Prompt passes are never captured in a CUDA graph: the host's length is the position
             // (as for candle's path), also where a graph keeps a copy of it on the device.
-            let pos = gpu::Position::Host(cache.len());
-            let q = self.rope_append_gpu(q, k, v, rope, pos, gpu::LayerKv { k: ck, v: cv })?;
-            let kv = gpu::LayerKv { k: ck, v: cv };
-            return Ok(Some(gpu::attend_prefill(&q, cache.len(), self.scale as f32, kv)?));
+            let at = cache.len();
+            let q = self.rope_append_gpu(q, k, v, rope, gpu::Position::Host(at), kv)?;
+            return Ok(Some(gpu::attend_prefill(&q, at, self.scale as f32, kv)?));
         }
         Ok(None)
+    }
+
+    /// Whether attention over a KV cache of `dtype` values can run on the tensor-core kernels
+    /// (strata-kernels' attn_tc.cuh): an f16 cache and a head dimension they have. Each caller
+    /// adds its own switch (`STRATA_GPU_ATTN_TC`, `STRATA_GPU_ATTN_TC_DECODE`).
+    #[cfg(feature = "cuda")]
+    fn tensor_core_cache(&self, dtype: candle_core::DType) -> bool {
+        dtype == candle_core::DType::F16
+            && strata_kernels::cuda::attend_prefill_supports(self.head_dim)
     }
 
     /// Whether a prompt pass of `rows` tokens (more than [`GPU_ATTEND_ROWS_MAX`]) attends on
@@ -380,9 +386,8 @@ impl Attention {
     fn gpu_prefills(&self, q: &Tensor, rows: usize, cache: candle_core::DType) -> bool {
         q.device().is_cuda()
             && rows > GPU_ATTEND_ROWS_MAX
-            && cache == candle_core::DType::F16
+            && self.tensor_core_cache(cache)
             && self.gpu_decodable()
-            && strata_kernels::cuda::attend_prefill_supports(self.head_dim)
             && crate::gpu::enabled(crate::gpu::GpuPath::Attention)
             && crate::gpu::enabled(crate::gpu::GpuPath::AttnTc)
     }
@@ -413,14 +418,12 @@ impl Attention {
         cache: strata_kernels::cuda::LayerKv<'_>,
     ) -> Result<Tensor> {
         use strata_kernels::cuda as gpu;
-        let kv = gpu::LayerKv { k: cache.k, v: cache.v };
-        let q = self.rope_append_gpu(q, k, v, rope, pos, kv)?;
+        let q = self.rope_append_gpu(q, k, v, rope, pos, cache)?;
         // An f16 cache: the tensor-core split-K kernel (row tables too, so that a batched row
         // is the same bits as the sequence alone).
-        let tc = cache.k.dtype() == candle_core::DType::F16
-            && gpu::attend_prefill_supports(self.head_dim)
-            && crate::gpu::enabled(crate::gpu::GpuPath::AttnTcDecode);
-        if tc {
+        if self.tensor_core_cache(cache.k.dtype())
+            && crate::gpu::enabled(crate::gpu::GpuPath::AttnTcDecode)
+        {
             return Ok(gpu::attend_decode_tc(&q, pos, self.scale as f32, cache)?);
         }
         Ok(gpu::attend_decode(&q, pos, self.scale as f32, cache)?)
