@@ -10,6 +10,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cuda/mv_q8.cuh");
     println!("cargo:rerun-if-changed=cuda/gdn.cuh");
     println!("cargo:rerun-if-changed=cuda/attn_tc.cuh");
+    println!("cargo:rerun-if-changed=cuda/moe_mma.cuh");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

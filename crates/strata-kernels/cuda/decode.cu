@@ -21,6 +21,8 @@
 //                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
 //  moe_tc_sort, q4k_mm_tc (moe_tc.cuh): prompt passes' Q4_K products on tensor cores, MoE pairs
 //                   grouped by expert on the device.
+//  q4k_mm_q8 (moe_mma.cuh): decode / batched / verify passes' MoE products on int8 tensor cores
+//                   over q8 inputs, pairs grouped by expert (each expert read once per pass).
 //  attn_prefill_f16_hd*, attn_decode_tc_f16_hd* (attn_tc.cuh): attention over an f16 KV cache
 //                   on tensor cores (FlashAttention-2) — prompt passes, and decode / verify /
 //                   batched passes split over positions (merged by attn_combine).
@@ -683,5 +685,6 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 #include "moe_q4k.cuh"
 #include "moe_tc.cuh"
 #include "mv_q8.cuh"
+#include "moe_mma.cuh"
 #include "gdn.cuh"
 #include "attn_tc.cuh"

@@ -14,7 +14,8 @@
 // tile of one expert per block); the code is ours.
 //
 //  moe_tc_sort   ids [P] -> pairs grouped by expert (ascending expert id) and
-//                the tile table (expert, first sorted position, count) of TC_TM-pair tiles.
+//                the tile table (expert, first sorted position, count) of tiles of up to `tm`
+//                pairs (TC_TM here, MMA_TN for moe_mma.cuh's kernel).
 //  to_f16        f32 -> f16 (round to nearest even).
 //  q4k_mm_tc     out[p, r] = W_e[r, :] · src[s(p), :] for every pair p of a tile (s(p) = p / k
 //                when per_token, else p); or, order null, a dense product out = src · Wᵀ. With a
@@ -31,44 +32,73 @@
 #define TC_THREADS 256
 
 // One block of 1024 threads. ids [P] (< E: others are dropped, their pairs never computed);
-// order [P]; tiles [3 · max_tiles] (expert, start, count); ntiles [1]. E <= GROUPED_MAX_E.
-// The order of pairs within an expert depends on the atomics' order; results do not (a pair's
-// product does not depend on its place in a tile), and the tile table does not.
-extern "C" __global__ void moe_tc_sort(const uint32_t* __restrict__ ids, int P, int E,
+// order [P]; tiles [3 · max_tiles] (expert, start, count); ntiles [1]. E <= GROUPED_MAX_E (the
+// block's threads: thread e counts expert e). The experts' pair and tile offsets are a block-wide
+// exclusive scan (warp shuffles, then the warps' totals). The order of pairs within an expert
+// depends on the atomics' order; results do not (a pair's product does not depend on its place in
+// a tile), and the tile table does not.
+extern "C" __global__ void moe_tc_sort(const uint32_t* __restrict__ ids, int P, int E, int tm,
                                        uint32_t* __restrict__ order, uint32_t* __restrict__ tiles,
                                        uint32_t* __restrict__ ntiles) {
     PDL_ENTER();
-    __shared__ uint32_t cnt[GROUPED_MAX_E], off[GROUPED_MAX_E], toff[GROUPED_MAX_E];
-    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0u;
+    __shared__ uint32_t cnt[GROUPED_MAX_E], off[GROUPED_MAX_E];
+    __shared__ uint32_t warp_pairs[32], warp_tiles[32];
+    const int e = threadIdx.x, lane = e % WARP, warp = e / WARP;
+    if (e < E) cnt[e] = 0u;
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const uint32_t e = ids[p];
-        if (e < (uint32_t)E) atomicAdd(&cnt[e], 1u);
+        const uint32_t x = ids[p];
+        if (x < (uint32_t)E) atomicAdd(&cnt[x], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        uint32_t o = 0, t = 0;
-        for (int e = 0; e < E; e++) {
-            off[e] = o;
-            toff[e] = t;
-            o += cnt[e];
-            t += (cnt[e] + TC_TM - 1) / TC_TM;
+    const uint32_t c = e < E ? cnt[e] : 0u, nt = (c + tm - 1) / tm;
+    uint32_t sc = c, st = nt;  // inclusive scans within the warp
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const uint32_t uc = __shfl_up_sync(0xffffffffu, sc, o), ut = __shfl_up_sync(0xffffffffu, st, o);
+        if (lane >= o) {
+            sc += uc;
+            st += ut;
         }
-        *ntiles = t;
+    }
+    if (lane == WARP - 1) {
+        warp_pairs[warp] = sc;
+        warp_tiles[warp] = st;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        for (uint32_t j = 0; j * TC_TM < cnt[e]; j++) {
-            uint32_t* t = tiles + 3 * (size_t)(toff[e] + j);
+    if (warp == 0) {  // exclusive scan of the warps' totals (blockDim / 32 <= 32 of them)
+        const int nw = blockDim.x / WARP;
+        uint32_t wc = lane < nw ? warp_pairs[lane] : 0u, wt = lane < nw ? warp_tiles[lane] : 0u;
+        uint32_t ic = wc, it = wt;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const uint32_t uc = __shfl_up_sync(0xffffffffu, ic, o), ut = __shfl_up_sync(0xffffffffu, it, o);
+            if (lane >= o) {
+                ic += uc;
+                it += ut;
+            }
+        }
+        if (lane < nw) {
+            warp_pairs[lane] = ic - wc;
+            warp_tiles[lane] = it - wt;
+        }
+        if (lane == nw - 1) *ntiles = it;
+    }
+    __syncthreads();
+    if (e < E) {
+        const uint32_t first = warp_pairs[warp] + sc - c, tfirst = warp_tiles[warp] + st - nt;
+        off[e] = first;
+        for (uint32_t j = 0; j < nt; j++) {
+            uint32_t* t = tiles + 3 * (size_t)(tfirst + j);
             t[0] = (uint32_t)e;
-            t[1] = off[e] + j * TC_TM;
-            t[2] = min((uint32_t)TC_TM, cnt[e] - j * TC_TM);
+            t[1] = first + j * tm;
+            t[2] = min((uint32_t)tm, c - j * tm);
         }
     }
     __syncthreads();  // off[] becomes each expert's cursor
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const uint32_t e = ids[p];
-        if (e < (uint32_t)E) order[atomicAdd(&off[e], 1u)] = (uint32_t)p;
+        const uint32_t x = ids[p];
+        if (x < (uint32_t)E) order[atomicAdd(&off[x], 1u)] = (uint32_t)p;
     }
 }
 

@@ -17,10 +17,12 @@ use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor};
 pub use crate::ExpertTable;
 
 mod gdn;
+mod moe_mma;
 mod q8;
 pub use gdn::{
     gdn_chunked_enabled, gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm, GdnShape,
 };
+pub use moe_mma::{matmul_q4k_mma, moe_q4k_mma, MOE_MMA_ROWS_MAX};
 pub use q8::{
     activations, q8_beside, q8_twin, quantize_q8, release_q8_twins, Activations, TWINS_KEPT,
 };
@@ -1606,24 +1608,7 @@ pub fn moe_q4k_tc(
     if pairs == 0 {
         return alloc::<f32>(dev, (n, h))?.zeros_like();
     }
-    let ids = ids.contiguous()?;
-    let max_tiles = pairs.div_ceil(TC_TM) + e.min(pairs);
-    let order = alloc::<u32>(dev, pairs)?;
-    let tiles = alloc::<u32>(dev, 3 * max_tiles)?;
-    let ntiles = alloc::<u32>(dev, 1)?;
-    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-    let args = [
-        Arg::Ptr(addr(&ids)?),
-        Arg::I32(pairs as i32),
-        Arg::I32(e as i32),
-        Arg::Ptr(addr(&order)?),
-        Arg::Ptr(addr(&tiles)?),
-        Arg::Ptr(addr(&ntiles)?),
-    ];
-    // SAFETY: arguments in `moe_tc_sort`'s order; ids hold `pairs` u32, order `pairs`, tiles
-    // room for every tile (each expert's pairs in ceil(count / 64) tiles ≤ max_tiles).
-    unsafe { launch(dev, "moe_tc_sort", cfg, &args) }?;
-    let sorted = TcPairs { order: &order, tiles: &tiles, ntiles: &ntiles, max_tiles };
+    let sorted = sort_pairs(dev, ids, e, TC_TM)?;
     let xh = f16_of(dev, x)?;
     let a = alloc::<half::f16>(dev, (pairs, i))?;
     let at = |p: usize| table.map(|t| t.part(p));
@@ -1689,12 +1674,45 @@ fn f16_of(dev: &CudaDevice, x: &Tensor) -> Result<Tensor> {
     Ok(y)
 }
 
-/// `moe_tc_sort`'s output on the device.
-struct TcPairs<'a> {
-    order: &'a Tensor,
-    tiles: &'a Tensor,
-    ntiles: &'a Tensor,
-    max_tiles: usize,
+/// A pass's (token, slot) pairs grouped by expert on the device (`moe_tc_sort`): `order`
+/// `[pairs]` (pair indices, ascending expert), `tiles` `[3 · max_tiles]` (expert, first position
+/// in `order`, count ≤ the tile size) and `ntiles` `[1]` (how many of them are used).
+pub(super) struct SortedPairs {
+    pub(super) order: Tensor,
+    pub(super) tiles: Tensor,
+    pub(super) ntiles: Tensor,
+    /// Tiles a launch must cover (a bound: each expert's pairs in ceil(count / tm) tiles).
+    pub(super) max_tiles: usize,
+}
+
+/// Sorts `ids: [n, k]` (u32, < `experts` ≤ [`MOE_GROUPED_MAX_EXPERTS`]; others are dropped) into
+/// tiles of up to `tm` pairs of one expert: one launch of `moe_tc_sort`, no host round trip.
+pub(super) fn sort_pairs(
+    dev: &CudaDevice,
+    ids: &Tensor,
+    experts: usize,
+    tm: usize,
+) -> Result<SortedPairs> {
+    let ids = ids.contiguous()?;
+    let pairs = ids.elem_count();
+    let max_tiles = pairs.div_ceil(tm) + experts.min(pairs);
+    let order = alloc::<u32>(dev, pairs)?;
+    let tiles = alloc::<u32>(dev, 3 * max_tiles)?;
+    let ntiles = alloc::<u32>(dev, 1)?;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    let args = [
+        Arg::Ptr(addr(&ids)?),
+        Arg::I32(pairs as i32),
+        Arg::I32(experts as i32),
+        Arg::I32(tm as i32),
+        Arg::Ptr(addr(&order)?),
+        Arg::Ptr(addr(&tiles)?),
+        Arg::Ptr(addr(&ntiles)?),
+    ];
+    // SAFETY: arguments in `moe_tc_sort`'s order; ids hold `pairs` u32, order `pairs`, tiles
+    // room for every tile (each expert's pairs in ceil(count / tm) tiles ≤ max_tiles).
+    unsafe { launch(dev, "moe_tc_sort", cfg, &args) }?;
+    Ok(SortedPairs { order, tiles, ntiles, max_tiles })
 }
 
 /// One launch of `q4k_mm_tc` (moe_tc.cuh): over `sorted`'s tiles of the Q4_K tensors
@@ -1705,7 +1723,7 @@ struct TcLaunch<'a> {
     w: &'a QTensor,
     /// SwiGLU's up beside gate `w`: the output is `silu(w · x) ⊙ (w2 · x)` in f16.
     w2: Option<&'a QTensor>,
-    sorted: Option<&'a TcPairs<'a>>,
+    sorted: Option<&'a SortedPairs>,
     pairs: usize,
     k: usize,
     /// Table addresses of `w`'s and `w2`'s parts ([`ExpertTable::part`]; 0 without `w2`) in
@@ -1737,9 +1755,9 @@ fn mm_tc(dev: &CudaDevice, l: TcLaunch<'_>, out: &Tensor) -> Result<()> {
         Arg::Ptr(addr(l.src)?),
         Arg::Ptr(w),
         Arg::Ptr(w2),
-        opt(l.sorted.map(|s| s.order))?,
-        opt(l.sorted.map(|s| s.tiles))?,
-        opt(l.sorted.map(|s| s.ntiles))?,
+        opt(l.sorted.map(|s| &s.order))?,
+        opt(l.sorted.map(|s| &s.tiles))?,
+        opt(l.sorted.map(|s| &s.ntiles))?,
         opt(f32_out)?,
         opt(f16_out)?,
     ];

@@ -112,16 +112,27 @@ impl FusedExperts {
                 Ok(x) => x,
                 Err(e) => return Some(Err(e)),
             };
-            return Some(if seq <= k::MOE_ROWS_MAX {
-                k::moe_q4k_as(&x, g, u, d, ids, weights, None, k::activations(), Some(t))
-            } else {
-                k::moe_q4k_tc(&x, g, u, d, ids, weights, Some(t))
-            });
+            return Some(
+                if crate::gpu::moe_mma_rows(seq) && t.experts <= MOE_GROUPED_MAX_EXPERTS {
+                    k::moe_q4k_mma(&x, g, u, d, ids, weights, Some(t))
+                } else if seq <= k::MOE_ROWS_MAX {
+                    k::moe_q4k_as(&x, g, u, d, ids, weights, None, k::activations(), Some(t))
+                } else {
+                    k::moe_q4k_tc(&x, g, u, d, ids, weights, Some(t))
+                },
+            );
         }
         if !x.device().is_cuda() || self.gate.dtype() != GgmlDType::Q4K {
             return None;
         }
         let (experts, inter, hidden) = self.gate.shape().dims3().ok()?;
+        // A few tokens (decode, batched steps, verify passes) on int8 tensor cores, each selected
+        // expert read once for all of its tokens (opt-in: slower than `moe_q4k` measured).
+        if crate::gpu::moe_mma_rows(seq) && experts <= MOE_GROUPED_MAX_EXPERTS {
+            return Some(
+                x.contiguous().and_then(|x| k::moe_q4k_mma(&x, g, u, d, ids, weights, None)),
+            );
+        }
         // Tensor cores past what the decode kernel takes: a batch of 16 rows spreads its 128
         // pairs over ~70 experts, too few per expert for 64-pair tiles (16 sequences of the
         // 30B: 508 tok/s on tensor cores, 584 on `moe_q4k`).

@@ -48,6 +48,15 @@ pub enum GpuPath {
     /// `strata_kernels::cuda::MOE_GROUPED_ROWS_MAX` tokens ([`crate::FusedExperts`]); off unless
     /// asked for.
     MoeGrouped,
+    /// Our Q4_K MoE kernel on int8 tensor cores for passes of up to
+    /// `strata_kernels::cuda::MOE_MMA_ROWS_MAX` tokens (`moe_q4k_mma`: pairs grouped by expert,
+    /// each expert read once per pass), over q8 activations; the row counts it takes:
+    /// `moe_mma_rows`. Off unless asked for (`STRATA_GPU_MOE_MMA=1`): slower than `moe_q4k`'s
+    /// per-pair kernels for 1–16 tokens on the H200 (docs/performance.md).
+    MoeMma,
+    /// Dense Q4_K products of a few rows (batched decode steps, verify passes) on int8 tensor
+    /// cores (`matmul_q4k_mma`); the row counts it takes: `dense_mma_rows`.
+    DenseMma,
     /// Dense Q4_K products of 2 to `MATMUL_ROWS_MAX` rows on our kernel
     /// ([`crate::layers::Linear`]).
     Dense,
@@ -115,7 +124,8 @@ pub fn matvec_rows_of(dtype: candle_core::quantized::GgmlDType, rows: usize) -> 
             && enabled(GpuPath::ShortMatVec))
 }
 
-/// Whether `path` is on: its variable is not `0` ([`GpuPath::MoeGrouped`]: is `1`).
+/// Whether `path` is on: its variable is not `0` ([`GpuPath::MoeGrouped`], [`GpuPath::MoeMma`]:
+/// is `1`).
 pub fn enabled(path: GpuPath) -> bool {
     static ROUTING: OnceLock<bool> = OnceLock::new();
     static ATTENTION: OnceLock<bool> = OnceLock::new();
@@ -123,6 +133,8 @@ pub fn enabled(path: GpuPath) -> bool {
     static BATCH_GRAPHS: OnceLock<bool> = OnceLock::new();
     static MOE: OnceLock<bool> = OnceLock::new();
     static MOE_GROUPED: OnceLock<bool> = OnceLock::new();
+    static MOE_MMA: OnceLock<bool> = OnceLock::new();
+    static DENSE_MMA: OnceLock<bool> = OnceLock::new();
     static DENSE: OnceLock<bool> = OnceLock::new();
     static MATVEC: OnceLock<bool> = OnceLock::new();
     static FUSE: OnceLock<bool> = OnceLock::new();
@@ -139,6 +151,8 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::BatchGraphs => (&BATCH_GRAPHS, "STRATA_GPU_BATCH_GRAPHS"),
         GpuPath::Moe => (&MOE, "STRATA_GPU_MOE"),
         GpuPath::MoeGrouped => (&MOE_GROUPED, "STRATA_GPU_MOE_GROUPED"),
+        GpuPath::MoeMma => (&MOE_MMA, "STRATA_GPU_MOE_MMA"),
+        GpuPath::DenseMma => (&DENSE_MMA, "STRATA_GPU_DENSE_MMA"),
         GpuPath::Dense => (&DENSE, "STRATA_GPU_DENSE"),
         GpuPath::MatVec => (&MATVEC, "STRATA_GPU_MATVEC"),
         GpuPath::Fuse => (&FUSE, "STRATA_GPU_FUSE"),
@@ -150,9 +164,47 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
-        (GpuPath::MoeGrouped, v) => v.is_ok_and(|v| v == "1"),
+        (GpuPath::MoeGrouped | GpuPath::MoeMma, v) => v.is_ok_and(|v| v == "1"),
         (_, v) => !v.is_ok_and(|v| v == "0"),
     })
+}
+
+/// Fewest tokens a pass has for its MoE layers to take [`GpuPath::MoeMma`] (when asked for).
+pub const MOE_MMA_ROWS_MIN: usize = 1;
+
+/// Fewest rows a dense Q4_K product has to take [`GpuPath::DenseMma`] by default: batched
+/// steps of 8–16 sequences ran faster on it, 2–4 slower than on the mat-vec kernel (H200, the
+/// synthetic 30B; docs/performance.md). A pass of 8–16 rows (a batch, a long verify pass) then
+/// sums each row in another order than a one-row decode step does.
+pub const DENSE_MMA_ROWS_MIN: usize = 8;
+
+/// `rows` within `[VAR (unset: default_min), MOE_MMA_ROWS_MAX]`, q8 activations on.
+#[cfg(feature = "cuda")]
+fn mma_rows(rows: usize, cell: &OnceLock<usize>, var: &str, default_min: usize) -> bool {
+    use strata_kernels::cuda as k;
+    let min = *cell.get_or_init(|| {
+        std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default_min)
+    });
+    (min.max(1)..=k::MOE_MMA_ROWS_MAX).contains(&rows) && k::activations() == k::Activations::Q8
+}
+
+/// Whether a MoE layer's pass of `rows` tokens runs on the int8 tensor-core kernel:
+/// [`GpuPath::MoeMma`] on, q8 activations on, and `rows` from `STRATA_GPU_MOE_MMA_MIN` (unset:
+/// [`MOE_MMA_ROWS_MIN`]) up to `strata_kernels::cuda::MOE_MMA_ROWS_MAX`.
+#[cfg(feature = "cuda")]
+pub fn moe_mma_rows(rows: usize) -> bool {
+    static MIN: OnceLock<usize> = OnceLock::new();
+    enabled(GpuPath::MoeMma) && mma_rows(rows, &MIN, "STRATA_GPU_MOE_MMA_MIN", MOE_MMA_ROWS_MIN)
+}
+
+/// Whether a dense Q4_K product of `rows` rows runs on the int8 tensor-core kernel:
+/// [`GpuPath::DenseMma`] on, q8 activations on, and `rows` from `STRATA_GPU_DENSE_MMA_MIN` (unset:
+/// [`DENSE_MMA_ROWS_MIN`]) up to `strata_kernels::cuda::MOE_MMA_ROWS_MAX`.
+#[cfg(feature = "cuda")]
+pub fn dense_mma_rows(rows: usize) -> bool {
+    static MIN: OnceLock<usize> = OnceLock::new();
+    enabled(GpuPath::DenseMma)
+        && mma_rows(rows, &MIN, "STRATA_GPU_DENSE_MMA_MIN", DENSE_MMA_ROWS_MIN)
 }
 
 /// Device → host reads the model's layers made during forward passes on a GPU, since the

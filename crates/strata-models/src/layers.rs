@@ -403,10 +403,15 @@ pub fn matvec_quant_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Res
             _ => None,
         })
         .collect::<Option<Vec<&QTensor>>>()?;
-    if ws.is_empty()
-        || ws.iter().any(|w| w.dtype() != ws[0].dtype())
-        || !crate::gpu::matvec_rows_of(ws[0].dtype(), n)
-    {
+    if ws.is_empty() || ws.iter().any(|w| w.dtype() != ws[0].dtype()) {
+        return None;
+    }
+    if ws[0].dtype() == GgmlDType::Q4K && crate::gpu::dense_mma_rows(n) {
+        let run =
+            |x: Tensor| ws.iter().map(|w| strata_kernels::cuda::matmul_q4k_mma(&x, w)).collect();
+        return Some(x.contiguous().and_then(run));
+    }
+    if !crate::gpu::matvec_rows_of(ws[0].dtype(), n) {
         return None;
     }
     Some(x.contiguous().and_then(|x| strata_kernels::cuda::matvec_quant_many(&x, &ws)))
@@ -475,6 +480,9 @@ fn dense_quant_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor
         let ours = matvec_supports(q.dtype(), k, activations())
             && crate::gpu::matvec_rows_of(q.dtype(), n);
         return ours.then(|| run(matvec_quant));
+    }
+    if k.is_multiple_of(256) && crate::gpu::dense_mma_rows(n) {
+        return Some(run(strata_kernels::cuda::matmul_q4k_mma));
     }
     if k.is_multiple_of(256) && crate::gpu::matvec_rows(n) {
         return Some(run(matvec_quant));

@@ -501,6 +501,16 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
         let err = max_rel(&flat(&q8(&xt, &[&wq])[0]), &want_q8);
         assert!(err < 1e-5, "matvec_q4k (q8) off by {err} (R {r} K {k} n {n})");
         assert!(max_rel(&flat(&q8(&shifted, &[&wq])[0]), &want_q8) < 1e-5, "q8 of unaligned x");
+        // The int8 tensor-core product over the same q8 inputs (tiles of 8 rows; R 7, 97, 130:
+        // a block's rows past R), and each row alone gives its bits in the pass.
+        let mma = flat(&gpu::matmul_q4k_mma(&xt, &wq).unwrap());
+        let err = max_rel(&mma, &want_q8);
+        assert!(err < 1e-5, "matmul_q4k_mma off by {err} (R {r} K {k} n {n})");
+        for t in 0..n {
+            let row = xt.narrow(0, t, 1).unwrap().contiguous().unwrap();
+            let one = flat(&gpu::matmul_q4k_mma(&row, &wq).unwrap());
+            assert_eq!(one, mma[t * r..(t + 1) * r], "matmul_q4k_mma row {t} of {n} (R {r} K {k})");
+        }
         for (act, mv) in
             [("f32", &f32mv as &dyn Fn(&Tensor, &[&QTensor]) -> Vec<Tensor>), ("q8", &q8)]
         {
@@ -537,6 +547,7 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     let x = Tensor::zeros((1, 512), DType::F32, &dev).unwrap();
     assert!(gpu::matvec_quant(&x, &wq).is_err(), "K 512 against a matrix of 256 columns");
     assert!(gpu::matvec_quant_many(&x, &[]).is_err());
+    assert!(gpu::matmul_q4k_mma(&x, &wq).is_err(), "K 512 against a matrix of 256 columns");
 }
 
 /// The Q4_1 and Q8_0 mat-vecs (llama-family dense layers; q8 inputs) equal the f64 product over
@@ -1108,14 +1119,23 @@ fn moe_q4k_matches_the_f32_reference() {
         // of down rounded to 8 bits; the reference rounds x as the kernel does, and a (computed
         // here in f64) likewise — where the kernel's f32 a sits on the other side of a rounding
         // boundary one q8 step of one activation differs, hence the looser bound.
-        for (residual, kernel) in
-            [(false, "f32"), (true, "f32"), (false, "q8"), (true, "q8"), (false, "grouped")]
-        {
-            let q8 = kernel == "q8";
+        // "mma": the int8 tensor-core kernel over the same q8 inputs (pairs grouped by expert;
+        // (8, 256, 256, 16, 8) puts 16 pairs on every expert: two tiles each).
+        for (residual, kernel) in [
+            (false, "f32"),
+            (true, "f32"),
+            (false, "q8"),
+            (true, "q8"),
+            (false, "grouped"),
+            (false, "mma"),
+        ] {
+            let q8 = kernel == "q8" || kernel == "mma";
             let act = if q8 { gpu::Activations::Q8 } else { gpu::Activations::F32 };
             let run = |xt: &Tensor, it: &Tensor, wt: &Tensor, rt: Option<&Tensor>| {
                 let out = if kernel == "grouped" {
                     gpu::moe_q4k_grouped(xt, &gq, &uq, &dq, it, wt)
+                } else if kernel == "mma" {
+                    gpu::moe_q4k_mma(xt, &gq, &uq, &dq, it, wt, None)
                 } else {
                     gpu::moe_q4k_as(xt, &gq, &uq, &dq, it, wt, rt, act, None)
                 };
@@ -1188,6 +1208,7 @@ fn moe_q4k_matches_the_f32_reference() {
     let w = Tensor::zeros((1, 2), DType::F32, &dev).unwrap();
     assert!(gpu::moe_q4k(&x, &q8, &q8, &q8, &ids, &w, None).is_err());
     assert!(gpu::moe_q4k_grouped(&x, &q8, &q8, &q8, &ids, &w).is_err());
+    assert!(gpu::moe_q4k_mma(&x, &q8, &q8, &q8, &ids, &w, None).is_err());
     let many = gpu::MOE_GROUPED_ROWS_MAX + 1;
     let w4 = Tensor::zeros((4, 256, 256), DType::F32, &cpu).unwrap();
     let q4 = QTensor::quantize_onto(&w4, GgmlDType::Q4K, &dev).unwrap();
@@ -1195,6 +1216,10 @@ fn moe_q4k_matches_the_f32_reference() {
     let ids = Tensor::zeros((many, 2), DType::U32, &dev).unwrap();
     let w = Tensor::zeros((many, 2), DType::F32, &dev).unwrap();
     assert!(gpu::moe_q4k_grouped(&x, &q4, &q4, &q4, &ids, &w).is_err());
+    let x = Tensor::zeros((gpu::MOE_MMA_ROWS_MAX + 1, 256), DType::F32, &dev).unwrap();
+    let ids = Tensor::zeros((gpu::MOE_MMA_ROWS_MAX + 1, 2), DType::U32, &dev).unwrap();
+    let w = Tensor::zeros((gpu::MOE_MMA_ROWS_MAX + 1, 2), DType::F32, &dev).unwrap();
+    assert!(gpu::moe_q4k_mma(&x, &q4, &q4, &q4, &ids, &w, None).is_err());
 }
 
 /// Page-locked host memory mapped into the device's address space (what the GPU expert tier's
@@ -1239,8 +1264,8 @@ impl Drop for MappedHost {
 /// The fused MoE kernels reading experts through a table (`ExpertTable`, the GPU expert tier's
 /// mapped experts) — even experts at their rows of the tensors in VRAM, odd ones in page-locked
 /// host memory mapped into the device and read over the bus — give the bits of the same kernels
-/// reading the tensors' rows: decode (`moe_q4k_as`, f32 and q8 activations, 1 and 4 tokens)
-/// and prompt passes on tensor cores (`moe_q4k_tc`, 40 tokens).
+/// reading the tensors' rows: decode (`moe_q4k_as`, f32 and q8 activations, and `moe_q4k_mma`, 1
+/// and 4 tokens) and prompt passes on tensor cores (`moe_q4k_tc`, 40 tokens).
 #[test]
 fn moe_kernels_through_an_expert_table_equal_the_tensors() {
     use candle_core::cuda_backend::cudarc::driver::result;
@@ -1272,13 +1297,17 @@ fn moe_kernels_through_an_expert_table_equal_the_tensors() {
         let (g, u, d) = (&gq, &uq, &dq);
         let outputs = |tb: Option<gpu::ExpertTable>| -> Vec<(&str, Vec<f32>)> {
             if n <= gpu::MOE_ROWS_MAX {
-                [("f32", gpu::Activations::F32), ("q8", gpu::Activations::Q8)]
-                    .into_iter()
-                    .map(|(name, act)| {
-                        let out = gpu::moe_q4k_as(&xt, g, u, d, &it, &wt, None, act, tb);
-                        (name, flat(&out.unwrap()))
-                    })
-                    .collect()
+                let mut outs: Vec<(&str, Vec<f32>)> =
+                    [("f32", gpu::Activations::F32), ("q8", gpu::Activations::Q8)]
+                        .into_iter()
+                        .map(|(name, act)| {
+                            let out = gpu::moe_q4k_as(&xt, g, u, d, &it, &wt, None, act, tb);
+                            (name, flat(&out.unwrap()))
+                        })
+                        .collect();
+                let mma = gpu::moe_q4k_mma(&xt, g, u, d, &it, &wt, tb).unwrap();
+                outs.push(("mma", flat(&mma)));
+                outs
             } else {
                 vec![("tensor cores", flat(&gpu::moe_q4k_tc(&xt, g, u, d, &it, &wt, tb).unwrap()))]
             }

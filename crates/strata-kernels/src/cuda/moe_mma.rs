@@ -1,0 +1,165 @@
+//! The routed-expert part of a MoE block for decode steps, batched steps and verify passes on
+//! int8 tensor cores (`q4k_mm_q8`, cuda/moe_mma.cuh): the pass's (token, slot) pairs grouped by
+//! expert on the device, each selected expert's weights read once for all of its pairs — a batch's
+//! experts are the union of its tokens' experts, read once and applied to all of them.
+
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{bail, Result, Tensor};
+
+use super::q8::kernel_inputs;
+use super::{
+    addr, alloc, check_moe, cuda_device, i32s, launch, moe_combine, moe_weight_args, sort_pairs,
+    Activations, Arg, ExpertTable, MoeDims, SortedPairs, MOE_GROUPED_MAX_EXPERTS,
+};
+
+/// Pairs a tile of `q4k_mm_q8` takes (`MMA_TN` in moe_mma.cuh: the instruction's n).
+const MMA_TN: usize = 8;
+/// Weight rows a block of `q4k_mm_q8` takes (`MMA_ROWS`; its 4 warps split the super-blocks).
+const MMA_ROWS: usize = 16;
+/// Threads of a block (`32 · MMA_WARPS`).
+const MMA_THREADS: u32 = 128;
+
+/// Tokens a pass may have for [`moe_q4k_mma`] (the decode kernels' [`super::MOE_ROWS_MAX`]: longer
+/// passes take the f16 tensor-core kernels, [`super::moe_q4k_tc`]).
+pub const MOE_MMA_ROWS_MAX: usize = super::MOE_ROWS_MAX;
+
+/// The routed-expert part of a MoE block over Q4_K experts for a pass of a few tokens, on int8
+/// tensor cores: shapes as [`super::moe_q4k`] (`x: [n, H]` f32, `gate`, `up: [E, I, H]`,
+/// `down: [E, H, I]` Q4_K, `ids`, `weights: [n, k]`) → `[n, H]` = `Σⱼ weights[t, j] ·
+/// down(silu(gate · x) ⊙ (up · x))` of expert `ids[t, j]`, no residual.
+///
+/// Six launches: `x` rounded to q8 ([`super::quantize_q8`], or the twin its producer wrote),
+/// the pairs sorted by expert into tiles of 8 (`moe_tc_sort`), `q4k_mm_q8` over gate and up
+/// (SwiGLU applied in the kernel), the activations rounded to q8, `q4k_mm_q8` over down, and
+/// [`moe_combine`]. The arithmetic is llama.cpp's MMQ for Q4_K × Q8_1 (ggml-cuda mmq.cuh): a
+/// 32-weight sub-block's integer dot product on the tensor cores (`mma.m16n8k32.s8`), scaled per
+/// sub-block — the q8 kernels' values ([`super::moe_q4k_as`] with [`Activations::Q8`]) up to
+/// summation order. A token's result does not depend on the other tokens of the pass (tested, bit
+/// for bit): a batched step or a verify pass gives each token what it gets alone.
+///
+/// Measured slower than [`super::moe_q4k_as`]'s per-pair kernels for 1–16 tokens (H200, the
+/// synthetic 30B: a 16-sequence step's 128 pairs fall on ~73 experts, 1.75 per 8-pair tile;
+/// docs/performance.md), so the models take it only when asked (`STRATA_GPU_MOE_MMA=1`).
+///
+/// `ids` must be below `E` (as a router's are): a pair with another id is never computed and its
+/// output is undefined. With `table`, experts are read at the addresses it holds (the GPU expert
+/// tier's mapped experts), the tensors giving only the shapes.
+///
+/// Errors: as [`super::moe_q4k`] (`n` up to [`MOE_MMA_ROWS_MAX`]), `E` up to
+/// [`MOE_GROUPED_MAX_EXPERTS`].
+pub fn moe_q4k_mma(
+    x: &Tensor,
+    gate: &QTensor,
+    up: &QTensor,
+    down: &QTensor,
+    ids: &Tensor,
+    weights: &Tensor,
+    table: Option<ExpertTable>,
+) -> Result<Tensor> {
+    let MoeDims { n, h, e, i, k } = check_moe(x, [gate, up, down], ids, weights, MOE_MMA_ROWS_MAX)?;
+    let e = table.map_or(e, |t| t.experts);
+    if e > MOE_GROUPED_MAX_EXPERTS {
+        bail!("moe_q4k_mma: {e} experts (at most {MOE_GROUPED_MAX_EXPERTS})");
+    }
+    let dev = cuda_device(x)?;
+    let pairs = n * k;
+    if pairs == 0 {
+        return alloc::<f32>(dev, (n, h))?.zeros_like();
+    }
+    let sorted = sort_pairs(dev, ids, e, MMA_TN)?;
+    let ([gp, upp, dp], indirect) = moe_weight_args([gate, up, down], table)?;
+    let a = alloc::<f32>(dev, (pairs, i))?;
+    let glu = MmaLaunch { w: gp, w2: upp, rows: i, cols: h, k, per_token: true, indirect };
+    mm_q8(dev, x, Some(&sorted), pairs, glu, &a)?;
+    let y = alloc::<f32>(dev, (pairs, h))?;
+    let proj = MmaLaunch { w: dp, w2: 0, rows: h, cols: i, k: 1, per_token: false, indirect };
+    mm_q8(dev, &a, Some(&sorted), pairs, proj, &y)?;
+    moe_combine(&y.reshape((n, k, h))?, &weights.contiguous()?)
+}
+
+/// One product of `q4k_mm_q8`: the weights' device addresses (tensors or tables), their shape,
+/// and how pairs map to input rows.
+struct MmaLaunch {
+    w: u64,
+    /// SwiGLU's up beside gate `w` (0: none).
+    w2: u64,
+    /// Weight rows per expert (the output's width).
+    rows: usize,
+    /// Values per weight row (the input's width, a multiple of 256).
+    cols: usize,
+    k: usize,
+    /// Pair `p` reads input row `p / k` (else row `p`).
+    per_token: bool,
+    indirect: i32,
+}
+
+/// Runs `l` over `sorted`'s tiles (or, `None`, over tiles of [`MMA_TN`] consecutive rows of a
+/// dense product): `src` (f32 `[rows, cols]`) rounded to q8, `out: [pairs, l.rows]` f32. The
+/// caller checked the shapes.
+fn mm_q8(
+    dev: &CudaDevice,
+    src: &Tensor,
+    sorted: Option<&SortedPairs>,
+    pairs: usize,
+    l: MmaLaunch,
+    out: &Tensor,
+) -> Result<()> {
+    let (_keep, mut args, _) = kernel_inputs(src, Activations::Q8)?;
+    let opt = |t: Option<&Tensor>| t.map(addr).transpose().map(|a| Arg::Ptr(a.unwrap_or(0)));
+    args.extend([
+        Arg::Ptr(l.w),
+        Arg::Ptr(l.w2),
+        opt(sorted.map(|s| &s.order))?,
+        opt(sorted.map(|s| &s.tiles))?,
+        opt(sorted.map(|s| &s.ntiles))?,
+        Arg::Ptr(addr(out)?),
+    ]);
+    args.extend(i32s(&[pairs, l.rows, l.cols, l.k, l.per_token as usize]));
+    args.push(Arg::I32(l.indirect));
+    let tiles = sorted.map_or(pairs.div_ceil(MMA_TN), |s| s.max_tiles);
+    let cfg = LaunchConfig {
+        grid_dim: (tiles as u32, l.rows.div_ceil(MMA_ROWS) as u32, 1),
+        block_dim: (MMA_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: arguments in `q4k_mm_q8`'s order; the caller checked that the weights are Q4_K
+    // [E, rows, cols] (or a table of E such experts; [rows, cols] without `sorted`), that `src`
+    // holds a `cols`-value row per token (per_token) or per pair, that `out` holds [pairs, rows],
+    // and `sorted` came from `moe_tc_sort` over ids < E with tiles of MMA_TN.
+    unsafe { launch(dev, "q4k_mm_q8", cfg, &args) }
+}
+
+/// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`) for a few rows
+/// (batched decode steps, verify passes) on int8 tensor cores: `x` rounded to q8 (or its twin
+/// taken), then `q4k_mm_q8` over tiles of 8 rows — each weight row read once per tile instead of
+/// once per 4 rows (the mat-vec kernel's tokens per warp). The q8 mat-vec's values up to
+/// summation order; a row's result does not depend on the other rows (tested).
+///
+/// Errors: `w` not Q4_K `[R, K]` with `K` a multiple of 256, `x` not f32 `[n, K]` on the same
+/// device.
+pub fn matmul_q4k_mma(x: &Tensor, w: &QTensor) -> Result<Tensor> {
+    super::check_f32(x, "x")?;
+    let (n, kx) = x.dims2()?;
+    let (r, k) = w.shape().dims2()?;
+    if w.dtype() != GgmlDType::Q4K || k != kx || !k.is_multiple_of(256) {
+        bail!("matmul_q4k_mma: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
+    }
+    let dev = cuda_device(x)?;
+    let out = alloc::<f32>(dev, (n, r))?;
+    if n == 0 || r == 0 {
+        return Ok(out);
+    }
+    let l = MmaLaunch {
+        w: w.device_ptr()? as u64,
+        w2: 0,
+        rows: r,
+        cols: k,
+        k: 1,
+        per_token: false,
+        indirect: 0,
+    };
+    mm_q8(dev, &x.contiguous()?, None, n, l, &out)?;
+    Ok(out)
+}
