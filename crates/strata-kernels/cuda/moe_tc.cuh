@@ -31,6 +31,19 @@
 #define TC_CLD (TC_TN + 4)  // f32 pitch of the output staging
 #define TC_THREADS 256
 
+// Inclusive prefix sums of two values across a full warp's lanes (lane l gets the sums over
+// lanes 0..l; Hillis-Steele with shuffles).
+__device__ __forceinline__ void warp_scan2(uint32_t& a, uint32_t& b, int lane) {
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const uint32_t ua = __shfl_up_sync(0xffffffffu, a, o), ub = __shfl_up_sync(0xffffffffu, b, o);
+        if (lane >= o) {
+            a += ua;
+            b += ub;
+        }
+    }
+}
+
 // One block of 1024 threads. ids [P] (< E: others are dropped, their pairs never computed);
 // order [P]; tiles [3 · max_tiles] (expert, start, count); ntiles [1]. E <= GROUPED_MAX_E (the
 // block's threads: thread e counts expert e). The experts' pair and tile offsets are a block-wide
@@ -53,14 +66,7 @@ extern "C" __global__ void moe_tc_sort(const uint32_t* __restrict__ ids, int P, 
     __syncthreads();
     const uint32_t c = e < E ? cnt[e] : 0u, nt = (c + tm - 1) / tm;
     uint32_t sc = c, st = nt;  // inclusive scans within the warp
-#pragma unroll
-    for (int o = 1; o < WARP; o <<= 1) {
-        const uint32_t uc = __shfl_up_sync(0xffffffffu, sc, o), ut = __shfl_up_sync(0xffffffffu, st, o);
-        if (lane >= o) {
-            sc += uc;
-            st += ut;
-        }
-    }
+    warp_scan2(sc, st, lane);
     if (lane == WARP - 1) {
         warp_pairs[warp] = sc;
         warp_tiles[warp] = st;
@@ -70,14 +76,7 @@ extern "C" __global__ void moe_tc_sort(const uint32_t* __restrict__ ids, int P, 
         const int nw = blockDim.x / WARP;
         uint32_t wc = lane < nw ? warp_pairs[lane] : 0u, wt = lane < nw ? warp_tiles[lane] : 0u;
         uint32_t ic = wc, it = wt;
-#pragma unroll
-        for (int o = 1; o < WARP; o <<= 1) {
-            const uint32_t uc = __shfl_up_sync(0xffffffffu, ic, o), ut = __shfl_up_sync(0xffffffffu, it, o);
-            if (lane >= o) {
-                ic += uc;
-                it += ut;
-            }
-        }
+        warp_scan2(ic, it, lane);
         if (lane < nw) {
             warp_pairs[lane] = ic - wc;
             warp_tiles[lane] = it - wt;

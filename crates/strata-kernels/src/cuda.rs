@@ -1598,17 +1598,13 @@ pub fn moe_q4k_tc(
     weights: &Tensor,
     table: Option<ExpertTable>,
 ) -> Result<Tensor> {
-    let MoeDims { n, h, e, i, k } = check_moe(x, [gate, up, down], ids, weights, usize::MAX)?;
-    let e = table.map_or(e, |t| t.experts);
-    if e > MOE_GROUPED_MAX_EXPERTS {
-        bail!("moe_q4k_tc: {e} experts (at most {MOE_GROUPED_MAX_EXPERTS})");
-    }
-    let dev = cuda_device(x)?;
+    let shape = GroupedShape { max_rows: usize::MAX, tile: TC_TM, name: "moe_q4k_tc" };
+    let (MoeDims { n, h, i, k, .. }, dev, sorted) =
+        match grouped_start(x, [gate, up, down], ids, weights, table, shape)? {
+            Ok(started) => started,
+            Err(empty) => return Ok(empty),
+        };
     let pairs = n * k;
-    if pairs == 0 {
-        return alloc::<f32>(dev, (n, h))?.zeros_like();
-    }
-    let sorted = sort_pairs(dev, ids, e, TC_TM)?;
     let xh = f16_of(dev, x)?;
     let a = alloc::<half::f16>(dev, (pairs, i))?;
     let at = |p: usize| table.map(|t| t.part(p));
@@ -1638,12 +1634,7 @@ pub fn moe_q4k_tc(
 /// Errors: `w` not Q4_K `[R, K]` with `K` a multiple of 256, `x` not f32 `[n, K]` on the same
 /// device.
 pub fn matmul_q4k_tc(x: &Tensor, w: &QTensor) -> Result<Tensor> {
-    check_f32(x, "x")?;
-    let (n, kx) = x.dims2()?;
-    let (r, k) = w.shape().dims2()?;
-    if w.dtype() != GgmlDType::Q4K || k != kx || !k.is_multiple_of(256) {
-        bail!("matmul_q4k_tc: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
-    }
+    let (n, r, _) = check_dense_q4k(x, w, "matmul_q4k_tc")?;
     let dev = cuda_device(x)?;
     let out = alloc::<f32>(dev, (n, r))?;
     if n == 0 || r == 0 {
@@ -1656,6 +1647,18 @@ pub fn matmul_q4k_tc(x: &Tensor, w: &QTensor) -> Result<Tensor> {
         &out,
     )?;
     Ok(out)
+}
+
+/// Checks a dense product `x: [n, K]` f32 times a Q4_K `w: [R, K]` (`K` a multiple of 256) for
+/// `name`'s errors → `(n, R, K)`.
+fn check_dense_q4k(x: &Tensor, w: &QTensor, name: &str) -> Result<(usize, usize, usize)> {
+    check_f32(x, "x")?;
+    let (n, kx) = x.dims2()?;
+    let (r, k) = w.shape().dims2()?;
+    if w.dtype() != GgmlDType::Q4K || k != kx || !k.is_multiple_of(256) {
+        bail!("{name}: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
+    }
+    Ok((n, r, k))
 }
 
 /// `x` (f32, contiguous) rounded to f16 by our `to_f16` kernel (a fresh, aligned buffer).
@@ -1683,6 +1686,41 @@ pub(super) struct SortedPairs {
     pub(super) ntiles: Tensor,
     /// Tiles a launch must cover (a bound: each expert's pairs in ceil(count / tm) tiles).
     pub(super) max_tiles: usize,
+}
+
+/// The limits of a grouped MoE launch ([`grouped_start`]).
+struct GroupedShape {
+    /// Most tokens the launch takes.
+    max_rows: usize,
+    /// Pairs per tile of the sort.
+    tile: usize,
+    /// The caller, for errors.
+    name: &'static str,
+}
+
+/// The start of a MoE block grouped by expert ([`moe_q4k_tc`], `moe_q4k_mma`): the shapes checked
+/// ([`check_moe`], `n` up to `shape.max_rows`, the experts — `table`'s where given — up to
+/// [`MOE_GROUPED_MAX_EXPERTS`]) and the pairs sorted into tiles of `shape.tile`; `Err` holds the
+/// `[n, H]` zeros of a pass without pairs (nothing to launch).
+fn grouped_start<'a>(
+    x: &'a Tensor,
+    w: [&QTensor; 3],
+    ids: &Tensor,
+    weights: &Tensor,
+    table: Option<ExpertTable>,
+    shape: GroupedShape,
+) -> Result<std::result::Result<(MoeDims, &'a CudaDevice, SortedPairs), Tensor>> {
+    let dims = check_moe(x, w, ids, weights, shape.max_rows)?;
+    let e = table.map_or(dims.e, |t| t.experts);
+    if e > MOE_GROUPED_MAX_EXPERTS {
+        bail!("{}: {e} experts (at most {MOE_GROUPED_MAX_EXPERTS})", shape.name);
+    }
+    let dev = cuda_device(x)?;
+    if dims.n * dims.k == 0 {
+        return Ok(Err(alloc::<f32>(dev, (dims.n, dims.h))?.zeros_like()?));
+    }
+    let sorted = sort_pairs(dev, ids, e, shape.tile)?;
+    Ok(Ok((dims, dev, sorted)))
 }
 
 /// Sorts `ids: [n, k]` (u32, < `experts` ≤ [`MOE_GROUPED_MAX_EXPERTS`]; others are dropped) into

@@ -5,13 +5,13 @@
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::CudaDevice;
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{bail, Result, Tensor};
+use candle_core::quantized::QTensor;
+use candle_core::{Result, Tensor};
 
 use super::q8::kernel_inputs;
 use super::{
-    addr, alloc, check_moe, cuda_device, i32s, launch, moe_combine, moe_weight_args, sort_pairs,
-    Activations, Arg, ExpertTable, MoeDims, SortedPairs, MOE_GROUPED_MAX_EXPERTS,
+    addr, alloc, cuda_device, grouped_start, i32s, launch, moe_combine, moe_weight_args,
+    Activations, Arg, ExpertTable, GroupedShape, MoeDims, SortedPairs,
 };
 
 /// Pairs a tile of `q4k_mm_q8` takes (`MMA_TN` in moe_mma.cuh: the instruction's n).
@@ -58,17 +58,13 @@ pub fn moe_q4k_mma(
     weights: &Tensor,
     table: Option<ExpertTable>,
 ) -> Result<Tensor> {
-    let MoeDims { n, h, e, i, k } = check_moe(x, [gate, up, down], ids, weights, MOE_MMA_ROWS_MAX)?;
-    let e = table.map_or(e, |t| t.experts);
-    if e > MOE_GROUPED_MAX_EXPERTS {
-        bail!("moe_q4k_mma: {e} experts (at most {MOE_GROUPED_MAX_EXPERTS})");
-    }
-    let dev = cuda_device(x)?;
+    let shape = GroupedShape { max_rows: MOE_MMA_ROWS_MAX, tile: MMA_TN, name: "moe_q4k_mma" };
+    let (MoeDims { n, h, i, k, .. }, dev, sorted) =
+        match grouped_start(x, [gate, up, down], ids, weights, table, shape)? {
+            Ok(started) => started,
+            Err(empty) => return Ok(empty),
+        };
     let pairs = n * k;
-    if pairs == 0 {
-        return alloc::<f32>(dev, (n, h))?.zeros_like();
-    }
-    let sorted = sort_pairs(dev, ids, e, MMA_TN)?;
     let ([gp, upp, dp], indirect) = moe_weight_args([gate, up, down], table)?;
     let a = alloc::<f32>(dev, (pairs, i))?;
     let glu = MmaLaunch { w: gp, w2: upp, rows: i, cols: h, k, per_token: true, indirect };
@@ -140,12 +136,7 @@ fn mm_q8(
 /// Errors: `w` not Q4_K `[R, K]` with `K` a multiple of 256, `x` not f32 `[n, K]` on the same
 /// device.
 pub fn matmul_q4k_mma(x: &Tensor, w: &QTensor) -> Result<Tensor> {
-    super::check_f32(x, "x")?;
-    let (n, kx) = x.dims2()?;
-    let (r, k) = w.shape().dims2()?;
-    if w.dtype() != GgmlDType::Q4K || k != kx || !k.is_multiple_of(256) {
-        bail!("matmul_q4k_mma: x {:?}, w {:?} {:?}", x.dims(), w.dtype(), w.shape().dims());
-    }
+    let (n, r, k) = super::check_dense_q4k(x, w, "matmul_q4k_mma")?;
     let dev = cuda_device(x)?;
     let out = alloc::<f32>(dev, (n, r))?;
     if n == 0 || r == 0 {
