@@ -35,25 +35,6 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], uint32_t a0, uint32_t 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// ggml get_scale_min_k4 of sub-block j from a super-block header held in registers (h.x: d, dmin;
-// h.y, h.z, h.w: the 12 scale bytes).
-__device__ __forceinline__ void q4k_head_scale_min(const uint4& h, int j, float& s, float& m) {
-    if (j < 4) {
-        s = (float)(byte_of(h.y, j) & 63u);
-        m = (float)(byte_of(h.z, j) & 63u);
-    } else {
-        s = (float)((byte_of(h.w, j - 4) & 0xFu) | ((byte_of(h.y, j - 4) >> 6) << 4));
-        m = (float)((byte_of(h.w, j - 4) >> 4) | ((byte_of(h.z, j - 4) >> 6) << 4));
-    }
-}
-
-__device__ __forceinline__ float half_lo(uint32_t w) {
-    return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu)));
-}
-__device__ __forceinline__ float half_hi(uint32_t w) {
-    return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
-}
-
 // The k-order inside an instruction is a free choice as long as A and B share it: fragment k
 // 4t + i (i < 4) holds position 8t + i of the sub-block and k 16 + 4t + i position 8t + 4 + i, so
 // a thread's A words for a row are one 8-byte piece of the quants (qs bytes 32c + 8t ..: sub-block

@@ -110,6 +110,26 @@ extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restric
 // Byte b (runtime) of a 32-bit word.
 __device__ __forceinline__ uint32_t byte_of(uint32_t w, int b) { return (w >> (8 * b)) & 0xFFu; }
 
+// ggml get_scale_min_k4 of sub-block j from a super-block header held in registers (h.x: d, dmin;
+// h.y, h.z, h.w: the 12 scale bytes).
+__device__ __forceinline__ void q4k_head_scale_min(const uint4& h, int j, float& s, float& m) {
+    if (j < 4) {
+        s = (float)(byte_of(h.y, j) & 63u);
+        m = (float)(byte_of(h.z, j) & 63u);
+    } else {
+        s = (float)((byte_of(h.w, j - 4) & 0xFu) | ((byte_of(h.y, j - 4) >> 6) << 4));
+        m = (float)((byte_of(h.w, j - 4) >> 4) | ((byte_of(h.z, j - 4) >> 6) << 4));
+    }
+}
+
+// The low / high f16 of a 32-bit word, as f32 (a Q4_K header's d / dmin).
+__device__ __forceinline__ float half_lo(uint32_t w) {
+    return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu)));
+}
+__device__ __forceinline__ float half_hi(uint32_t w) {
+    return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+
 // One k-step's global reads, held in registers until they are stored to shared memory.
 struct TcStage {
     uint4 a[2];   // two 16-byte pieces of the pairs' f16 inputs
@@ -199,21 +219,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         }
         // ggml get_scale_min_k4 for sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles).
         const int c = (k0 % 256) / 64;
-        const uint32_t u0 = s.head.y, u1 = s.head.z, u2 = s.head.w;
         float sc[2], mn[2];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int j = 2 * c + h;
-            if (j < 4) {
-                sc[h] = (float)(byte_of(u0, j) & 63u);
-                mn[h] = (float)(byte_of(u1, j) & 63u);
-            } else {
-                sc[h] = (float)((byte_of(u2, j - 4) & 0xFu) | ((byte_of(u0, j - 4) >> 6) << 4));
-                mn[h] = (float)((byte_of(u2, j - 4) >> 4) | ((byte_of(u1, j - 4) >> 6) << 4));
-            }
-        }
-        const float dd = __half2float(__ushort_as_half((unsigned short)(s.head.x & 0xFFFFu)));
-        const float dmin = __half2float(__ushort_as_half((unsigned short)(s.head.x >> 16)));
+        for (int h = 0; h < 2; h++) q4k_head_scale_min(s.head, 2 * c + h, sc[h], mn[h]);
+        const float dd = half_lo(s.head.x), dmin = half_hi(s.head.x);
         const float a0 = __fmul_rn(dd, sc[0]), b0 = __fmul_rn(dmin, mn[0]);
         const float a1 = __fmul_rn(dd, sc[1]), b1 = __fmul_rn(dmin, mn[1]);
         const uint32_t qw[8] = {s.qs[0].x, s.qs[0].y, s.qs[0].z, s.qs[0].w,

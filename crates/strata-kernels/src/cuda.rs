@@ -106,6 +106,11 @@ fn addr(t: &Tensor) -> Result<u64> {
     Ok(base + (l.start_offset() * size) as u64)
 }
 
+/// A kernel's pointer argument for an optional tensor: its address ([`addr`]) or null.
+fn addr_or_null(t: Option<&Tensor>) -> Result<Arg> {
+    Ok(Arg::Ptr(t.map(addr).transpose()?.unwrap_or(0)))
+}
+
 /// Queues `name` with `cfg` over `args` (device addresses and scalars, in the kernel's order).
 ///
 /// # Safety
@@ -1217,7 +1222,7 @@ pub fn matvec_quant_many_as(x: &Tensor, ws: &[&QTensor], act: Activations) -> Re
         args.push(Arg::Ptr(p.map_or(0, |p| p as u64)));
     }
     for m in 0..3 {
-        args.push(Arg::Ptr(ys.get(m).map(addr).transpose()?.unwrap_or(0)));
+        args.push(addr_or_null(ys.get(m))?);
     }
     args.extend(i32s(&[rows[0], rows[1], rows[2], k, n]));
     let name = match tokens {
@@ -1521,12 +1526,11 @@ pub fn moe_q4k_as(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let res = residual.map(addr).transpose()?.unwrap_or(0);
     args.extend([
         Arg::Ptr(dp),
         Arg::Ptr(addr(ids)?),
         Arg::Ptr(addr(weights)?),
-        Arg::Ptr(res),
+        addr_or_null(residual)?,
         Arg::Ptr(addr(&out)?),
     ]);
     args.extend(i32s(&[h, i, k]));
@@ -1680,12 +1684,12 @@ fn f16_of(dev: &CudaDevice, x: &Tensor) -> Result<Tensor> {
 /// A pass's (token, slot) pairs grouped by expert on the device (`moe_tc_sort`): `order`
 /// `[pairs]` (pair indices, ascending expert), `tiles` `[3 · max_tiles]` (expert, first position
 /// in `order`, count ≤ the tile size) and `ntiles` `[1]` (how many of them are used).
-pub(super) struct SortedPairs {
-    pub(super) order: Tensor,
-    pub(super) tiles: Tensor,
-    pub(super) ntiles: Tensor,
+struct SortedPairs {
+    order: Tensor,
+    tiles: Tensor,
+    ntiles: Tensor,
     /// Tiles a launch must cover (a bound: each expert's pairs in ceil(count / tm) tiles).
-    pub(super) max_tiles: usize,
+    max_tiles: usize,
 }
 
 /// The limits of a grouped MoE launch ([`grouped_start`]).
@@ -1725,12 +1729,7 @@ fn grouped_start<'a>(
 
 /// Sorts `ids: [n, k]` (u32, < `experts` ≤ [`MOE_GROUPED_MAX_EXPERTS`]; others are dropped) into
 /// tiles of up to `tm` pairs of one expert: one launch of `moe_tc_sort`, no host round trip.
-pub(super) fn sort_pairs(
-    dev: &CudaDevice,
-    ids: &Tensor,
-    experts: usize,
-    tm: usize,
-) -> Result<SortedPairs> {
+fn sort_pairs(dev: &CudaDevice, ids: &Tensor, experts: usize, tm: usize) -> Result<SortedPairs> {
     let ids = ids.contiguous()?;
     let pairs = ids.elem_count();
     let max_tiles = pairs.div_ceil(tm) + experts.min(pairs);
@@ -1780,7 +1779,6 @@ fn mm_tc(dev: &CudaDevice, l: TcLaunch<'_>, out: &Tensor) -> Result<()> {
         block_dim: (TC_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let opt = |t: Option<&Tensor>| t.map(addr).transpose().map(|a| Arg::Ptr(a.unwrap_or(0)));
     let (f32_out, f16_out) = if l.w2.is_some() { (None, Some(out)) } else { (Some(out), None) };
     let (w, w2) = match l.table {
         Some(t) => t,
@@ -1793,11 +1791,11 @@ fn mm_tc(dev: &CudaDevice, l: TcLaunch<'_>, out: &Tensor) -> Result<()> {
         Arg::Ptr(addr(l.src)?),
         Arg::Ptr(w),
         Arg::Ptr(w2),
-        opt(l.sorted.map(|s| &s.order))?,
-        opt(l.sorted.map(|s| &s.tiles))?,
-        opt(l.sorted.map(|s| &s.ntiles))?,
-        opt(f32_out)?,
-        opt(f16_out)?,
+        addr_or_null(l.sorted.map(|s| &s.order))?,
+        addr_or_null(l.sorted.map(|s| &s.tiles))?,
+        addr_or_null(l.sorted.map(|s| &s.ntiles))?,
+        addr_or_null(f32_out)?,
+        addr_or_null(f16_out)?,
     ];
     args.extend(i32s(&[l.pairs, r, kk, l.k, (l.k > 1) as usize]));
     args.push(Arg::I32(l.table.is_some() as i32));

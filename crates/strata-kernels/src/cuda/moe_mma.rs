@@ -1,7 +1,8 @@
-//! The routed-expert part of a MoE block for decode steps, batched steps and verify passes on
-//! int8 tensor cores (`q4k_mm_q8`, cuda/moe_mma.cuh): the pass's (token, slot) pairs grouped by
-//! expert on the device, each selected expert's weights read once for all of its pairs — a batch's
-//! experts are the union of its tokens' experts, read once and applied to all of them.
+//! Q4_K products of a few rows (decode steps, batched steps, verify passes) on int8 tensor cores
+//! (`q4k_mm_q8`, cuda/moe_mma.cuh): dense matrices ([`matmul_q4k_mma`], the default for batched
+//! steps of 8–16 sequences) and the routed-expert part of a MoE block ([`moe_q4k_mma`], opt-in):
+//! the pass's (token, slot) pairs grouped by expert on the device, each selected expert's weights
+//! read once for all of its pairs.
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::CudaDevice;
@@ -10,8 +11,8 @@ use candle_core::{Result, Tensor};
 
 use super::q8::kernel_inputs;
 use super::{
-    addr, alloc, cuda_device, grouped_start, i32s, launch, moe_combine, moe_weight_args,
-    Activations, Arg, ExpertTable, GroupedShape, MoeDims, SortedPairs,
+    addr, addr_or_null, alloc, cuda_device, grouped_start, i32s, launch, moe_combine,
+    moe_weight_args, Activations, Arg, ExpertTable, GroupedShape, MoeDims, SortedPairs,
 };
 
 /// Pairs a tile of `q4k_mm_q8` takes (`MMA_TN` in moe_mma.cuh: the instruction's n).
@@ -103,13 +104,12 @@ fn mm_q8(
     out: &Tensor,
 ) -> Result<()> {
     let (_keep, mut args, _) = kernel_inputs(src, Activations::Q8)?;
-    let opt = |t: Option<&Tensor>| t.map(addr).transpose().map(|a| Arg::Ptr(a.unwrap_or(0)));
     args.extend([
         Arg::Ptr(l.w),
         Arg::Ptr(l.w2),
-        opt(sorted.map(|s| &s.order))?,
-        opt(sorted.map(|s| &s.tiles))?,
-        opt(sorted.map(|s| &s.ntiles))?,
+        addr_or_null(sorted.map(|s| &s.order))?,
+        addr_or_null(sorted.map(|s| &s.tiles))?,
+        addr_or_null(sorted.map(|s| &s.ntiles))?,
         Arg::Ptr(addr(out)?),
     ]);
     args.extend(i32s(&[pairs, l.rows, l.cols, l.k, l.per_token as usize]));
