@@ -133,7 +133,7 @@ if [ "${PART:-}" = batch ]; then
       # (gpu::DENSE_MMA_ROWS_MIN): each row summed in another order than alone, then rounded to q8
       # at the next layer, so their logits get the documented bound (BATCH_TOL_MMA) and equal
       # greedy tokens; STRATA_GPU_DENSE_MMA=0 (the mat-vec for every row count) must be exact.
-      for v in "1 4 1" "1 16 1" "0 4 1" "0 16 1" "1 16 0"; do
+      for v in "1 2 1" "1 4 1" "1 16 1" "0 4 1" "0 16 1" "1 16 0"; do
         set -- $v; bg=$1; b=$2; mma=$3
         tol=1e-5; [ "$b" -ge 8 ] && [ "$mma" = 1 ] && tol=${BATCH_TOL_MMA:-2e-2}
         echo "$(basename "$M") batch $b STRATA_GPU_BATCH_GRAPHS=$bg STRATA_GPU_DENSE_MMA=$mma (bound $tol):" | tee -a "$OUT/batch.md"

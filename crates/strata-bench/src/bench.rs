@@ -35,6 +35,7 @@ fn median(xs: &[f64]) -> f64 {
 /// never synchronizes otherwise).
 fn read_logits(out: &strata_models::ForwardOutput) -> Result<()> {
     std::hint::black_box(out.logits.flatten_all()?.to_vec1::<f32>()?);
+    std::hint::black_box(out.greedy);
     Ok(())
 }
 
@@ -224,9 +225,11 @@ pub fn bench_batch_decode(
         let mut seqs: Vec<BatchSeq<'_>> = caches
             .iter_mut()
             .zip(&toks)
-            .map(|(cache, t)| BatchSeq { tokens: t, cache, logits: Logits::Last })
+            .map(|(cache, t)| BatchSeq { tokens: t, cache, logits: Logits::Greedy })
             .collect();
-        // Each sequence's logits `[vocab]` read to the host, as its sampler reads them.
+        // What greedy serving reads (the server's greedy requests ask for `Logits::Greedy`): on a
+        // GPU the pick, made there; elsewhere (or `STRATA_GPU_ARGMAX=0`) each sequence's logits
+        // `[vocab]` read to the host.
         let t = std::time::Instant::now();
         let outs = engine.model.forward_batch(&mut seqs, BatchOptions::default())?;
         let returned = t.elapsed().as_secs_f64();

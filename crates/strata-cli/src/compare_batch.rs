@@ -3,7 +3,9 @@
 //! each decoded alone — greedy tokens and every step's logits. The prompts are the compared
 //! prompt cycled to different lengths (at least [`PROMPT_MIN`] tokens, so longer runs cross the
 //! 256-position bucket of captured CUDA graphs), and the last sequence leaves halfway, so the
-//! batch changes size as requests end.
+//! batch changes size as requests end. Together, every other step of each sequence asks for
+//! its greedy pick alone (`Logits::Greedy`: on a GPU made on the device, the step's other rows
+//! copied to the host around it); those steps' tokens are compared, the others' logits too.
 
 use anyhow::{bail, Result};
 use strata_engine::sampling::argmax;
@@ -32,19 +34,23 @@ pub fn batched_equals_alone(
     // The last sequence leaves halfway.
     let steps_of = |s: usize| if s + 1 == batch { steps / 2 } else { steps };
     let cap = base + 5 * batch + steps + 1;
-    let alone: Vec<Vec<Vec<f32>>> = prompts
+    let alone: Vec<Vec<Step>> = prompts
         .iter()
         .enumerate()
-        .map(|(s, p)| decode(e, &[p.as_slice()], &[steps_of(s)], cap).map(|mut v| v.remove(0)))
+        .map(|(s, p)| {
+            decode(e, &[p.as_slice()], &[steps_of(s)], cap, false).map(|mut v| v.remove(0))
+        })
         .collect::<Result<_>>()?;
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let counts: Vec<usize> = (0..batch).map(steps_of).collect();
-    let together = decode(e, &refs, &counts, cap)?;
+    let together = decode(e, &refs, &counts, cap, true)?;
     let (mut worst, mut same, mut total) = (0f64, 0usize, 0usize);
     for (a, b) in alone.iter().zip(&together) {
-        for (x, y) in a.iter().zip(b) {
-            worst = worst.max(crate::compare::max_rel_diff(x, y));
-            same += usize::from(argmax(x) == argmax(y));
+        for ((ta, la), (tb, lb)) in a.iter().zip(b) {
+            if let (Some(x), Some(y)) = (la, lb) {
+                worst = worst.max(crate::compare::max_rel_diff(x, y));
+            }
+            same += usize::from(ta == tb);
             total += 1;
         }
     }
@@ -57,15 +63,21 @@ pub fn batched_equals_alone(
     Ok(())
 }
 
+/// One decode step of a sequence: its greedy token, and its logits unless the step asked for
+/// the pick alone.
+type Step = (u32, Option<Vec<f32>>);
+
 /// Prefills each of `prompts` alone, then decodes them greedily together, sequence `s` for
 /// `steps[s]` tokens (a sequence leaves the batch when its count is reached): every step's
-/// logits per sequence.
+/// token and logits per sequence. `mix`: sequence `s` asks for [`Logits::Greedy`] at the steps
+/// where `step + s` is even (the pick then comes from the model, made on the device on a GPU).
 fn decode(
     e: &Engine,
     prompts: &[&[u32]],
     steps: &[usize],
     cap: usize,
-) -> Result<Vec<Vec<Vec<f32>>>> {
+    mix: bool,
+) -> Result<Vec<Vec<Step>>> {
     let mut caches: Vec<KvCache> =
         prompts.iter().map(|_| e.new_cache(cap)).collect::<Result<_, _>>()?;
     let mut next = Vec::with_capacity(prompts.len());
@@ -73,23 +85,34 @@ fn decode(
         let out = e.model.forward(p, c, Logits::Last, &[])?;
         next.push(argmax(&out.logits.flatten_all()?.to_vec1::<f32>()?));
     }
-    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
+    let mut out_steps: Vec<Vec<Step>> = vec![Vec::new(); prompts.len()];
     for step in 0..steps.iter().copied().max().unwrap_or(0) {
         let members: Vec<usize> = (0..prompts.len()).filter(|&s| step < steps[s]).collect();
         let toks: Vec<[u32; 1]> = members.iter().map(|&s| [next[s]]).collect();
+        let mode = |s: usize| match mix && (step + s).is_multiple_of(2) {
+            true => Logits::Greedy,
+            false => Logits::Last,
+        };
         let mut seqs: Vec<BatchSeq<'_>> = caches
             .iter_mut()
             .enumerate()
             .filter(|(s, _)| members.contains(s))
             .zip(&toks)
-            .map(|((_, cache), t)| BatchSeq { tokens: t, cache, logits: Logits::Last })
+            .map(|((s, cache), t)| BatchSeq { tokens: t, cache, logits: mode(s) })
             .collect();
         let outs = e.model.forward_batch(&mut seqs, BatchOptions::default())?;
         for (&s, out) in members.iter().zip(outs) {
-            let row = out?.logits.flatten_all()?.to_vec1::<f32>()?;
-            next[s] = argmax(&row);
-            logits[s].push(row);
+            let out = out?;
+            let (token, row) = match out.greedy {
+                Some(t) => (t, None),
+                None => {
+                    let row = out.logits.flatten_all()?.to_vec1::<f32>()?;
+                    (argmax(&row), Some(row))
+                }
+            };
+            next[s] = token;
+            out_steps[s].push((token, row));
         }
     }
-    Ok(logits)
+    Ok(out_steps)
 }

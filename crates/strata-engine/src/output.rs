@@ -127,12 +127,26 @@ impl SequenceOutput {
         Ok(self.sampler.sample(&l, &self.history))
     }
 
+    /// Whether the next token is the argmax of the raw logits and nothing else reads them:
+    /// greedy sampling without repetition penalties, no log-probabilities, no `logit_bias`, no
+    /// grammar. Such a decode step can take the greedy pick made on the device
+    /// (`strata_models::Logits::Greedy`) and emit it with empty logits.
+    pub fn greedy_only(&self) -> bool {
+        let p = &self.sampler.params;
+        p.is_greedy()
+            && !p.has_penalties()
+            && self.logprobs.is_none()
+            && self.rules.logit_bias.is_empty()
+            && self.rules.constraint.is_none()
+    }
+
     /// What the grammar's masks cost (`None` without a grammar).
     pub fn mask_stats(&self) -> Option<MaskStats> {
         self.rules.constraint.as_ref().map(Constraint::stats)
     }
 
-    /// Emits token `id` chosen from `logits` through `on_token`. Returns how the generation ends
+    /// Emits token `id` chosen from `logits` (read only for log-probabilities: empty is fine
+    /// without them) through `on_token`. Returns how the generation ends
     /// with it, if it does: EOS or a stop string (`Stop`), `max_tokens` (`Length`), or the
     /// callback asked to stop (`Cancelled`).
     pub fn emit(

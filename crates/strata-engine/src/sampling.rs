@@ -58,7 +58,8 @@ impl SamplingParams {
         self.temperature <= 0.0
     }
 
-    fn has_penalties(&self) -> bool {
+    /// Whether repetition, presence or frequency penalties change the logits.
+    pub fn has_penalties(&self) -> bool {
         self.repeat_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 }

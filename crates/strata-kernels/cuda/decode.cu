@@ -207,6 +207,45 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     out[(size_t)t * H + h] = acc;
 }
 
+// ids[t] = the index of the largest value of x[t, :] (x [n, V] f32, ids [n] u32): the first on ties,
+// values that are NaN never chosen unless x[t, 0] is NaN (then 0) — exactly the host's greedy
+// pick (strata_engine::sampling::argmax, a scan keeping the first strictly greater value), so a
+// token picked here equals the one the host would pick from the same logits. grid n, 1024 threads
+// (ARGMAX_THREADS); a thread scans a strided share in increasing index, then a tree reduction in
+// which an equal value keeps the smaller index.
+#define ARGMAX_THREADS 1024
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_rows(const float* __restrict__ x, uint32_t* __restrict__ ids, int V) {
+    PDL_ENTER();
+    __shared__ float best[ARGMAX_THREADS];
+    __shared__ uint32_t at[ARGMAX_THREADS];
+    const float* row = x + (size_t)blockIdx.x * V;
+    float b = -INFINITY;
+    uint32_t i_best = 0xFFFFFFFFu;
+    for (int i = threadIdx.x; i < V; i += ARGMAX_THREADS) {
+        const float v = row[i];
+        if (v > b || (v == b && i_best == 0xFFFFFFFFu)) {
+            b = v;
+            i_best = (uint32_t)i;
+        }
+    }
+    best[threadIdx.x] = b;
+    at[threadIdx.x] = i_best;
+    for (int s = ARGMAX_THREADS / 2; s > 0; s >>= 1) {
+        __syncthreads();
+        if (threadIdx.x < s) {
+            const float o = best[threadIdx.x + s];
+            const uint32_t oi = at[threadIdx.x + s];
+            if (o > best[threadIdx.x] || (o == best[threadIdx.x] && oi < at[threadIdx.x])) {
+                best[threadIdx.x] = o;
+                at[threadIdx.x] = oi;
+            }
+        }
+    }
+    // A row whose first value is not NaN has a pick (thread 0 took index 0 at least).
+    if (threadIdx.x == 0) ids[blockIdx.x] = (V == 0 || isnan(row[0])) ? 0u : at[0];
+}
+
 // ---------------------------------------------------------------------------------------------
 // Residual add + RMSNorm in one pass (Zhang & Sennrich 2019; candle's `rms_norm` after an add):
 // sum = a + b; out = sum / sqrt(mean(sum²) + eps) · w. a, b, sum, out [n, H]; w [H].

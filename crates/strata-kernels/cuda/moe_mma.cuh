@@ -95,14 +95,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 // The block's 16 weight rows (of each matrix) are copied to shared memory MMA_SB super-blocks at a
 // time (cp.async: every byte of a round in flight at once), then warp w takes super-blocks w,
 // w + MMA_WARPS, .. of the round, and the warps' sums are added in warp order (a fixed order: the
-// same whatever the tile's pairs).
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
-    q4k_mm_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
-              const uint8_t* __restrict__ w, const uint8_t* __restrict__ w2,
-              const uint32_t* __restrict__ order, const uint32_t* __restrict__ tiles,
-              const uint32_t* __restrict__ ntiles, float* __restrict__ out, int P, int R, int K,
-              int k, int per_token, int indirect) {
-    PDL_ENTER();
+// same whatever the tile's pairs). `rb`: the block's 16-row group of W (blockIdx.y for q4k_mm_q8).
+__device__ __forceinline__ void q4k_mm_q8_block(
+    const int8_t* __restrict__ xq, const float* __restrict__ xd, const uint8_t* __restrict__ w,
+    const uint8_t* __restrict__ w2, const uint32_t* __restrict__ order,
+    const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ ntiles,
+    float* __restrict__ out, int P, int R, int K, int k, int per_token, int indirect, int rb) {
     __shared__ __align__(16) uint8_t wsm[2][MMA_ROWS][MMA_PITCH];
     __shared__ float part[MMA_WARPS - 1][8][WARP];
     int e = 0, start, count;
@@ -118,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
         if (start >= P) return;
         count = min(MMA_TN, P - start);
     }
-    const int r0 = blockIdx.y * MMA_ROWS;
+    const int r0 = rb * MMA_ROWS;
     if (r0 >= R) return;  // the whole block
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane >> 2, t = lane & 3;
     const int mats = w2 ? 2 : 1, nb = K / 256;
@@ -207,4 +205,45 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
         const float v = w2 ? acc[i] / (1.f + expf(-acc[i])) * acc2[i] : acc[i];
         out[(size_t)dst[h] * R + r] = v;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+    q4k_mm_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+              const uint8_t* __restrict__ w, const uint8_t* __restrict__ w2,
+              const uint32_t* __restrict__ order, const uint32_t* __restrict__ tiles,
+              const uint32_t* __restrict__ ntiles, float* __restrict__ out, int P, int R, int K,
+              int k, int per_token, int indirect) {
+    PDL_ENTER();
+    q4k_mm_q8_block(xq, xd, w, w2, order, tiles, ntiles, out, P, R, K, k, per_token, indirect,
+                    blockIdx.y);
+}
+
+// Up to three dense products over the same inputs in one launch (a layer's q, k and v):
+// out_m = x · W_mᵀ for W_m [R_m, K] Q4_K (w1, w2 null / R = 0 when absent), out_m [P, R_m].
+// grid (ceil(P / MMA_TN), Σ ceil(R_m / MMA_ROWS)): blockIdx.y walks W0's row groups, then W1's,
+// then W2's; each block runs as q4k_mm_q8's dense block over its matrix, so every output equals
+// that matrix's own q4k_mm_q8 launch bit for bit.
+extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
+    q4k_mm3_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+               const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
+               const uint8_t* __restrict__ w2, float* __restrict__ out0, float* __restrict__ out1,
+               float* __restrict__ out2, int P, int R0, int R1, int R2, int K) {
+    PDL_ENTER();
+    const int g0 = (R0 + MMA_ROWS - 1) / MMA_ROWS, g1 = (R1 + MMA_ROWS - 1) / MMA_ROWS;
+    int rb = blockIdx.y;
+    const uint8_t* w = w0;
+    float* out = out0;
+    int R = R0;
+    if (rb >= g0 + g1) {
+        rb -= g0 + g1;
+        w = w2;
+        out = out2;
+        R = R2;
+    } else if (rb >= g0) {
+        rb -= g0;
+        w = w1;
+        out = out1;
+        R = R1;
+    }
+    q4k_mm_q8_block(xq, xd, w, nullptr, nullptr, nullptr, nullptr, out, P, R, K, 1, 0, 0, rb);
 }

@@ -22,7 +22,7 @@ mod q8;
 pub use gdn::{
     gdn_chunked_enabled, gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm, GdnShape,
 };
-pub use moe_mma::{matmul_q4k_mma, moe_q4k_mma, MOE_MMA_ROWS_MAX};
+pub use moe_mma::{matmul_q4k_mma, matmul_q4k_mma_many, moe_q4k_mma, MOE_MMA_ROWS_MAX};
 pub use q8::{
     activations, q8_beside, q8_twin, quantize_q8, release_q8_twins, Activations, TWINS_KEPT,
 };
@@ -413,6 +413,35 @@ pub fn moe_combine(y: &Tensor, weights: &Tensor) -> Result<Tensor> {
     args.extend(i32s(&[k, h]));
     // SAFETY: arguments in `moe_combine`'s order; shapes checked above.
     unsafe { launch(dev, "moe_combine", cfg, &args) }?;
+    Ok(out)
+}
+
+/// Threads of an `argmax_rows` block (`ARGMAX_THREADS` in decode.cu).
+const ARGMAX_THREADS: u32 = 1024;
+
+/// The greedy pick of every row of `logits: [n, vocab]` f32 on the device: u32 `[n]`, the index
+/// of each row's largest value — the first on ties, NaN never picked unless the row's first value
+/// is NaN (then 0): the same index as the host's greedy scan (`strata_engine::sampling::argmax`)
+/// over the same values, so a batch's greedy tokens need not bring its logits to the host
+/// (16 rows of a 152k vocabulary are 9.7 MB). One block per row.
+///
+/// Errors: `logits` not a contiguous f32 `[n, vocab]` CUDA tensor, or a launch failure.
+pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
+    check_f32(logits, "logits")?;
+    let (n, vocab) = logits.dims2()?;
+    let dev = cuda_device(logits)?;
+    let out = alloc::<u32>(dev, n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (ARGMAX_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [Arg::Ptr(addr(logits)?), Arg::Ptr(addr(&out)?), Arg::I32(vocab as i32)];
+    // SAFETY: arguments in `argmax_rows`' order; `out` holds one u32 per row of `logits`.
+    unsafe { launch(dev, "argmax_rows", cfg, &args) }?;
     Ok(out)
 }
 

@@ -22,7 +22,8 @@
 //! candle instead of inside the RoPE kernel), `STRATA_GPU_MOE=0` (the Q4_K experts of short passes through candle's
 //! `indexed_moe_forward` instead of our kernels), `STRATA_GPU_DELTANET=0` (hybrid models' Gated
 //! DeltaNet layers and their recurrent state on the host, the projections copied there every
-//! pass, instead of our kernels with the state on the device).
+//! pass, instead of our kernels with the state on the device), `STRATA_GPU_ARGMAX=0` (greedy
+//! picks, [`crate::Logits::Greedy`], from logits brought to the host instead of on the device).
 //!
 //! Off by default, measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
 //! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by
@@ -93,6 +94,9 @@ pub enum GpuPath {
     /// Gated DeltaNet layers on our kernels, their recurrent state (and its speculative
     /// checkpoint) on the device ([`crate::recurrent::RecurrentCache::on_device`]).
     DeltaNet,
+    /// The greedy pick of a [`crate::Logits::Greedy`] sequence made on the device
+    /// (`strata_kernels::cuda::argmax_rows`): its logits stay there.
+    Argmax,
 }
 
 /// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
@@ -144,6 +148,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static ATTN_TC: OnceLock<bool> = OnceLock::new();
     static ATTN_TC_DECODE: OnceLock<bool> = OnceLock::new();
     static DELTANET: OnceLock<bool> = OnceLock::new();
+    static ARGMAX: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
@@ -162,6 +167,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::AttnTc => (&ATTN_TC, "STRATA_GPU_ATTN_TC"),
         GpuPath::AttnTcDecode => (&ATTN_TC_DECODE, "STRATA_GPU_ATTN_TC_DECODE"),
         GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
+        GpuPath::Argmax => (&ARGMAX, "STRATA_GPU_ARGMAX"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
         (GpuPath::MoeGrouped | GpuPath::MoeMma, v) => v.is_ok_and(|v| v == "1"),

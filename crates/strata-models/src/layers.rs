@@ -382,7 +382,9 @@ impl RmsNorm {
 /// layer's q, k and v; an MLP's gate and up) in one launch on a GPU for the row counts the
 /// mat-vec kernel takes ([`crate::gpu::matvec_rows`]: decode steps, short verify passes;
 /// `strata_kernels::cuda::matvec_quant_many`, the kernel of [`Linear::forward`] for such rows, so
-/// each result equals that projection's own forward) → `[n, out_m]` each. `None`: another
+/// each result equals that projection's own forward), and for Q4_K the rows
+/// [`crate::gpu::dense_mma_rows`] takes (`strata_kernels::cuda::matmul_q4k_mma_many`, up to three
+/// matrices: again each result that projection's own forward) → `[n, out_m]` each. `None`: another
 /// device, a format the kernel lacks ([`strata_kernels::cuda::matvec_supports`]), mixed formats,
 /// another row count, a bias, or the paths off.
 #[cfg(feature = "cuda")]
@@ -406,10 +408,9 @@ pub fn matvec_quant_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Res
     if ws.is_empty() || ws.iter().any(|w| w.dtype() != ws[0].dtype()) {
         return None;
     }
-    if ws[0].dtype() == GgmlDType::Q4K && crate::gpu::dense_mma_rows(n) {
-        let run =
-            |x: Tensor| ws.iter().map(|w| strata_kernels::cuda::matmul_q4k_mma(&x, w)).collect();
-        return Some(x.contiguous().and_then(run));
+    if ws[0].dtype() == GgmlDType::Q4K && crate::gpu::dense_mma_rows(n) && ws.len() <= 3 {
+        // One launch on int8 tensor cores: each result equals its own product's bit for bit.
+        return Some(strata_kernels::cuda::matmul_q4k_mma_many(x, &ws));
     }
     if !crate::gpu::matvec_rows_of(ws[0].dtype(), n) {
         return None;

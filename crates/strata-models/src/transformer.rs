@@ -32,6 +32,7 @@ mod batch_graph;
 mod device_routing;
 #[cfg(feature = "cuda")]
 mod graph;
+mod pick;
 pub use batch::{BatchOptions, BatchSeq};
 #[cfg(feature = "cuda")]
 pub(crate) use graph::DecodeGraphs;
@@ -43,13 +44,21 @@ pub enum Logits {
     Last,
     /// Every position: `[seq, vocab]` (perplexity, speculative verification).
     All,
+    /// Only the last position's greedy token (a sampler that would take the argmax of the raw
+    /// logits): on a GPU ([`crate::gpu::GpuPath::Argmax`] on) the pick is made on the device —
+    /// [`ForwardOutput::greedy`] holds it and `logits` is empty `[0, vocab]`, so a batch's
+    /// logits never come to the host; elsewhere as [`Logits::Last`] with `greedy` `None`.
+    Greedy,
 }
 
 /// Output of one forward pass.
 #[derive(Debug)]
 pub struct ForwardOutput {
-    /// `[1 or seq, vocab]` f32.
+    /// `[1 or seq, vocab]` f32 (`[0, vocab]` when `greedy` holds the pick).
     pub logits: Tensor,
+    /// With [`Logits::Greedy`] on a GPU: the index of the last position's largest logit (the
+    /// first on ties, as `strata_engine::sampling::argmax`); `None` otherwise.
+    pub greedy: Option<u32>,
     /// Hidden states `[seq, hidden]` after each layer listed in the request's `hidden_layers`, in order.
     pub hidden_states: Vec<Tensor>,
     /// The routing of every MoE layer, in layer order (empty for dense models).

@@ -215,6 +215,51 @@ fn silu_mul_and_combine_match_candle() {
     assert!(gpu::moe_combine(&g, &u).is_err());
 }
 
+/// The host's greedy pick by definition: the first strictly greater value wins (so the first on
+/// ties, NaN never chosen unless it is the first value — then 0).
+fn argmax_scan(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn argmax_rows_equals_the_first_strictly_greater_scan() {
+    let dev = cuda();
+    let mut rng = Rng(23);
+    for vocab in [1usize, 7, 1023, 1025, 4097, 49_152, 151_936] {
+        let mut rows: Vec<Vec<f32>> = (0..9).map(|_| rng.vec(vocab, 30.0)).collect();
+        if vocab > 2000 {
+            let m = 100.0;
+            // Ties between threads (1500 is thread 476's second value, 700 thread 700's first;
+            // the smaller index must win) and inside one thread's share (3 and 3 + 1024).
+            (rows[1][1500], rows[1][700]) = (m, m);
+            (rows[2][3], rows[2][1027]) = (m, m);
+            rows[3][vocab - 1] = m; // the last value
+            rows[4][10] = f32::NAN; // a NaN inside is never picked
+            rows[4][vocab / 2] = m;
+            rows[5][0] = f32::NAN; // a first NaN: 0
+            rows[6].iter_mut().for_each(|x| *x = f32::NEG_INFINITY); // all -inf: 0
+            (rows[7][900], rows[7][2000]) = (0.0, -0.0); // ±0 as the largest: the first
+            rows[7].iter_mut().filter(|x| **x != 0.0).for_each(|x| *x = -x.abs() - 1.0);
+            rows[8].iter_mut().for_each(|x| *x = 5.0); // all equal: 0
+        }
+        let flat: Vec<f32> = rows.concat();
+        let x = Tensor::from_vec(flat, (rows.len(), vocab), &dev).unwrap();
+        let got = gpu::argmax_rows(&x).unwrap().to_vec1::<u32>().unwrap();
+        let want: Vec<u32> = rows.iter().map(|r| argmax_scan(r)).collect();
+        assert_eq!(got, want, "vocab {vocab}");
+    }
+    let empty = Tensor::zeros((0, 10), DType::F32, &dev).unwrap();
+    assert_eq!(gpu::argmax_rows(&empty).unwrap().dims(), [0]);
+    let u = Tensor::zeros((2, 10), DType::U32, &dev).unwrap();
+    assert!(gpu::argmax_rows(&u).is_err());
+}
+
 /// One attention case: `seq` query rows after `pos` cached positions, a cache of `dtype`.
 struct Case {
     nh: usize,
@@ -511,6 +556,18 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
             let one = flat(&gpu::matmul_q4k_mma(&row, &wq).unwrap());
             assert_eq!(one, mma[t * r..(t + 1) * r], "matmul_q4k_mma row {t} of {n} (R {r} K {k})");
         }
+        // Up to three matrices in one launch (q, k, v): each its own launch's bits; R + 5 and 3
+        // rows: a partial 16-row group in every matrix after the first.
+        let (wb, _) = random_q4k(&[r + 5, k], &mut rng, &dev);
+        let (wc, _) = random_q4k(&[3, k], &mut rng, &dev);
+        for ws in [vec![&wq], vec![&wq, &wb], vec![&wq, &wb, &wc], vec![&wc, &wq]] {
+            let many = gpu::matmul_q4k_mma_many(&xt, &ws).unwrap();
+            assert_eq!(many.len(), ws.len());
+            for (y, w) in many.iter().zip(&ws) {
+                let alone = flat(&gpu::matmul_q4k_mma(&xt, w).unwrap());
+                assert_eq!(flat(y), alone, "matmul_q4k_mma_many vs alone (R {r} K {k} n {n})");
+            }
+        }
         for (act, mv) in
             [("f32", &f32mv as &dyn Fn(&Tensor, &[&QTensor]) -> Vec<Tensor>), ("q8", &q8)]
         {
@@ -548,6 +605,9 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
     assert!(gpu::matvec_quant(&x, &wq).is_err(), "K 512 against a matrix of 256 columns");
     assert!(gpu::matvec_quant_many(&x, &[]).is_err());
     assert!(gpu::matmul_q4k_mma(&x, &wq).is_err(), "K 512 against a matrix of 256 columns");
+    assert!(gpu::matmul_q4k_mma_many(&x, &[&wq]).is_err(), "K 512 against 256 columns");
+    assert!(gpu::matmul_q4k_mma_many(&x, &[]).is_err(), "no matrix");
+    assert!(gpu::matmul_q4k_mma_many(&x, &[&wq, &wq, &wq, &wq]).is_err(), "four matrices");
 }
 
 /// The Q4_1 and Q8_0 mat-vecs (llama-family dense layers; q8 inputs) equal the f64 product over

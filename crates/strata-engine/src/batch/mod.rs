@@ -140,6 +140,14 @@ pub struct Batcher {
 /// How a sequence ended in a step.
 type Outcome = std::result::Result<FinishReason, EngineError>;
 
+/// What a sequence's next token is decided from.
+enum Pick<'a> {
+    /// Its logits `[vocab]` on the host: the sampler draws.
+    Logits(&'a [f32]),
+    /// The greedy pick the device made ([`Logits::Greedy`]).
+    Token(u32),
+}
+
 impl Batcher {
     /// Allocates `cfg.slots` KV caches. Errors: the engine has speculative decoding on, or a
     /// cache cannot be allocated.
@@ -225,8 +233,13 @@ impl Batcher {
             let mut slots: Vec<Option<&mut KvCache>> = self.caches.iter_mut().map(Some).collect();
             let mut batch: Vec<BatchSeq<'_>> = Vec::with_capacity(plan.len());
             for (i, tokens) in &plan {
-                let cache = slots[self.running[*i].slot].take().expect("a sequence's slot");
-                batch.push(BatchSeq { tokens, cache, logits: Logits::Last });
+                let s = &self.running[*i];
+                let cache = slots[s.slot].take().expect("a sequence's slot");
+                // A decode step whose sampler takes the raw logits' argmax asks for the greedy
+                // pick alone: on a GPU it is made there and the logits stay on the device.
+                let greedy = matches!(s.phase, Phase::Decode { .. }) && s.out.greedy_only();
+                let logits = if greedy { Logits::Greedy } else { Logits::Last };
+                batch.push(BatchSeq { tokens, cache, logits });
             }
             let opts = BatchOptions {
                 stop: Some(stop),
@@ -261,7 +274,8 @@ impl Batcher {
                 }
                 seen[l].extend_from_slice(&r.expert_ids);
             }
-            stats.generated += self.advance(*id, tokens.len(), &out.logits, &mut finished);
+            stats.generated +=
+                self.advance(*id, tokens.len(), &out.logits, out.greedy, &mut finished);
         }
         let layers = seen.len();
         let distinct: usize = seen
@@ -318,15 +332,22 @@ impl Batcher {
 
     /// Takes a pass's logits `[1, vocab]` for sequence `id`, which ran `n` tokens: samples and
     /// emits the next token when the prompt is done (and forks the request's other choices from
-    /// it). Pushes sequences that end onto `finished`; returns the tokens emitted.
+    /// it). `greedy`: the pick the device made for a [`Logits::Greedy`] decode step (its logits
+    /// are then empty). Pushes sequences that end onto `finished`; returns the tokens emitted.
     fn advance(
         &mut self,
         id: u64,
         n: usize,
         logits: &candle_core::Tensor,
+        greedy: Option<u32>,
         finished: &mut Vec<(u64, Outcome)>,
     ) -> usize {
         let Some(i) = self.running.iter().position(|s| s.id == id) else { return 0 };
+        if let Some(token) = greedy {
+            // Only decode steps ask for it: no prompt ends here, no choices fork.
+            self.sample_into(i, Pick::Token(token), finished);
+            return 1;
+        }
         let s = &mut self.running[i];
         let mut forks = false;
         if let Phase::Prefill { done } = s.phase {
@@ -365,7 +386,7 @@ impl Batcher {
             }
         };
         let mut emitted = 1;
-        self.sample_into(i, logits, finished);
+        self.sample_into(i, Pick::Logits(logits), finished);
         if forks {
             // The request's other choices copy this prompt's cache and sample from its logits.
             let group = self.running[i].group.clone();
@@ -383,28 +404,34 @@ impl Batcher {
                     continue;
                 }
                 self.running[j].experts_prefilled = self.running[i].experts_prefilled;
-                self.sample_into(j, logits, finished);
+                self.sample_into(j, Pick::Logits(logits), finished);
                 emitted += 1;
             }
         }
         emitted
     }
 
-    /// Samples running sequence `i`'s next token from `logits` and emits it; records its end.
-    fn sample_into(&mut self, i: usize, logits: &[f32], finished: &mut Vec<(u64, Outcome)>) {
+    /// Samples running sequence `i`'s next token (or takes the device's greedy pick) and emits
+    /// it; records its end.
+    fn sample_into(&mut self, i: usize, pick: Pick<'_>, finished: &mut Vec<(u64, Outcome)>) {
         let id = self.running[i].id;
-        match self.sample_and_emit(i, logits) {
+        match self.sample_and_emit(i, pick) {
             Ok(None) => {}
             Ok(Some(f)) => finished.push((id, Ok(f))),
             Err(e) => finished.push((id, Err(e))),
         }
     }
 
-    fn sample_and_emit(&mut self, i: usize, logits: &[f32]) -> Result<Option<FinishReason>> {
+    fn sample_and_emit(&mut self, i: usize, pick: Pick<'_>) -> Result<Option<FinishReason>> {
         let engine = self.engine.clone();
         let cap = self.cfg.ctx_size;
         let s = &mut self.running[i];
-        let id = s.out.sample(logits)?;
+        // A device pick comes only for a sequence without log-probabilities (`greedy_only`):
+        // `emit` reads no logits then.
+        let (id, logits) = match pick {
+            Pick::Logits(l) => (s.out.sample(l)?, l),
+            Pick::Token(t) => (t, &[][..]),
+        };
         if s.first_token.is_none() {
             s.first_token = Some(Instant::now());
         }

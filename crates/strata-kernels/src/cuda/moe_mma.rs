@@ -154,3 +154,51 @@ pub fn matmul_q4k_mma(x: &Tensor, w: &QTensor) -> Result<Tensor> {
     mm_q8(dev, &x.contiguous()?, None, n, l, &out)?;
     Ok(out)
 }
+
+/// [`matmul_q4k_mma`] over up to three Q4_K matrices `ws[m]: [R_m, K]` sharing the input `x: [n,
+/// K]` (a layer's q, k and v) in one launch (`q4k_mm3_q8`; `x` rounded to q8 once) → `[n, R_m]`
+/// each, every one equal bit for bit to its own [`matmul_q4k_mma`] (tested). A 16-row step's k and
+/// v (512 rows each, 64 blocks) cost about the kernel's latency alone; fused with q they fill the
+/// GPU together (docs/performance.md, twentieth session).
+///
+/// Errors: no matrix or more than three; any matrix refused as by [`matmul_q4k_mma`] (the same
+/// `K` for all).
+pub fn matmul_q4k_mma_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
+    if ws.is_empty() || ws.len() > 3 {
+        candle_core::bail!("matmul_q4k_mma_many: {} matrices (1 to 3)", ws.len());
+    }
+    let mut rows = [0usize; 3];
+    let mut n = 0;
+    for (m, w) in ws.iter().enumerate() {
+        let (nn, r, _) = super::check_dense_q4k(x, w, "matmul_q4k_mma_many")?;
+        (n, rows[m]) = (nn, r);
+    }
+    let dev = cuda_device(x)?;
+    let outs =
+        (0..ws.len()).map(|m| alloc::<f32>(dev, (n, rows[m]))).collect::<Result<Vec<_>>>()?;
+    if n == 0 || rows.iter().all(|&r| r == 0) {
+        return Ok(outs);
+    }
+    let x = x.contiguous()?;
+    let (_keep, mut args, _) = kernel_inputs(&x, Activations::Q8)?;
+    for m in 0..3 {
+        args.push(Arg::Ptr(match ws.get(m) {
+            Some(w) => w.device_ptr()? as u64,
+            None => 0,
+        }));
+    }
+    for m in 0..3 {
+        args.push(addr_or_null(outs.get(m))?);
+    }
+    args.extend(i32s(&[n, rows[0], rows[1], rows[2], x.dim(1)?]));
+    let groups: usize = rows.iter().map(|r| r.div_ceil(MMA_ROWS)).sum();
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(MMA_TN) as u32, groups as u32, 1),
+        block_dim: (MMA_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: arguments in `q4k_mm3_q8`'s order; every matrix checked Q4_K [R_m, K] against x
+    // [n, K] (K a multiple of 256), each output [n, R_m], absent ones null with R = 0.
+    unsafe { launch(dev, "q4k_mm3_q8", cfg, &args) }?;
+    Ok(outs)
+}

@@ -61,7 +61,14 @@ impl Transformer {
         opts: BatchOptions<'_>,
     ) -> Result<Vec<Result<ForwardOutput>>> {
         #[cfg(feature = "cuda")]
-        if let Some(out) = self.try_decode_graphed(seqs, &opts)? {
+        if let Some(mut out) = self.try_decode_graphed(seqs, &opts)? {
+            let rows = 0..out.logits.dim(0)?;
+            let one = std::slice::from_ref(&rows);
+            let [(logits, greedy)]: [_; 1] =
+                super::pick::split_logits(&out.logits, one, &[seqs[0].logits])?
+                    .try_into()
+                    .expect("one sequence");
+            (out.logits, out.greedy) = (logits, greedy);
             return Ok(vec![Ok(out)]);
         }
         #[cfg(feature = "cuda")]
@@ -250,7 +257,7 @@ impl Transformer {
         for (r, mode) in ranges.iter().zip(&modes) {
             let from = rows.len();
             match mode {
-                Logits::Last => rows.push(r.end as u32 - 1),
+                Logits::Last | Logits::Greedy => rows.push(r.end as u32 - 1),
                 Logits::All => rows.extend(r.start as u32..r.end as u32),
             }
             picked.push(from..rows.len());
@@ -264,13 +271,8 @@ impl Transformer {
         if scales.logits != 1.0 {
             logits = (logits * scales.logits)?;
         }
-        // Several sequences on a GPU: the batch's logits come to the host in one copy. (Each
-        // sequence's rows are a view of the batch's tensor, and reading a view of a device
-        // tensor copies its whole buffer: 16 sequences' reads of 16 rows each moved 16× the
-        // logits, 155 MB per step for a 152k vocabulary.)
-        if live.len() > 1 && !self.device.is_cpu() {
-            logits = logits.to_device(&candle_core::Device::Cpu)?;
-        }
+        // Greedy picks on the device; several sequences' other logits to the host in one copy.
+        let split = super::pick::split_logits(&logits, &picked, &modes)?;
         // Device routing is read back after the lm_head's launch: the one wait of the pass.
         #[cfg(feature = "cuda")]
         if let Some(d) = on_device {
@@ -278,17 +280,16 @@ impl Transformer {
             routing.sort_by_key(|r: &LayerRouting| r.layer);
         }
         let mut out = Vec::with_capacity(live.len());
-        for (k, (failure, states)) in failed.into_iter().zip(hidden_states).enumerate() {
+        let each = failed.into_iter().zip(hidden_states).zip(split);
+        for (k, ((failure, states), (logits, greedy))) in each.enumerate() {
             if let Some(e) = failure {
                 out.push(Err(e));
                 continue;
             }
             let r = &ranges[k];
             caches[k].advance(r.len());
-            let p = &picked[k];
-            let logits = logits.narrow(0, p.start, p.len())?;
             let routing = routing.iter().map(|lr| slice_routing(lr, r)).collect();
-            out.push(Ok(ForwardOutput { logits, hidden_states: states, routing }));
+            out.push(Ok(ForwardOutput { logits, greedy, hidden_states: states, routing }));
         }
         Ok(out)
     }

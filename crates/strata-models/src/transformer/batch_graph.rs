@@ -64,7 +64,7 @@ impl Transformer {
     /// One decode token for each of `seqs` (2 to [`GRAPH_ROWS_MAX`] sequences) through a
     /// captured batched step; `None` when the batch cannot take this path (the caller runs the
     /// op-by-op pass). On success every cache advances by one and each result holds the
-    /// sequence's logits `[1, vocab]` (on the host) and routing.
+    /// sequence's logits `[1, vocab]` (on the host) or its greedy pick, and routing.
     pub(super) fn try_batch_graphed(
         &self,
         seqs: &mut [BatchSeq<'_>],
@@ -207,20 +207,22 @@ impl Transformer {
     }
 }
 
-/// Each sequence's result from a step's logits `[rows, vocab]` (on the device; brought to the
-/// host in one copy) and routing; every cache advances by its one token.
+/// Each sequence's result from a step's logits `[rows, vocab]` (on the device: greedy picks made
+/// there, the other rows brought to the host in one copy, [`super::pick::split_logits`]) and
+/// routing; every cache advances by its one token.
 fn finish(
     seqs: &mut [BatchSeq<'_>],
     logits: &Tensor,
     routing: Vec<crate::moe::LayerRouting>,
 ) -> Result<Vec<Result<ForwardOutput>>> {
-    let logits = logits.to_device(&Device::Cpu)?;
+    let rows: Vec<std::ops::Range<usize>> = (0..seqs.len()).map(|k| k..k + 1).collect();
+    let modes: Vec<_> = seqs.iter().map(|s| s.logits).collect();
+    let split = super::pick::split_logits(logits, &rows, &modes)?;
     let mut out = Vec::with_capacity(seqs.len());
-    for (k, s) in seqs.iter_mut().enumerate() {
+    for ((k, s), (logits, greedy)) in seqs.iter_mut().enumerate().zip(split) {
         s.cache.advance(1);
         let routing = routing.iter().map(|lr| slice_routing(lr, &(k..k + 1))).collect();
-        let logits = logits.narrow(0, k, 1)?;
-        out.push(Ok(ForwardOutput { logits, hidden_states: Vec::new(), routing }));
+        out.push(Ok(ForwardOutput { logits, greedy, hidden_states: Vec::new(), routing }));
     }
     Ok(out)
 }

@@ -213,7 +213,7 @@ impl Transformer {
     ) -> Result<Option<ForwardOutput>> {
         let Device::Cuda(dev) = &self.device else { return Ok(None) };
         let (pos, rows) = (cache.len(), tokens.len());
-        let last_only = rows > 1 && matches!(logits, Logits::Last);
+        let last_only = rows > 1 && matches!(logits, Logits::Last | Logits::Greedy);
         // The bucket holds the pass's last position; the kernels take the largest first one.
         let last = bucket(pos + rows - 1, cache.capacity());
         let key = (rows, last_only, last);
@@ -244,7 +244,7 @@ impl Transformer {
                 .map(|d| d.read(self.experts.as_ref()))
                 .transpose()?
                 .unwrap_or_default();
-            let eager = ForwardOutput { logits, hidden_states: Vec::new(), routing };
+            let eager = ForwardOutput { logits, greedy: None, hidden_states: Vec::new(), routing };
             if !capture {
                 return Ok(Some(eager));
             }
@@ -281,7 +281,7 @@ impl Transformer {
             let logits = c.logits.copy()?;
             let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
             let routing = routing.unwrap_or_default();
-            Ok(Some(ForwardOutput { logits, hidden_states: Vec::new(), routing }))
+            Ok(Some(ForwardOutput { logits, greedy: None, hidden_states: Vec::new(), routing }))
         })
     }
 
