@@ -127,15 +127,27 @@ struct F32In {
     static __device__ __forceinline__ float dot(const Q4kW& w, const Q4kX& x) { return q4k_dot(w, x); }
 };
 
+// Which grid dimension walks the pairs (tokens, for down): pairs_first puts them on x, so the
+// blocks of every pair (token) for the same weight rows are launched next to each other and the
+// pairs routed to one expert read its rows from L2 (a batched step's 128 pairs fall on ~73
+// experts); otherwise the rows are on x (one pair's whole expert streamed at a time: decode
+// steps). The arithmetic is the same either way.
+__device__ __forceinline__ void moe_block(int pairs_first, int& rows_block, int& pair) {
+    rows_block = pairs_first ? blockIdx.y : blockIdx.x;
+    pair = pairs_first ? blockIdx.x : blockIdx.y;
+}
+
 // x [n, H] (In, cols H); gate, up [E, I, H] Q4_K; ids [n, k]; a [n, k, I]. grid (ceil(I / 4),
-// n * k), 128 threads: warp w computes row 4·blockIdx.x + w of the expert's gate and up (one load
-// of x for both).
+// n * k), or (n * k, ceil(I / 4)) with pairs_first, 128 threads: warp w computes row 4·b + w of
+// the expert's gate and up (one load of x for both) for the block's row group b and pair.
 template <class In>
 __device__ void moe_gate_up(const In in, const uint8_t* __restrict__ gate,
                             const uint8_t* __restrict__ up, const uint32_t* __restrict__ ids,
-                            float* __restrict__ a, int H, int I, int k, int indirect) {
-    const int lane = threadIdx.x % WARP, r = blockIdx.x * 4 + threadIdx.x / WARP;
-    const int tj = blockIdx.y, t = tj / k;
+                            float* __restrict__ a, int H, int I, int k, int indirect,
+                            int pairs_first) {
+    int b, tj;
+    moe_block(pairs_first, b, tj);
+    const int lane = threadIdx.x % WARP, r = b * 4 + threadIdx.x / WARP, t = tj / k;
     if (r >= I) return;
     const int nb = H / 256;
     const size_t stride = (size_t)I * nb * Q4K_BYTES, off = (size_t)r * nb * Q4K_BYTES;
@@ -155,14 +167,17 @@ __device__ void moe_gate_up(const In in, const uint8_t* __restrict__ gate,
 }
 
 // a [n, k, I] (In: rows n·k, cols I); down [E, H, I] Q4_K; ids, w [n, k]; residual (nullable)
-// and out [n, H]. grid (ceil(H / 4), n), 128 threads: warp w computes output h = 4·blockIdx.x +
-// w, its lanes spread over the k experts' super-blocks (k · I / 256 of them, 4 per step).
+// and out [n, H]. grid (ceil(H / 4), n), or (n, ceil(H / 4)) with pairs_first, 128 threads: warp
+// w computes output h = 4·b + w of the block's token, its lanes spread over the k experts'
+// super-blocks (k · I / 256 of them, 4 per step).
 template <class In>
 __device__ void moe_down(const In in, const uint8_t* __restrict__ down,
                          const uint32_t* __restrict__ ids, const float* __restrict__ w,
                          const float* __restrict__ residual, float* __restrict__ out, int H, int I,
-                         int k, int indirect) {
-    const int lane = threadIdx.x % WARP, h = blockIdx.x * 4 + threadIdx.x / WARP, t = blockIdx.y;
+                         int k, int indirect, int pairs_first) {
+    int b, t;
+    moe_block(pairs_first, b, t);
+    const int lane = threadIdx.x % WARP, h = b * 4 + threadIdx.x / WARP;
     if (h >= H) return;
     const int nb = I / 256;
     const size_t stride = (size_t)H * nb * Q4K_BYTES;
@@ -181,16 +196,16 @@ __device__ void moe_down(const In in, const uint8_t* __restrict__ down,
 
 extern "C" __global__ void moe_gate_up_q4k(const float* x, const uint8_t* gate, const uint8_t* up,
                                            const uint32_t* ids, float* a, int H, int I, int k,
-                                           int indirect) {
+                                           int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_gate_up(F32In{x, H}, gate, up, ids, a, H, I, k, indirect);
+    moe_gate_up(F32In{x, H}, gate, up, ids, a, H, I, k, indirect, pairs_first);
 }
 
 extern "C" __global__ void moe_down_q4k(const float* a, const uint8_t* down, const uint32_t* ids,
                                         const float* w, const float* residual, float* out, int H,
-                                        int I, int k, int indirect) {
+                                        int I, int k, int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k, indirect);
+    moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
 }
 
 // Dense Q4_K mat-vecs, up to three matrices in one launch (a layer's q, k and v projections):

@@ -94,18 +94,18 @@ MV_Q4K_Q8_KERNEL(4, 4, mv_q4k_q8_r4t4)
 // moe_gate_up_q4k over q8 inputs xq [n, H], xd [n, H / 32]; same grid and output.
 extern "C" __global__ void moe_gate_up_q4k_q8(const int8_t* xq, const float* xd, const uint8_t* gate,
                                               const uint8_t* up, const uint32_t* ids, float* a,
-                                              int H, int I, int k, int indirect) {
+                                              int H, int I, int k, int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_gate_up(Q8In{xq, xd, H}, gate, up, ids, a, H, I, k, indirect);
+    moe_gate_up(Q8In{xq, xd, H}, gate, up, ids, a, H, I, k, indirect, pairs_first);
 }
 
 // moe_down_q4k over q8 activations aq [n, k, I], ad [n, k, I / 32]; same grid and output.
 extern "C" __global__ void moe_down_q4k_q8(const int8_t* aq, const float* ad, const uint8_t* down,
                                            const uint32_t* ids, const float* w,
                                            const float* residual, float* out, int H, int I, int k,
-                                           int indirect) {
+                                           int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_down(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k, indirect);
+    moe_down(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
 }
 
 // ---------------------------------------------------------------------------------------------

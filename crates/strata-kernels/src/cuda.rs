@@ -384,6 +384,21 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// Fewest tokens of a pass for [`moe_q4k_as`] to put the pairs on the grid's first dimension
+/// ([`moe_pairs_first`]). H200, the synthetic 30B (docs/performance.md, twentieth session): 16
+/// sequences faster with it (ncu: gate_up 80.6 → 78.4 µs, down 51.4 → 49.4 µs; engine +1.3–1.8%;
+/// server 4.02× against 3.90×), 8 sequences 2.7% slower in the engine (within its runs' spread);
+/// 9–15 not measured — 12 is the midpoint.
+pub const MOE_PAIRS_FIRST_ROWS_MIN: usize = 12;
+
+/// Whether [`moe_q4k_as`] launches a pass of [`MOE_PAIRS_FIRST_ROWS_MIN`] or more tokens with the
+/// pairs (tokens) on the grid's first dimension, so that pairs sharing an expert read its rows
+/// next to each other: on unless `STRATA_GPU_MOE_PAIRS_FIRST=0` (the same values either way).
+fn moe_pairs_first() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_GPU_MOE_PAIRS_FIRST").map_or(true, |v| v != "0"))
+}
+
 /// Whether [`silu_mul`] writes its output's q8 twin: on unless `STRATA_GPU_SILU_Q8=0`.
 fn silu_q8() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -1536,25 +1551,25 @@ pub fn moe_q4k_as(
     }
     // The inputs of gate/up: x itself (f32) or its q8 rounding (two tensors).
     let (_xs, mut args, suffix) = kernel_inputs(x, act)?;
-    let cfg = LaunchConfig {
-        grid_dim: (i.div_ceil(4) as u32, (n * k) as u32, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+    // Many tokens: the pairs (tokens, for down) on the grid's x, so those routed to one expert
+    // read its rows next to each other, from L2 (`moe_block` in moe_q4k.cuh).
+    let pairs_first = n >= MOE_PAIRS_FIRST_ROWS_MIN && moe_pairs_first();
+    let grid = |rows: usize, pairs: usize| match pairs_first {
+        true => (pairs as u32, rows.div_ceil(4) as u32, 1),
+        false => (rows.div_ceil(4) as u32, pairs as u32, 1),
     };
+    let cfg =
+        LaunchConfig { grid_dim: grid(i, n * k), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     let ([gp, upp, dp], indirect) = moe_weight_args([gate, up, down], table)?;
     args.extend([Arg::Ptr(gp), Arg::Ptr(upp), Arg::Ptr(addr(ids)?), Arg::Ptr(addr(&a)?)]);
     args.extend(i32s(&[h, i, k]));
-    args.push(Arg::I32(indirect));
+    args.extend([Arg::I32(indirect), Arg::I32(pairs_first as i32)]);
     // SAFETY: arguments in `moe_gate_up_q4k`'s order; the ids index rows of [E, I, H] tensors
     // (the caller's routing: ids < E), shapes checked above.
     unsafe { launch(dev, &format!("moe_gate_up_q4k{suffix}"), cfg, &args) }?;
     // The inputs of down: a (f32) or its q8 rounding, rows of I values per (token, slot).
     let (_a_in, mut args, _) = kernel_inputs(&a.reshape((n * k, i))?, act)?;
-    let cfg = LaunchConfig {
-        grid_dim: (h.div_ceil(4) as u32, n as u32, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = LaunchConfig { grid_dim: grid(h, n), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     args.extend([
         Arg::Ptr(dp),
         Arg::Ptr(addr(ids)?),
@@ -1563,7 +1578,7 @@ pub fn moe_q4k_as(
         Arg::Ptr(addr(&out)?),
     ]);
     args.extend(i32s(&[h, i, k]));
-    args.push(Arg::I32(indirect));
+    args.extend([Arg::I32(indirect), Arg::I32(pairs_first as i32)]);
     // SAFETY: arguments in `moe_down_q4k`'s (`_q8`'s) order; shapes checked above (a table holds
     // the addresses of every expert's [I, H] / [H, I] matrices: its owner's contract).
     unsafe { launch(dev, &format!("moe_down_q4k{suffix}"), cfg, &args) }?;
