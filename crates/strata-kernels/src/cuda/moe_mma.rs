@@ -69,10 +69,10 @@ pub fn moe_q4k_mma(
     let ([gp, upp, dp], indirect) = moe_weight_args([gate, up, down], table)?;
     let a = alloc::<f32>(dev, (pairs, i))?;
     let glu = MmaLaunch { w: gp, w2: upp, rows: i, cols: h, k, per_token: true, indirect };
-    mm_q8(dev, x, Some(&sorted), pairs, glu, &a)?;
+    mm_q8(dev, x, &sorted, pairs, glu, &a)?;
     let y = alloc::<f32>(dev, (pairs, h))?;
     let proj = MmaLaunch { w: dp, w2: 0, rows: h, cols: i, k: 1, per_token: false, indirect };
-    mm_q8(dev, &a, Some(&sorted), pairs, proj, &y)?;
+    mm_q8(dev, &a, &sorted, pairs, proj, &y)?;
     moe_combine(&y.reshape((n, k, h))?, &weights.contiguous()?)
 }
 
@@ -92,13 +92,12 @@ struct MmaLaunch {
     indirect: i32,
 }
 
-/// Runs `l` over `sorted`'s tiles (or, `None`, over tiles of [`MMA_TN`] consecutive rows of a
-/// dense product): `src` (f32 `[rows, cols]`) rounded to q8, `out: [pairs, l.rows]` f32. The
-/// caller checked the shapes.
+/// Runs `l` over `sorted`'s tiles: `src` (f32 `[rows, cols]`) rounded to q8, `out: [pairs,
+/// l.rows]` f32. The caller checked the shapes.
 fn mm_q8(
     dev: &CudaDevice,
     src: &Tensor,
-    sorted: Option<&SortedPairs>,
+    sorted: &SortedPairs,
     pairs: usize,
     l: MmaLaunch,
     out: &Tensor,
@@ -107,57 +106,41 @@ fn mm_q8(
     args.extend([
         Arg::Ptr(l.w),
         Arg::Ptr(l.w2),
-        addr_or_null(sorted.map(|s| &s.order))?,
-        addr_or_null(sorted.map(|s| &s.tiles))?,
-        addr_or_null(sorted.map(|s| &s.ntiles))?,
+        Arg::Ptr(addr(&sorted.order)?),
+        Arg::Ptr(addr(&sorted.tiles)?),
+        Arg::Ptr(addr(&sorted.ntiles)?),
         Arg::Ptr(addr(out)?),
     ]);
     args.extend(i32s(&[pairs, l.rows, l.cols, l.k, l.per_token as usize]));
     args.push(Arg::I32(l.indirect));
-    let tiles = sorted.map_or(pairs.div_ceil(MMA_TN), |s| s.max_tiles);
     let cfg = LaunchConfig {
-        grid_dim: (tiles as u32, l.rows.div_ceil(MMA_ROWS) as u32, 1),
+        grid_dim: (sorted.max_tiles as u32, l.rows.div_ceil(MMA_ROWS) as u32, 1),
         block_dim: (MMA_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: arguments in `q4k_mm_q8`'s order; the caller checked that the weights are Q4_K
-    // [E, rows, cols] (or a table of E such experts; [rows, cols] without `sorted`), that `src`
-    // holds a `cols`-value row per token (per_token) or per pair, that `out` holds [pairs, rows],
-    // and `sorted` came from `moe_tc_sort` over ids < E with tiles of MMA_TN.
+    // [E, rows, cols] (or a table of E such experts), that `src` holds a `cols`-value row per
+    // token (per_token) or per pair, that `out` holds [pairs, rows], and `sorted` came from
+    // `moe_tc_sort` over ids < E with tiles of MMA_TN.
     unsafe { launch(dev, "q4k_mm_q8", cfg, &args) }
 }
 
 /// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`) for a few rows
 /// (batched decode steps, verify passes) on int8 tensor cores: `x` rounded to q8 (or its twin
-/// taken), then `q4k_mm_q8` over tiles of 8 rows — each weight row read once per tile instead of
+/// taken), then `q4k_mm3_q8` over tiles of 8 rows — each weight row read once per tile instead of
 /// once per 4 rows (the mat-vec kernel's tokens per warp). The q8 mat-vec's values up to
-/// summation order; a row's result does not depend on the other rows (tested).
+/// summation order; a row's result does not depend on the other rows (tested). One matrix of
+/// [`matmul_q4k_mma_many`].
 ///
 /// Errors: `w` not Q4_K `[R, K]` with `K` a multiple of 256, `x` not f32 `[n, K]` on the same
 /// device.
 pub fn matmul_q4k_mma(x: &Tensor, w: &QTensor) -> Result<Tensor> {
-    let (n, r, k) = super::check_dense_q4k(x, w, "matmul_q4k_mma")?;
-    let dev = cuda_device(x)?;
-    let out = alloc::<f32>(dev, (n, r))?;
-    if n == 0 || r == 0 {
-        return Ok(out);
-    }
-    let l = MmaLaunch {
-        w: w.device_ptr()? as u64,
-        w2: 0,
-        rows: r,
-        cols: k,
-        k: 1,
-        per_token: false,
-        indirect: 0,
-    };
-    mm_q8(dev, &x.contiguous()?, None, n, l, &out)?;
-    Ok(out)
+    Ok(matmul_q4k_mma_many(x, &[w])?.remove(0))
 }
 
 /// [`matmul_q4k_mma`] over up to three Q4_K matrices `ws[m]: [R_m, K]` sharing the input `x: [n,
 /// K]` (a layer's q, k and v) in one launch (`q4k_mm3_q8`; `x` rounded to q8 once) → `[n, R_m]`
-/// each, every one equal bit for bit to its own [`matmul_q4k_mma`] (tested). A 16-row step's k and
+/// each, every one equal bit for bit to that matrix's launch alone (tested). A 16-row step's k and
 /// v (512 rows each, 64 blocks) cost about the kernel's latency alone; fused with q they fill the
 /// GPU together (docs/performance.md, twentieth session).
 ///
