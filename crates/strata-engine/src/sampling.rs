@@ -71,39 +71,9 @@ pub struct Sampler {
     rng: StdRng,
 }
 
-/// Index of the largest value (first on ties, like llama.cpp's greedy sampler; NaNs are never
-/// picked unless the first value is one — then 0, as a loop keeping the first strictly greater
-/// value gives). Two passes without a loop-carried comparison per value, which the compiler
-/// vectorizes: the largest value over 16 lanes, then the first chunk of 16 holding it and its
-/// place there — a 152k vocabulary's greedy pick is on the host path of every generated token.
-pub fn argmax(xs: &[f32]) -> u32 {
-    const L: usize = 16;
-    let Some(&first) = xs.first() else { return 0 };
-    if first.is_nan() {
-        return 0;
-    }
-    let mut lanes = [first; L];
-    let chunks = xs.chunks_exact(L);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (m, &x) in lanes.iter_mut().zip(chunk) {
-            *m = if x > *m { x } else { *m };
-        }
-    }
-    let mut max = first;
-    for &x in lanes.iter().chain(tail) {
-        if x > max {
-            max = x;
-        }
-    }
-    for (c, chunk) in xs.chunks(L).enumerate() {
-        if chunk.iter().fold(false, |hit, &x| hit | (x == max)) {
-            let j = chunk.iter().position(|&x| x == max).unwrap_or(0);
-            return (c * L + j) as u32;
-        }
-    }
-    0
-}
+/// The greedy pick: index of the largest value, first on ties (the host kernel,
+/// [`strata_kernels::pick::argmax`]; GPU passes pick on the device with the same semantics).
+pub use strata_kernels::pick::argmax;
 
 /// `log(softmax(logits))` over the whole vocabulary.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
@@ -234,40 +204,6 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The loop `argmax` replaced: keep the first strictly greater value.
-    fn argmax_scalar(xs: &[f32]) -> u32 {
-        let mut best = 0;
-        for (i, &x) in xs.iter().enumerate() {
-            if x > xs[best] {
-                best = i;
-            }
-        }
-        best as u32
-    }
-
-    #[test]
-    fn argmax_equals_the_first_strictly_greater_scan() {
-        let mut rng = StdRng::seed_from_u64(7);
-        for len in [0usize, 1, 7, 8, 9, 31, 1000, 49_152] {
-            let mut xs: Vec<f32> = (0..len).map(|_| rng.random::<f32>() * 20.0 - 10.0).collect();
-            assert_eq!(argmax(&xs), argmax_scalar(&xs), "random, {len} values");
-            if len > 20 {
-                // Ties (the first wins), a NaN inside, ±0 as the largest.
-                let m = xs.iter().copied().fold(f32::MIN, f32::max);
-                xs[len / 2] = m;
-                xs[len - 1] = m;
-                xs[3] = f32::NAN;
-                assert_eq!(argmax(&xs), argmax_scalar(&xs), "ties and a NaN, {len} values");
-                let mut z: Vec<f32> = xs.iter().map(|x| -x.abs() - 1.0).collect();
-                z[5] = -0.0;
-                z[len - 2] = 0.0;
-                assert_eq!(argmax(&z), argmax_scalar(&z), "±0, {len} values");
-                xs[0] = f32::NAN;
-                assert_eq!(argmax(&xs), argmax_scalar(&xs), "a NaN first, {len} values");
-            }
-        }
-    }
 
     #[test]
     fn greedy_picks_argmax_and_penalty_changes_it() {

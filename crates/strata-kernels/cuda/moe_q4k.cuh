@@ -137,75 +137,106 @@ __device__ __forceinline__ void moe_block(int pairs_first, int& rows_block, int&
     pair = pairs_first ? blockIdx.x : blockIdx.y;
 }
 
-// x [n, H] (In, cols H); gate, up [E, I, H] Q4_K; ids [n, k]; a [n, k, I]. grid (ceil(I / 4),
-// n * k), or (n * k, ceil(I / 4)) with pairs_first, 128 threads: warp w computes row 4·b + w of
-// the expert's gate and up (one load of x for both) for the block's row group b and pair.
-template <class In>
+// x [n, H] (In, cols H); gate, up [E, I, H] Q4_K; ids [n, k]; a [n, k, I]. grid (ceil(I / 4R),
+// n * k), or (n * k, ceil(I / 4R)) with pairs_first, 128 threads: warp w computes rows
+// R·(4·b + w) .. + R − 1 of the expert's gate and up (one load of x for all of them) for the
+// block's row group b and pair. A row's sums are the same operations in the same order whatever
+// R (more rows per warp: more independent weight loads in flight per warp, fewer blocks).
+template <int R, class In>
 __device__ void moe_gate_up(const In in, const uint8_t* __restrict__ gate,
                             const uint8_t* __restrict__ up, const uint32_t* __restrict__ ids,
                             float* __restrict__ a, int H, int I, int k, int indirect,
                             int pairs_first) {
     int b, tj;
     moe_block(pairs_first, b, tj);
-    const int lane = threadIdx.x % WARP, r = b * 4 + threadIdx.x / WARP, t = tj / k;
-    if (r >= I) return;
+    const int lane = threadIdx.x % WARP, r0 = (b * 4 + threadIdx.x / WARP) * R, t = tj / k;
+    if (r0 >= I) return;
     const int nb = H / 256;
-    const size_t stride = (size_t)I * nb * Q4K_BYTES, off = (size_t)r * nb * Q4K_BYTES;
-    const uint8_t* ge = expert_weights(gate, indirect, ids[tj], stride) + off;
-    const uint8_t* ue = expert_weights(up, indirect, ids[tj], stride) + off;
-    float g = 0.f, u = 0.f;
+    const size_t stride = (size_t)I * nb * Q4K_BYTES, row = (size_t)nb * Q4K_BYTES;
+    const uint8_t* ge = expert_weights(gate, indirect, ids[tj], stride) + r0 * row;
+    const uint8_t* ue = expert_weights(up, indirect, ids[tj], stride) + r0 * row;
+    float g[R], u[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        g[i] = 0.f;
+        u[i] = 0.f;
+    }
 #pragma unroll 2
     for (int sb = lane >> 3; sb < nb; sb += 4) {
         const size_t o = (size_t)sb * Q4K_BYTES;
         const auto xs = in.load(t, sb, lane & 7);
-        g += In::dot(q4k_w_lane(ge + o, lane & 7), xs);
-        u += In::dot(q4k_w_lane(ue + o, lane & 7), xs);
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            if (r0 + i < I) {  // warp-uniform
+                g[i] += In::dot(q4k_w_lane(ge + i * row + o, lane & 7), xs);
+                u[i] += In::dot(q4k_w_lane(ue + i * row + o, lane & 7), xs);
+            }
+        }
     }
-    g = warp_sum(g);
-    u = warp_sum(u);
-    if (lane == 0) a[(size_t)tj * I + r] = g / (1.f + expf(-g)) * u;
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        if (r0 + i < I) {
+            const float gs = warp_sum(g[i]), us = warp_sum(u[i]);
+            if (lane == 0) a[(size_t)tj * I + r0 + i] = gs / (1.f + expf(-gs)) * us;
+        }
+    }
 }
 
 // a [n, k, I] (In: rows n·k, cols I); down [E, H, I] Q4_K; ids, w [n, k]; residual (nullable)
-// and out [n, H]. grid (ceil(H / 4), n), or (n, ceil(H / 4)) with pairs_first, 128 threads: warp
-// w computes output h = 4·b + w of the block's token, its lanes spread over the k experts'
-// super-blocks (k · I / 256 of them, 4 per step).
-template <class In>
+// and out [n, H]. grid (ceil(H / 4R), n), or (n, ceil(H / 4R)) with pairs_first, 128 threads:
+// warp w computes outputs h = R·(4·b + w) .. + R − 1 of the block's token (one load of a for all
+// of them), its lanes spread over the k experts' super-blocks (k · I / 256 of them, 4 per step).
+// An output's sum is the same operations in the same order whatever R.
+template <int R, class In>
 __device__ void moe_down(const In in, const uint8_t* __restrict__ down,
                          const uint32_t* __restrict__ ids, const float* __restrict__ w,
                          const float* __restrict__ residual, float* __restrict__ out, int H, int I,
                          int k, int indirect, int pairs_first) {
     int b, t;
     moe_block(pairs_first, b, t);
-    const int lane = threadIdx.x % WARP, h = b * 4 + threadIdx.x / WARP;
-    if (h >= H) return;
+    const int lane = threadIdx.x % WARP, h0 = (b * 4 + threadIdx.x / WARP) * R;
+    if (h0 >= H) return;
     const int nb = I / 256;
     const size_t stride = (size_t)H * nb * Q4K_BYTES;
-    float acc = 0.f;
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) acc[i] = 0.f;
 #pragma unroll 2
     for (int item = lane >> 3; item < k * nb; item += 4) {
         const int j = item / nb, sb = item - j * nb;
         const uint8_t* de = expert_weights(down, indirect, ids[t * k + j], stride);
-        const size_t off = ((size_t)h * nb + sb) * Q4K_BYTES;
         const auto as = in.load((size_t)t * k + j, sb, lane & 7);
-        acc += w[t * k + j] * In::dot(q4k_w_lane(de + off, lane & 7), as);
+        const float wj = w[t * k + j];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            if (h0 + i < H) {  // warp-uniform
+                const size_t off = ((size_t)(h0 + i) * nb + sb) * Q4K_BYTES;
+                acc[i] += wj * In::dot(q4k_w_lane(de + off, lane & 7), as);
+            }
+        }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        if (h0 + i < H) {
+            const float v = warp_sum(acc[i]);
+            const size_t o = (size_t)t * H + h0 + i;
+            if (lane == 0) out[o] = (residual ? residual[o] : 0.f) + v;
+        }
+    }
 }
 
 extern "C" __global__ void moe_gate_up_q4k(const float* x, const uint8_t* gate, const uint8_t* up,
                                            const uint32_t* ids, float* a, int H, int I, int k,
                                            int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_gate_up(F32In{x, H}, gate, up, ids, a, H, I, k, indirect, pairs_first);
+    moe_gate_up<1>(F32In{x, H}, gate, up, ids, a, H, I, k, indirect, pairs_first);
 }
 
 extern "C" __global__ void moe_down_q4k(const float* a, const uint8_t* down, const uint32_t* ids,
                                         const float* w, const float* residual, float* out, int H,
                                         int I, int k, int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
+    moe_down<1>(F32In{a, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
 }
 
 // Dense Q4_K mat-vecs, up to three matrices in one launch (a layer's q, k and v projections):

@@ -399,6 +399,21 @@ fn moe_pairs_first() -> bool {
     *ON.get_or_init(|| std::env::var("STRATA_GPU_MOE_PAIRS_FIRST").map_or(true, |v| v != "0"))
 }
 
+/// Weight rows each warp of [`moe_q4k_as`]'s q8 gate/up kernel takes for a pass of `n` tokens:
+/// 4 from [`MOE_PAIRS_FIRST_ROWS_MIN`] tokens (`moe_gate_up_q4k_q8_r4`; ncu, a 16-token step of
+/// the synthetic 30B on an H200: 72.9 µs against 78.4 with one row, docs/performance.md), else 1;
+/// `STRATA_GPU_MOE_ROWS=1` keeps one row for every pass. The values are the same either way (a
+/// row's operations and their order do not depend on the warp's other rows; tested).
+fn moe_gate_up_rows_per_warp(n: usize) -> usize {
+    static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let one = *ONE.get_or_init(|| std::env::var("STRATA_GPU_MOE_ROWS").is_ok_and(|v| v == "1"));
+    if !one && n >= MOE_PAIRS_FIRST_ROWS_MIN {
+        4
+    } else {
+        1
+    }
+}
+
 /// Whether [`silu_mul`] writes its output's q8 twin: on unless `STRATA_GPU_SILU_Q8=0`.
 fn silu_q8() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -436,7 +451,7 @@ const ARGMAX_THREADS: u32 = 1024;
 
 /// The greedy pick of every row of `logits: [n, vocab]` f32 on the device: u32 `[n]`, the index
 /// of each row's largest value — the first on ties, NaN never picked unless the row's first value
-/// is NaN (then 0): the same index as the host's greedy scan (`strata_engine::sampling::argmax`)
+/// is NaN (then 0): the same index as the host's greedy scan (`strata_kernels::pick::argmax`)
 /// over the same values, so a batch's greedy tokens need not bring its logits to the host
 /// (16 rows of a 152k vocabulary are 9.7 MB). One block per row.
 ///
@@ -1554,22 +1569,26 @@ pub fn moe_q4k_as(
     // Many tokens: the pairs (tokens, for down) on the grid's x, so those routed to one expert
     // read its rows next to each other, from L2 (`moe_block` in moe_q4k.cuh).
     let pairs_first = n >= MOE_PAIRS_FIRST_ROWS_MIN && moe_pairs_first();
-    let grid = |rows: usize, pairs: usize| match pairs_first {
-        true => (pairs as u32, rows.div_ceil(4) as u32, 1),
-        false => (rows.div_ceil(4) as u32, pairs as u32, 1),
+    // Rows per warp of gate/up (1, or 4: the q8 kernel's `_r4`): the same values, fewer and
+    // longer warps; down always takes one output per warp.
+    let r = if act == Activations::Q8 { moe_gate_up_rows_per_warp(n) } else { 1 };
+    let rs = if r == 4 { "_r4" } else { "" };
+    let grid = |rows: usize, pairs: usize, r: usize| match pairs_first {
+        true => (pairs as u32, rows.div_ceil(4 * r) as u32, 1),
+        false => (rows.div_ceil(4 * r) as u32, pairs as u32, 1),
     };
     let cfg =
-        LaunchConfig { grid_dim: grid(i, n * k), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        LaunchConfig { grid_dim: grid(i, n * k, r), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     let ([gp, upp, dp], indirect) = moe_weight_args([gate, up, down], table)?;
     args.extend([Arg::Ptr(gp), Arg::Ptr(upp), Arg::Ptr(addr(ids)?), Arg::Ptr(addr(&a)?)]);
     args.extend(i32s(&[h, i, k]));
     args.extend([Arg::I32(indirect), Arg::I32(pairs_first as i32)]);
     // SAFETY: arguments in `moe_gate_up_q4k`'s order; the ids index rows of [E, I, H] tensors
     // (the caller's routing: ids < E), shapes checked above.
-    unsafe { launch(dev, &format!("moe_gate_up_q4k{suffix}"), cfg, &args) }?;
+    unsafe { launch(dev, &format!("moe_gate_up_q4k{suffix}{rs}"), cfg, &args) }?;
     // The inputs of down: a (f32) or its q8 rounding, rows of I values per (token, slot).
     let (_a_in, mut args, _) = kernel_inputs(&a.reshape((n * k, i))?, act)?;
-    let cfg = LaunchConfig { grid_dim: grid(h, n), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig { grid_dim: grid(h, n, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     args.extend([
         Arg::Ptr(dp),
         Arg::Ptr(addr(ids)?),

@@ -22,6 +22,7 @@ pub mod f32;
 pub mod interleave;
 pub mod matrix;
 pub mod moe;
+pub mod pick;
 pub mod q4k;
 pub mod q4k_prefill;
 pub mod q5k;

@@ -57,7 +57,7 @@ pub struct ForwardOutput {
     /// `[1 or seq, vocab]` f32 (`[0, vocab]` when `greedy` holds the pick).
     pub logits: Tensor,
     /// With [`Logits::Greedy`] on a GPU: the index of the last position's largest logit (the
-    /// first on ties, as `strata_engine::sampling::argmax`); `None` otherwise.
+    /// first on ties, as `strata_kernels::pick::argmax`); `None` otherwise.
     pub greedy: Option<u32>,
     /// Hidden states `[seq, hidden]` after each layer listed in the request's `hidden_layers`, in order.
     pub hidden_states: Vec<Tensor>,

@@ -215,18 +215,8 @@ fn silu_mul_and_combine_match_candle() {
     assert!(gpu::moe_combine(&g, &u).is_err());
 }
 
-/// The host's greedy pick by definition: the first strictly greater value wins (so the first on
-/// ties, NaN never chosen unless it is the first value — then 0).
-fn argmax_scan(xs: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
+/// The GPU's greedy pick equals the host's (`strata_kernels::pick::argmax`, itself tested against
+/// the first-strictly-greater scan) on rows with ties, NaNs, ±0 and −∞.
 #[test]
 fn argmax_rows_equals_the_first_strictly_greater_scan() {
     let dev = cuda();
@@ -251,7 +241,7 @@ fn argmax_rows_equals_the_first_strictly_greater_scan() {
         let flat: Vec<f32> = rows.concat();
         let x = Tensor::from_vec(flat, (rows.len(), vocab), &dev).unwrap();
         let got = gpu::argmax_rows(&x).unwrap().to_vec1::<u32>().unwrap();
-        let want: Vec<u32> = rows.iter().map(|r| argmax_scan(r)).collect();
+        let want: Vec<u32> = rows.iter().map(|r| strata_kernels::pick::argmax(r)).collect();
         assert_eq!(got, want, "vocab {vocab}");
     }
     let empty = Tensor::zeros((0, 10), DType::F32, &dev).unwrap();
@@ -1180,7 +1170,9 @@ fn moe_q4k_matches_the_f32_reference() {
         // here in f64) likewise — where the kernel's f32 a sits on the other side of a rounding
         // boundary one q8 step of one activation differs, hence the looser bound.
         // "mma": the int8 tensor-core kernel over the same q8 inputs (pairs grouped by expert;
-        // (8, 256, 256, 16, 8) puts 16 pairs on every expert: two tiles each).
+        // (8, 256, 256, 16, 8) puts 16 pairs on every expert: two tiles each). "q8" with 16
+        // tokens takes gate/up four rows per warp (`moe_gate_up_q4k_q8_r4`), each token alone
+        // one row per warp: the bit-for-bit check below covers both.
         for (residual, kernel) in [
             (false, "f32"),
             (true, "f32"),
@@ -1324,8 +1316,8 @@ impl Drop for MappedHost {
 /// The fused MoE kernels reading experts through a table (`ExpertTable`, the GPU expert tier's
 /// mapped experts) — even experts at their rows of the tensors in VRAM, odd ones in page-locked
 /// host memory mapped into the device and read over the bus — give the bits of the same kernels
-/// reading the tensors' rows: decode (`moe_q4k_as`, f32 and q8 activations, and `moe_q4k_mma`, 1
-/// and 4 tokens) and prompt passes on tensor cores (`moe_q4k_tc`, 40 tokens).
+/// reading the tensors' rows: decode (`moe_q4k_as`, f32 and q8 activations, and `moe_q4k_mma`, 1,
+/// 4 and 16 tokens — 16 take the q8 gate/up four rows per warp) and prompt passes on tensor cores (`moe_q4k_tc`, 40 tokens).
 #[test]
 fn moe_kernels_through_an_expert_table_equal_the_tensors() {
     use candle_core::cuda_backend::cudarc::driver::result;
@@ -1349,7 +1341,7 @@ fn moe_kernels_through_an_expert_table_equal_the_tensors() {
     let table = unsafe { result::malloc_sync(entries.len() * 8) }.unwrap();
     unsafe { result::memcpy_htod_sync(table, &entries) }.unwrap();
     let t = gpu::ExpertTable { addr: table, experts: e };
-    for n in [1usize, 4, 40] {
+    for n in [1usize, 4, 16, 40] {
         let xt = Tensor::from_vec(rng.vec(n * h, 1.0), (n, h), &dev).unwrap();
         let ids: Vec<u32> = (0..n * k).map(|j| ((j * 3 + 1) % e) as u32).collect();
         let it = Tensor::from_vec(ids, (n, k), &dev).unwrap();
