@@ -183,46 +183,31 @@ __device__ void moe_gate_up(const In in, const uint8_t* __restrict__ gate,
 }
 
 // a [n, k, I] (In: rows n·k, cols I); down [E, H, I] Q4_K; ids, w [n, k]; residual (nullable)
-// and out [n, H]. grid (ceil(H / 4R), n), or (n, ceil(H / 4R)) with pairs_first, 128 threads:
-// warp w computes outputs h = R·(4·b + w) .. + R − 1 of the block's token (one load of a for all
-// of them), its lanes spread over the k experts' super-blocks (k · I / 256 of them, 4 per step).
-// An output's sum is the same operations in the same order whatever R.
-template <int R, class In>
+// and out [n, H]. grid (ceil(H / 4), n), or (n, ceil(H / 4)) with pairs_first, 128 threads: warp
+// w computes output h = 4·b + w of the block's token, its lanes spread over the k experts'
+// super-blocks (k · I / 256 of them, 4 per step).
+template <class In>
 __device__ void moe_down(const In in, const uint8_t* __restrict__ down,
                          const uint32_t* __restrict__ ids, const float* __restrict__ w,
                          const float* __restrict__ residual, float* __restrict__ out, int H, int I,
                          int k, int indirect, int pairs_first) {
     int b, t;
     moe_block(pairs_first, b, t);
-    const int lane = threadIdx.x % WARP, h0 = (b * 4 + threadIdx.x / WARP) * R;
-    if (h0 >= H) return;
+    const int lane = threadIdx.x % WARP, h = b * 4 + threadIdx.x / WARP;
+    if (h >= H) return;
     const int nb = I / 256;
     const size_t stride = (size_t)H * nb * Q4K_BYTES;
-    float acc[R];
-#pragma unroll
-    for (int i = 0; i < R; i++) acc[i] = 0.f;
+    float acc = 0.f;
 #pragma unroll 2
     for (int item = lane >> 3; item < k * nb; item += 4) {
         const int j = item / nb, sb = item - j * nb;
         const uint8_t* de = expert_weights(down, indirect, ids[t * k + j], stride);
+        const size_t off = ((size_t)h * nb + sb) * Q4K_BYTES;
         const auto as = in.load((size_t)t * k + j, sb, lane & 7);
-        const float wj = w[t * k + j];
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            if (h0 + i < H) {  // warp-uniform
-                const size_t off = ((size_t)(h0 + i) * nb + sb) * Q4K_BYTES;
-                acc[i] += wj * In::dot(q4k_w_lane(de + off, lane & 7), as);
-            }
-        }
+        acc += w[t * k + j] * In::dot(q4k_w_lane(de + off, lane & 7), as);
     }
-#pragma unroll
-    for (int i = 0; i < R; i++) {
-        if (h0 + i < H) {
-            const float v = warp_sum(acc[i]);
-            const size_t o = (size_t)t * H + h0 + i;
-            if (lane == 0) out[o] = (residual ? residual[o] : 0.f) + v;
-        }
-    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[(size_t)t * H + h] = (residual ? residual[(size_t)t * H + h] : 0.f) + acc;
 }
 
 extern "C" __global__ void moe_gate_up_q4k(const float* x, const uint8_t* gate, const uint8_t* up,
@@ -236,7 +221,7 @@ extern "C" __global__ void moe_down_q4k(const float* a, const uint8_t* down, con
                                         const float* w, const float* residual, float* out, int H,
                                         int I, int k, int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_down<1>(F32In{a, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
+    moe_down(F32In{a, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
 }
 
 // Dense Q4_K mat-vecs, up to three matrices in one launch (a layer's q, k and v projections):

@@ -113,7 +113,7 @@ extern "C" __global__ void moe_down_q4k_q8(const int8_t* aq, const float* ad, co
                                            const float* residual, float* out, int H, int I, int k,
                                            int indirect, int pairs_first) {
     PDL_ENTER();
-    moe_down<1>(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
+    moe_down(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1317,7 +1317,8 @@ impl Drop for MappedHost {
 /// mapped experts) — even experts at their rows of the tensors in VRAM, odd ones in page-locked
 /// host memory mapped into the device and read over the bus — give the bits of the same kernels
 /// reading the tensors' rows: decode (`moe_q4k_as`, f32 and q8 activations, and `moe_q4k_mma`, 1,
-/// 4 and 16 tokens — 16 take the q8 gate/up four rows per warp) and prompt passes on tensor cores (`moe_q4k_tc`, 40 tokens).
+/// 4 and 16 tokens — 16 take the q8 gate/up four rows per warp) and prompt passes on tensor cores
+/// (`moe_q4k_tc`, 40 tokens).
 #[test]
 fn moe_kernels_through_an_expert_table_equal_the_tensors() {
     use candle_core::cuda_backend::cudarc::driver::result;
