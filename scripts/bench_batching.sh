@@ -11,7 +11,8 @@
 # Strata CLIENTS / Strata 1 (the batching gain) and Strata / llama-server at CLIENTS.
 # Build llama.cpp with `bash ../shared/tools/llamacpp.sh cpu DIR` (LLAMA=DIR/bin).
 # Env: ROUNDS (3), CLIENTS (8), TOKENS (128), CTX (1024 per slot), THREADS (2), PORT (8097),
-# STRATA (target/release/strata), EXTRA (more `strata serve` flags), SKIP_LLAMA=1.
+# STRATA (target/release/strata), EXTRA (more `strata serve` flags), LLAMA_EXTRA (more
+# `llama-server` flags, e.g. "-ngl 99 -fa on" on a GPU), SKIP_LLAMA=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -40,7 +41,7 @@ for r in $(seq 1 "$ROUNDS"); do
   $STRATA serve --model "$MODEL" --parallel "$CLIENTS" --ctx-size "$CTX" -t "$THREADS" --port "$PORT" ${EXTRA:-} >/tmp/bench_batching_strata.log 2>&1 &
   pid=$!; wait_up; measure strata; kill $pid; wait $pid 2>/dev/null || true
   if [ -z "${SKIP_LLAMA:-}" ]; then
-    "${LLAMA:?LLAMA=llama.cpp bin dir}/llama-server" -m "$MODEL" -np "$CLIENTS" -c $((CLIENTS * CTX)) -t "$THREADS" --port "$PORT" >/tmp/bench_batching_llama.log 2>&1 &
+    "${LLAMA:?LLAMA=llama.cpp bin dir}/llama-server" -m "$MODEL" -np "$CLIENTS" -c $((CLIENTS * CTX)) -t "$THREADS" --port "$PORT" ${LLAMA_EXTRA:-} >/tmp/bench_batching_llama.log 2>&1 &
     pid=$!; wait_up; measure llama-server; kill $pid; wait $pid 2>/dev/null || true
   fi
 done
@@ -53,6 +54,9 @@ def runs(label): return [r["tok_s"] for r in rows if r["label"] == label]
 s1, sn, ln = runs("strata x1"), runs(f"strata x{n}"), runs(f"llama-server x{n}")
 print(f"strata x1 tok/s {s1} | strata x{n} {sn} | llama-server x{n} {ln} | llama-server x1 {runs('llama-server x1')}")
 print(f"median batching gain (strata x{n} / x1, paired): {statistics.median(b / a for a, b in zip(s1, sn)):.2f}")
+l1 = runs("llama-server x1")
+if ln and l1:
+    print(f"median llama-server batching gain (x{n} / x1, paired): {statistics.median(b / a for a, b in zip(l1, ln)):.2f}")
 if ln:
     print(f"median strata / llama-server at x{n} (paired): {statistics.median(a / b for a, b in zip(sn, ln)):.2f}")
 EOF

@@ -69,6 +69,11 @@ pub struct ServeArgs {
     /// Largest accepted request body in bytes (413 above).
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Skip the warm-up: on a GPU, two short requests run before the server listens, so the
+    /// first clients do not wait for the driver's kernel compilation and graph capture (seconds
+    /// on a fresh machine). Batched serving only (no speculation); nothing runs on a CPU.
+    #[arg(long)]
+    pub no_warmup: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
 }
@@ -106,6 +111,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         batch_tokens: a.batch_tokens,
         batch_window: a.batch_window.0,
         prefix_cache_bytes: prefix_cache as usize,
+        warm_up: !a.no_warmup && !engine.model.device().is_cpu(),
         sampling: a.sampling.params(&engine),
         plan: Some(plan),
         ..ServerConfig::default()

@@ -413,3 +413,34 @@ fn n_choices_share_one_prefill() {
     assert!(o.iter().all(|c| c.len() == 10));
     assert!(o[0] != o[1] || o[1] != o[2], "seeds differ per choice: {o:?}");
 }
+
+/// The server's warm-up runs its two requests (the second a prefix hit) and leaves the batch as
+/// it found it: idle, the prefix cache empty, and a request after it gives its tokens alone.
+#[test]
+fn the_warm_up_leaves_an_idle_batch_and_an_empty_prefix_cache() {
+    let engine = Arc::new(common::load_smollm2(512));
+    let prompt = engine.text_prompt("The capital of France is").unwrap();
+    let want = alone(&engine, &greedy(prompt.clone(), 8));
+    let mut cfg = BatchConfig::new(2, 512);
+    cfg.prefix_cache_bytes = 64 << 20;
+    let mut b = Batcher::new(engine.clone(), cfg).unwrap();
+    let (ms, prefix_hit) = b.warm_up().unwrap();
+    assert!(ms > 0.0);
+    assert!(prefix_hit, "the second warm-up request runs on the first's prefix");
+    assert!(!b.has_work());
+    assert_eq!(b.free_slots(), 2);
+    let st = b.prefix_stats().unwrap();
+    assert_eq!((st.lookups, st.hits, st.bytes), (0, 0, 0), "a fresh prefix cache after it");
+    let step = Arc::new(Mutex::new(0));
+    let (s, o, _) = submission(greedy(prompt, 8), step.clone());
+    b.submit(s);
+    drain(&mut b, &step);
+    assert_eq!(o.lock().unwrap().tokens, want);
+
+    // Refused while a request waits; too short a context is an error, not a panic.
+    let (s, _, _) = submission(greedy(vec![1, 2, 3], 2), step.clone());
+    b.submit(s);
+    assert!(b.warm_up().is_err());
+    let mut tiny = Batcher::new(engine, BatchConfig::new(1, 5)).unwrap();
+    assert!(tiny.warm_up().is_err());
+}

@@ -92,26 +92,28 @@ MV_Q4K_Q8_KERNEL(2, 4, mv_q4k_q8_r2t4)
 MV_Q4K_Q8_KERNEL(4, 4, mv_q4k_q8_r4t4)
 
 // moe_gate_up_q4k over q8 inputs xq [n, H], xd [n, H / 32]; same output, R rows per warp
-// (grid over ceil(I / 4R) row groups). `_r4`: batched steps of 12+ tokens (src/cuda.rs
-// moe_gate_up_rows_per_warp; ncu on a 16-token step of the synthetic 30B, H200: 72.9 µs against
-// 78.4 with one row per warp, 89.9 with two).
-#define MOE_GATE_UP_Q8(R, NAME)                                                                      \
-    extern "C" __global__ void NAME(const int8_t* xq, const float* xd, const uint8_t* gate,         \
-                                    const uint8_t* up, const uint32_t* ids, float* a, int H, int I, \
-                                    int k, int indirect, int pairs_first) {                         \
-        PDL_ENTER();                                                                              \
-        moe_gate_up<R>(Q8In{xq, xd, H}, gate, up, ids, a, H, I, k, indirect, pairs_first);         \
+// (grid over ceil(I / 4R) row groups), built for at least MINB resident blocks per SM. `_r4`:
+// batched steps of 12+ tokens (src/cuda.rs moe_gate_up_rows_per_warp; ncu on a 16-token step of
+// the synthetic 30B, H200: 72.9 µs against 78.4 with one row per warp, 89.9 with two; with the
+// header's 16-byte loads (q4k_w_lane) 120.5 µs at the 118 registers ptxas then took, 87.1 at 6
+// blocks per SM, 70.5 at 8 — 64 registers, no spills).
+#define MOE_GATE_UP_Q8(R, MINB, NAME)                                                            \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                      \
+        NAME(const int8_t* xq, const float* xd, const uint8_t* gate, const uint8_t* up,         \
+             const uint32_t* ids, float* a, int H, int I, int k, int indirect, int pairs_first) { \
+        PDL_ENTER();                                                                            \
+        moe_gate_up<R>(Q8In{xq, xd, H}, gate, up, ids, a, H, I, k, indirect, pairs_first);       \
     }
-MOE_GATE_UP_Q8(1, moe_gate_up_q4k_q8)
-MOE_GATE_UP_Q8(4, moe_gate_up_q4k_q8_r4)
+MOE_GATE_UP_Q8(1, 1, moe_gate_up_q4k_q8)
+MOE_GATE_UP_Q8(4, 8, moe_gate_up_q4k_q8_r4)
 
 // moe_down_q4k over q8 activations aq [n, k, I], ad [n, k, I / 32]; same grid and output (one
 // output per warp: two or four measured slower on the same 16-token step, 51.2 and 56.9 µs
 // against 49.5).
-extern "C" __global__ void moe_down_q4k_q8(const int8_t* aq, const float* ad, const uint8_t* down,
-                                           const uint32_t* ids, const float* w,
-                                           const float* residual, float* out, int H, int I, int k,
-                                           int indirect, int pairs_first) {
+extern "C" __global__ void __launch_bounds__(128, 1)
+    moe_down_q4k_q8(const int8_t* aq, const float* ad, const uint8_t* down, const uint32_t* ids,
+                    const float* w, const float* residual, float* out, int H, int I, int k,
+                    int indirect, int pairs_first) {
     PDL_ENTER();
     moe_down(Q8In{aq, ad, I}, down, ids, w, residual, out, H, I, k, indirect, pairs_first);
 }

@@ -31,6 +31,34 @@ use q8::{kernel_inputs, Q8Outputs};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/strata_decode.ptx"));
 const MODULE: &str = "strata_decode";
 
+/// The PTX the kernels are loaded from: the one build.rs embedded or, as a measurement override
+/// for kernel work on the device without a rebuild, the file `STRATA_CUDA_PTX` names (made by
+/// `nvcc --ptx` from this crate's `cuda/decode.cu`, so its kernels keep the embedded ones' names
+/// and parameters). The override is announced once on the log (warn).
+///
+/// # Errors
+/// The named file cannot be read (at every launch).
+fn ptx() -> Result<&'static str> {
+    static SRC: std::sync::OnceLock<std::result::Result<String, String>> =
+        std::sync::OnceLock::new();
+    let Some(path) = std::env::var_os("STRATA_CUDA_PTX") else {
+        return Ok(PTX);
+    };
+    let src = SRC.get_or_init(|| {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("STRATA_CUDA_PTX={}: {e}", path.to_string_lossy()))?;
+        tracing::warn!(
+            "CUDA kernels from STRATA_CUDA_PTX={} instead of the built-in PTX",
+            path.to_string_lossy()
+        );
+        Ok(text)
+    });
+    match src {
+        Ok(text) => Ok(text.as_str()),
+        Err(e) => bail!("strata cuda kernels: {e}"),
+    }
+}
+
 /// Positions of the shortest context a captured decode graph serves (its bucket; graph.rs).
 pub const ATTN_CHUNK: usize = 256;
 /// Fewest positions one attention block takes (split-K chunk, FlashDecoding): short enough that
@@ -117,7 +145,7 @@ fn addr_or_null(t: Option<&Tensor>) -> Result<Arg> {
 /// `args` must match the kernel's parameter list, and every address must be valid for what the
 /// kernel reads and writes at `cfg`.
 unsafe fn launch(dev: &CudaDevice, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let f = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
     if pdl() {
         // SAFETY: the caller's contract; every kernel of decode.cu waits for its predecessor
         // (PDL_ENTER) before touching global memory.

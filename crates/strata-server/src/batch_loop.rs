@@ -35,7 +35,14 @@ pub fn start(
     } else {
         Duration::ZERO
     });
-    let batcher = Batcher::new(engine, bc).map_err(|e| format!("starting the batch: {e}"))?;
+    let mut batcher = Batcher::new(engine, bc).map_err(|e| format!("starting the batch: {e}"))?;
+    if config.warm_up {
+        let (ms, hit) = batcher.warm_up().map_err(|e| format!("warming up: {e}"))?;
+        tracing::info!(
+            "warm-up: {ms:.0} ms (two short requests{}; --no-warmup skips it)",
+            if hit { ", the second a prefix hit" } else { "" }
+        );
+    }
     let s = s.clone();
     std::thread::Builder::new()
         .name("strata-batch".into())

@@ -69,6 +69,9 @@ pub struct ServerConfig {
     /// Bytes of KV entries kept for reuse by later requests sharing a prompt prefix
     /// (`--prefix-cache`; 0: none).
     pub prefix_cache_bytes: usize,
+    /// Run [`strata_engine::batch::Batcher::warm_up`] before serving (`serve` turns it on for
+    /// GPU devices unless `--no-warmup`).
+    pub warm_up: bool,
     /// Sampling used where a request is silent.
     pub sampling: SamplingParams,
     /// The memory plan made at start-up (`strata info --json`'s object), shown by `GET /health`
@@ -98,6 +101,7 @@ impl Default for ServerConfig {
             batch_tokens: 512,
             batch_window: None,
             prefix_cache_bytes: 0,
+            warm_up: false,
             sampling: SamplingParams::default(),
             plan: None,
             #[cfg(feature = "test-hooks")]

@@ -205,6 +205,61 @@ impl Batcher {
         self.prefix.as_ref().map(PrefixCache::stats)
     }
 
+    /// Runs a short greedy request through the batch twice — the second time on the first's
+    /// cached prefix when there is a prefix cache — then empties the prefix cache, so that a
+    /// server's first user requests pay none of the process's first-use costs (on a GPU: the
+    /// driver compiling each kernel module's PTX when it is first used, ours and candle's, and
+    /// the decode graphs' capture). On a fresh H200 with the synthetic 30B, without it, the first
+    /// request took 13.0 s to its first token and the next one, with the same prompt (a prefix
+    /// hit), 3.7 s (docs/performance.md). llama-server also warms up at start. Returns the
+    /// milliseconds it took and whether the second request found the first's prefix.
+    ///
+    /// Errors: as [`Self::step`]; `Internal` when requests are running or waiting, or the context
+    /// is too short for the warm-up prompt (4 tokens at least).
+    pub fn warm_up(&mut self) -> Result<(f64, bool)> {
+        if self.has_work() {
+            return Err(EngineError::Internal("warm-up while requests are running".into()));
+        }
+        let started = Instant::now();
+        let vocab = self.engine.model.config().vocab_size.max(1) as u32;
+        // One whole prefix block and one token more (a hit then prefills one token), within the
+        // context with room for the two generated tokens.
+        let len = (self.cfg.prefix_block.max(1) + 1).min(self.cfg.ctx_size.saturating_sub(3));
+        if len < 4 {
+            return Err(EngineError::Internal(format!(
+                "a context of {} tokens is too short for the warm-up",
+                self.cfg.ctx_size
+            )));
+        }
+        let prompt: Vec<u32> = (0..len as u32).map(|i| (i + 1) % vocab).collect();
+        for _ in 0..2 {
+            let failed: Arc<std::sync::Mutex<Option<EngineError>>> = Default::default();
+            let f = failed.clone();
+            let sink: Sink = Box::new(move |ev| {
+                if let SeqEvent::Failed(e) = ev {
+                    *f.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+                ControlFlow::Continue(())
+            });
+            let mut req = GenerateRequest::new(prompt.clone(), 2, crate::SamplingParams::greedy());
+            req.ignore_eos = true;
+            self.submit(Submission::new(req, sink, Arc::new(AtomicBool::new(false))));
+            while self.has_work() {
+                self.step(&|| false)?;
+            }
+            let err = failed.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(e) = err {
+                return Err(e);
+            }
+        }
+        let hit = self.prefix_stats().is_some_and(|st| st.hits > 0);
+        if self.prefix.is_some() {
+            self.prefix =
+                Some(PrefixCache::new(self.cfg.prefix_block, self.cfg.prefix_cache_bytes));
+        }
+        Ok((started.elapsed().as_secs_f64() * 1e3, hit))
+    }
+
     /// Ends every running and waiting request with `error()` (a server shutdown).
     pub fn fail_all(&mut self, error: &dyn Fn() -> EngineError) {
         for s in std::mem::take(&mut self.running) {
