@@ -37,25 +37,28 @@ const MODULE: &str = "strata_decode";
 /// and parameters). The override is announced once on the log (warn).
 ///
 /// # Errors
-/// The named file cannot be read (at every launch).
+/// The named file cannot be read (read once; the error then at every launch).
 fn ptx() -> Result<&'static str> {
-    static SRC: std::sync::OnceLock<std::result::Result<String, String>> =
+    // Read once: this runs at every launch.
+    static SRC: std::sync::OnceLock<Option<std::result::Result<String, String>>> =
         std::sync::OnceLock::new();
-    let Some(path) = std::env::var_os("STRATA_CUDA_PTX") else {
-        return Ok(PTX);
-    };
     let src = SRC.get_or_init(|| {
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| format!("STRATA_CUDA_PTX={}: {e}", path.to_string_lossy()))?;
-        tracing::warn!(
-            "CUDA kernels from STRATA_CUDA_PTX={} instead of the built-in PTX",
-            path.to_string_lossy()
-        );
-        Ok(text)
+        let path = std::env::var_os("STRATA_CUDA_PTX")?;
+        Some(
+            std::fs::read_to_string(&path)
+                .inspect(|_| {
+                    tracing::warn!(
+                        "CUDA kernels from STRATA_CUDA_PTX={} instead of the built-in PTX",
+                        path.to_string_lossy()
+                    )
+                })
+                .map_err(|e| format!("STRATA_CUDA_PTX={}: {e}", path.to_string_lossy())),
+        )
     });
     match src {
-        Ok(text) => Ok(text.as_str()),
-        Err(e) => bail!("strata cuda kernels: {e}"),
+        None => Ok(PTX),
+        Some(Ok(text)) => Ok(text.as_str()),
+        Some(Err(e)) => bail!("strata cuda kernels: {e}"),
     }
 }
 
