@@ -70,6 +70,8 @@
 #     CHECK_ONLY: `strata bench -p 512 -n 128 -d DEPTHS` (default 0,4096,16384) on the synthetic
 #     30B (realistic routing) with f32 and f16 caches, alternating (ROUNDS, default 2), and with
 #     LLAMA=1 llama-bench -d on the same file in the same rounds (its default cache: f16).
+# 14. PART=ptx-variants (instead of 2-13): kernel variants as PTX files through STRATA_CUDA_PTX,
+#     under ncu (NCU_VARS) and end to end (E2E_VARS); see the part itself.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -231,10 +233,11 @@ variant_envs() {
     *) envs=(X=1) ;;
   esac
 }
-# ncu_table CSV: per-kernel launches, mean µs and share from an ncu `--metrics
-# gpu__time_duration.sum --csv` output, and the total per layer (over attention launches).
+# ncu_table CSV [LAST]: per-kernel launches, mean µs and share from an ncu `--metrics
+# gpu__time_duration.sum --csv` output, and the total per layer (over attention launches); with
+# LAST, over each kernel's last LAST launches only.
 ncu_table() {
-  python3 - "$1" <<'PY'
+  python3 - "$1" "${2:-0}" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows: print("no rows"); sys.exit()
@@ -243,6 +246,9 @@ scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "mse
 t = collections.defaultdict(list)
 for r in rows[1:]:
     t[r[k].split("(")[0][:70]].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
+last = int(sys.argv[2])
+if last:
+    t = {n: x[-last:] for n, x in t.items()}
 total = sum(sum(x) for x in t.values())
 layers = sum(len(x) for n, x in t.items() if n.startswith("attn_decode") or "flash_attn_ext" in n)
 print(f"total {total:.0f} µs over {sum(len(x) for x in t.values())} launches, {layers} layers: {total/max(layers,1):.1f} µs per layer")
@@ -410,6 +416,40 @@ PY
   for b in 1 16; do
     STRATA_BENCH_SPLIT=1 "$S" bench -m $MC --device cuda --stream-experts off -p 16 -n 64 -r 2 --batch $b 2>&1 \
       | grep -E '^\||per step' | tee -a "$D/batch.md"
+  done
+  exit 0
+fi
+if [ "${PART:-}" = ptx-variants ]; then
+  # Kernel variants without a rebuild (STRATA_CUDA_PTX, strata-kernels' src/cuda.rs): each NAME of
+  # NCU_VARS / E2E_VARS is dist/ptx/NAME.ptx.xz, made here with `nvcc --ptx -O3 -std=c++17
+  # -arch=compute_90 [-DFLAG=...] crates/strata-kernels/cuda/decode.cu` then xz. NCU_VARS: ncu's
+  # time of the kernels matching KERNELS (default ^moe_) over `strata bench --batch 16 -p 1 -n 3`
+  # on a 12-layer cut of the synthetic 30B (realistic routing; serialized, caches and clocks left
+  # alone, graphs and PDL off), each kernel's mean over its last 12 launches (the last 16-row
+  # step's layers). E2E_VARS: `strata bench -p 16 -n 64 -r 2 --batch BATCHES` (default 16) on the
+  # full synthetic 30B in VRAM, the variants alternating over ROUNDS (default 2).
+  D="$OUT/ptx-variants"; mkdir -p "$D"
+  for f in dist/ptx/*.ptx.xz; do [ -f "${f%.xz}" ] || unxz_to "$f" "${f%.xz}"; done
+  MC=/tmp/ptx-variants-cut.gguf; M30=/tmp/q3-30b-realistic.gguf
+  if [ -n "${NCU_VARS:-}" ] && [ ! -f $MC ]; then
+    "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --layers 12 --out $MC > /dev/null 2>&1
+  fi
+  for v in ${NCU_VARS:-}; do
+    STRATA_CUDA_PTX=dist/ptx/$v.ptx STRATA_GPU_GRAPHS=0 STRATA_GPU_BATCH_GRAPHS=0 STRATA_GPU_PDL=0 \
+      timeout 200 /usr/local/cuda/bin/ncu --cache-control none --clock-control none \
+      --metrics gpu__time_duration.sum --csv -k "regex:${KERNELS:-^moe_}" \
+      "$S" bench -m $MC --device cuda --stream-experts off -p 1 -n 3 -r 1 --batch 16 > "$D/ncu-$v.csv" 2>/dev/null
+    echo "## $v" | tee -a "$D/variants.md"; ncu_table "$D/ncu-$v.csv" 12 | tee -a "$D/variants.md"
+  done
+  if [ -n "${E2E_VARS:-}" ] && [ ! -f $M30 ]; then
+    "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out $M30 > /dev/null 2>&1
+  fi
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for v in ${E2E_VARS:-}; do
+      echo "## $v round $r: $(STRATA_CUDA_PTX=dist/ptx/$v.ptx timeout 100 "$S" bench -m $M30 --device cuda \
+        --stream-experts off -p 16 -n 64 -r 2 --batch "${BATCHES:-16}" 2>&1 | grep -E '^\| [^-]' | grep tg \
+        | awk -F'|' '{printf "%s %s;", $4, $5}')" | tee -a "$D/variants.md"
+    done
   done
   exit 0
 fi
