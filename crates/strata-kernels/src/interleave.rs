@@ -102,6 +102,38 @@ pub(crate) mod avx2 {
         _mm256_dpbusd_epi32(sum, u, s)
     }
 
+    /// A Q4_1 block's exact `Σ q_w · q_a` for each of the 8 rows (one per 32-bit lane): nibbles
+    /// `lo[k]` (weights 4k..4k+4) and `hi[k]` (16+4k..) against the token's bytes. Without VNNI
+    /// the eight `vpmaddubsw` products are added in 16 bits and widened once (one `vpmaddwd`),
+    /// instead of a widening per product: each 16-bit lane holds at most 8 · 2 · 15 · 128 =
+    /// 30,720 in magnitude (nibbles ≤ 15, any i8 activation), so no sum saturates and the
+    /// integers equal [`dot4_avx2`]'s chain (and VNNI's) exactly — a third of the multiply-port
+    /// instructions.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q4_1_block_avx2(lo: &[__m256i; 4], hi: &[__m256i; 4], y: &BlockQ8_1) -> __m256i {
+        let mut s16 = _mm256_maddubs_epi16(lo[0], bcast(y, 0));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], bcast(y, 4)));
+        for k in 1..4 {
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[k], bcast(y, k)));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[k], bcast(y, 4 + k)));
+        }
+        _mm256_madd_epi16(s16, _mm256_set1_epi16(1))
+    }
+
+    /// [`q4_1_block_avx2`] with `vpdpbusd`: the same integers.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[inline]
+    unsafe fn q4_1_block_vnni(lo: &[__m256i; 4], hi: &[__m256i; 4], y: &BlockQ8_1) -> __m256i {
+        let mut sumi = _mm256_setzero_si256();
+        for k in 0..4 {
+            // Low nibbles: weights 4k..4k+4; high: weights 16+4k..16+4k+4.
+            sumi = dot4_vnni(sumi, lo[k], bcast(y, k));
+            sumi = dot4_vnni(sumi, hi[k], bcast(y, 4 + k));
+        }
+        sumi
+    }
+
     /// Whether this CPU runs the VNNI variants.
     pub fn vnni_available() -> bool {
         std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512vl")
@@ -128,9 +160,10 @@ pub(crate) mod avx2 {
         _mm256_set1_epi32((y.qs.as_ptr().add(4 * k) as *const i32).read_unaligned())
     }
 
-    /// The Q4_1 and Q8_0 group kernels for one instruction set: `$dot` sums 4 bytes per lane.
+    /// The Q4_1 and Q8_0 group kernels for one instruction set: `$q4_1_block` sums a Q4_1
+    /// block's products per row, `$dot` 4 bytes per lane.
     macro_rules! group_kernels {
-        ($features:literal, $dot:ident, $q4_1:ident, $q8_0:ident) => {
+        ($features:literal, $q4_1_block:ident, $dot:ident, $q4_1:ident, $q8_0:ident) => {
             /// One group of 8 interleaved Q4_1 rows (`nb` blocks each) times `R` Q8_1 activation
             /// rows `a: [R, nb]` → `out[j · 8 + r]` for token `j`, row `r`.
             ///
@@ -161,12 +194,7 @@ pub(crate) mod avx2 {
                     }
                     for j in 0..R {
                         let y = &a[j * nb + b];
-                        let mut sumi = _mm256_setzero_si256();
-                        for k in 0..4 {
-                            // Low nibbles: weights 4k..4k+4; high: weights 16+4k..16+4k+4.
-                            sumi = $dot(sumi, lo[k], bcast(y, k));
-                            sumi = $dot(sumi, hi[k], bcast(y, 4 + k));
-                        }
+                        let sumi = $q4_1_block(&lo, &hi, y);
                         let dd = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
                         acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[j]);
                         acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(y.s), acc[j]);
@@ -214,9 +242,10 @@ pub(crate) mod avx2 {
         };
     }
 
-    group_kernels!("avx2,fma,f16c", dot4_avx2, q4_1x8_tokens, q8_0x8_tokens);
+    group_kernels!("avx2,fma,f16c", q4_1_block_avx2, dot4_avx2, q4_1x8_tokens, q8_0x8_tokens);
     group_kernels!(
         "avx2,fma,f16c,avx512vnni,avx512vl",
+        q4_1_block_vnni,
         dot4_vnni,
         q4_1x8_tokens_vnni,
         q8_0x8_tokens_vnni
@@ -312,6 +341,46 @@ mod tests {
                 cols,
             );
             assert_eq!(odd.unwrap().row_unit(), 1);
+        }
+    }
+
+    /// The AVX2 Q4_1 kernel adds a block's eight `vpmaddubsw` products in 16 bits: at the
+    /// largest magnitudes (every nibble 15, every activation byte −128 or 127, and mixed signs)
+    /// its integers stay exact — the result equals ggml's scalar dot product to f32 rounding
+    /// (a saturated 16-bit sum would be off by thousands of units).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q4_1_kernel_sums_extreme_blocks_exactly() {
+        use crate::q8_1::BlockQ8_1;
+        if !crate::x86::avx2::available() {
+            eprintln!("the interleaved kernels need x86-64 AVX2: not run on this CPU");
+            return;
+        }
+        let (rows, nb) = (8, 4);
+        let bb = BlockFormat::Q4_1.block_bytes();
+        let mut data = vec![0xFFu8; rows * nb * bb];
+        for blk in data.chunks_exact_mut(bb) {
+            blk[0..2].copy_from_slice(&f16::from_f32(1.0).to_le_bytes());
+            blk[2..4].copy_from_slice(&f16::from_f32(0.0).to_le_bytes());
+        }
+        let g = super::interleave(BlockFormat::Q4_1, &data, rows, nb);
+        let fills: [fn(usize) -> i8; 3] =
+            [|_| -128, |_| 127, |i| if i % 3 == 0 { 127 } else { -128 }];
+        for fill in fills {
+            let a: Vec<BlockQ8_1> = (0..nb)
+                .map(|b| BlockQ8_1 {
+                    qs: std::array::from_fn(|i| fill(32 * b + i)),
+                    d: 1.0,
+                    s: 0.0,
+                })
+                .collect();
+            let mut out = [0f32; 8];
+            unsafe { super::avx2::q4_1x8_tokens::<1>(&g, &a, nb, &mut out) };
+            let want = dot_q4_1_scalar(&data[..nb * bb], &a);
+            assert!(want.abs() > 10_000.0, "{want}");
+            for (r, &v) in out.iter().enumerate() {
+                assert_eq!(v, want, "row {r}");
+            }
         }
     }
 
