@@ -5,7 +5,7 @@
 # Output: dist/strata-cuda.xz (stripped, xz-compressed; git-ignored; carry it to the device with
 # `carry: ["dist"]`; scripts/cuda_device_check.sh unpacks it there), and dist/cuda-kernels-test.xz:
 # the test binary of crates/strata-models/tests/cuda_kernels.rs (our CUDA kernels against their
-# CPU references; `PART=decode` runs it there).
+# CPU references; `PART=decode` runs it there); with JIT=1 also dist/jit/ (PART=module-load's files).
 # This is also how the code behind the `cuda` feature is type-checked: CI builds without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,4 +33,14 @@ strip -o dist/strata-cuda "$CARGO_TARGET_DIR/release/strata"
 # 63 MB stripped (candle's PTX): too large for a device call with the working tree; 8 MB as xz.
 xz -T0 -6 -c dist/strata-cuda > dist/strata-cuda.xz
 rm dist/strata-cuda
+if [ -n "${JIT:-}" ]; then
+  # JIT=1: the module files PART=module-load of scripts/cuda_device_check.sh times — candle's PTX
+  # modules, ours as PTX (what builds before the fat binary embedded) and the fat binary.
+  mkdir -p dist/jit
+  C=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-kernels-*/out/quantized.ptx | head -1)")
+  for f in "$C"/*.ptx; do xz -T0 -6 -c "$f" > "dist/jit/candle_$(basename "$f").xz"; done
+  nvcc --ptx -O3 -std=c++17 -arch=compute_90 -o dist/jit/strata_decode.ptx crates/strata-kernels/cuda/decode.cu
+  xz -f -T0 -6 dist/jit/strata_decode.ptx
+  xz -T0 -6 -c "$(ls -t "$CARGO_TARGET_DIR"/release/build/strata-kernels-*/out/strata_decode.fatbin | head -1)" > dist/jit/strata_decode.fatbin.xz
+fi
 ls -la dist/

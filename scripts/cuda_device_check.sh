@@ -72,6 +72,8 @@
 #     LLAMA=1 llama-bench -d on the same file in the same rounds (its default cache: f16).
 # 14. PART=ptx-variants (instead of 2-13): kernel variants as PTX files through STRATA_CUDA_PTX,
 #     under ncu (NCU_VARS) and end to end (E2E_VARS); see the part itself.
+# 15. PART=module-load (instead of 2-14): what loading the kernels costs on a cold driver cache
+#     (dist/jit/: the module files to time; see the part itself).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -416,6 +418,79 @@ PY
   for b in 1 16; do
     STRATA_BENCH_SPLIT=1 "$S" bench -m $MC --device cuda --stream-experts off -p 16 -n 64 -r 2 --batch $b 2>&1 \
       | grep -E '^\||per step' | tee -a "$D/batch.md"
+  done
+  exit 0
+fi
+if [ "${PART:-}" = module-load ]; then
+  # What loading the kernels costs a process whose driver cache is cold (the first start on a
+  # machine, or after a driver update). (1) The driver's load of each module file under
+  # dist/jit/ (NAME.ptx.xz: PTX, compiled by the driver; NAME.fatbin.xz: nvcc's fat binary with
+  # sm_90 machine code), with CUDA_CACHE_DISABLE=1 so every load compiles what it must. (2) `strata
+  # serve`'s warm-up (two short requests before it listens: the modules it uses loaded, graphs
+  # captured) on the synthetic 30B, each variant with its own empty driver cache, then again with
+  # that cache filled: the build's embedded kernels, and STRATA_CUDA_PTX=dist/jit/strata_decode.ptx
+  # (the PTX the builds before this one embedded). (3) The kernel tests. (4) `strata bench --batch
+  # BATCHES` (default 16) with each, alternating over ROUNDS (default 1). LOADS: loads per file in
+  # (1), default 1; PARALLEL=N: then the PTX files loaded again from N threads (wall time).
+  D="$OUT/module-load"; mkdir -p "$D"
+  for f in dist/jit/*.xz; do unxz_to "$f" "${f%.xz}"; done
+  echo "## driver load of each module, CUDA_CACHE_DISABLE=1 (ms)" | tee "$D/load.md"
+  CUDA_CACHE_DISABLE=1 python3 - dist/jit/*.ptx dist/jit/*.fatbin <<'PY' 2>&1 | tee -a "$D/load.md"
+import ctypes, os, sys, time
+cu = ctypes.CDLL("libcuda.so.1")
+assert cu.cuInit(0) == 0
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+cu.cuDeviceGet(ctypes.byref(dev), 0)
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cu.cuCtxSetCurrent(ctx) == 0
+for path in sys.argv[1:]:
+    data = open(path, "rb").read() + b"\0"
+    for rep in range(int(os.environ.get("LOADS", "1"))):
+        mod = ctypes.c_void_p()
+        t = time.perf_counter()
+        rc = cu.cuModuleLoadData(ctypes.byref(mod), data)
+        ms = (time.perf_counter() - t) * 1e3
+        print(f"| {os.path.basename(path)} | {len(data) / 1e6:.1f} MB | load {rep + 1} | rc {rc} | {ms:.0f} ms |")
+        if rc == 0:
+            cu.cuModuleUnload(mod)
+threads = int(os.environ.get("PARALLEL", "0"))
+if threads:
+    # The same loads from a pool of threads: does the driver compile modules side by side?
+    from concurrent.futures import ThreadPoolExecutor
+    paths = [p for p in sys.argv[1:] if p.endswith(".ptx")]
+    datas = {p: open(p, "rb").read() + b"\0" for p in paths}
+    def load(p):
+        cu.cuCtxSetCurrent(ctx)
+        mod = ctypes.c_void_p()
+        return cu.cuModuleLoadData(ctypes.byref(mod), datas[p])
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        rcs = set(pool.map(load, paths))
+    print(f"{len(paths)} PTX files from {threads} threads: {(time.perf_counter() - t) * 1e3:.0f} ms of wall time, rc {rcs}")
+PY
+  M30=/tmp/q3-30b-realistic.gguf
+  [ -f $M30 ] || "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out $M30 > /dev/null 2>&1
+  echo "## strata serve warm-up, each variant from its own empty driver cache, then again" | tee -a "$D/load.md"
+  for start in 1 2; do
+    for v in fatbin ptx; do
+      env_v=(); [ $v = ptx ] && env_v=(STRATA_CUDA_PTX=dist/jit/strata_decode.ptx)
+      [ $start = 1 ] && rm -rf /tmp/cc-$v
+      env CUDA_CACHE_PATH=/tmp/cc-$v "${env_v[@]}" "$S" serve -m $M30 --device cuda --stream-experts off \
+        --parallel 16 --port 8097 > "$D/serve-$v-$start.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8097/v1/models > /dev/null 2>&1 && break; sleep 0.5; done
+      echo "$v, start $start: $(grep -o 'warm-up: [0-9]* ms' "$D/serve-$v-$start.log"); cache $(du -sh /tmp/cc-$v 2>/dev/null | cut -f1)" | tee -a "$D/load.md"
+      kill $pid; wait $pid 2>/dev/null
+    done
+  done
+  kernel_tests "$D"
+  echo "## strata bench, the embedded kernels and the PTX alternating (tok/s)" | tee -a "$D/load.md"
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for v in fatbin ptx; do
+      env_v=(); [ $v = ptx ] && env_v=(STRATA_CUDA_PTX=dist/jit/strata_decode.ptx)
+      echo "$v round $r: $(env CUDA_CACHE_PATH=/tmp/cc-$v "${env_v[@]}" timeout 120 "$S" bench -m $M30 --device cuda \
+        --stream-experts off -p 16 -n 64 -r 2 --batch "${BATCHES:-16}" 2>&1 | grep -E '^\| [^-]' \
+        | grep -E 'tg|pp' | awk -F'|' '{printf "%s %s;", $4, $5}')" | tee -a "$D/load.md"
+    done
   done
   exit 0
 fi

@@ -1,14 +1,19 @@
-//! Strata's own CUDA kernels for the GPU decode step (`cuda` feature): the PTX that build.rs makes
-//! with nvcc from `cuda/decode.cu`, launched on candle's CUDA stream over candle tensors.
+//! Strata's own CUDA kernels for the GPU decode step (`cuda` feature): the fat binary (machine code
+//! and PTX) that build.rs makes with nvcc from `cuda/decode.cu`, launched on candle's CUDA stream
+//! over candle tensors.
 //!
 //! Every function takes and returns f32 tensors on one CUDA device, in the shapes its docs give,
 //! and errors (never panics) on a tensor off the device, of another dtype or shape. Each kernel
 //! is tested on the device against its CPU reference (`crates/strata-models/tests/cuda_kernels.rs`,
 //! run by `scripts/cuda_device_check.sh`).
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
 use candle_core::cuda_backend::cudarc::driver::{
-    result, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    result, CudaFunction, CudaModule, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -28,38 +33,73 @@ pub use q8::{
 };
 use q8::{kernel_inputs, Q8Outputs};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/strata_decode.ptx"));
-const MODULE: &str = "strata_decode";
+/// The kernels as build.rs compiled them: a fat binary holding machine code for the build's GPU
+/// (`sm_{CUDA_COMPUTE_CAP}`) and the PTX (`compute_{CUDA_COMPUTE_CAP}`) the driver compiles for any
+/// later GPU. With the machine code the driver loads the module without compiling it — before,
+/// the embedded PTX was compiled by the driver at the first launch of each process on a machine
+/// whose driver cache did not hold it yet (docs/performance.md, "The kernels as machine code").
+const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/strata_decode.fatbin"));
 
-/// The PTX the kernels are loaded from: the one build.rs embedded or, as a measurement override
-/// for kernel work on the device without a rebuild, the file `STRATA_CUDA_PTX` names (made by
-/// `nvcc --ptx` from this crate's `cuda/decode.cu`, so its kernels keep the embedded ones' names
-/// and parameters). The override is announced once on the log (warn).
+/// Where the kernels are loaded from: the fat binary build.rs embedded or, as a measurement
+/// override for kernel work on the device without a rebuild, the PTX file `STRATA_CUDA_PTX` names
+/// (made by `nvcc --ptx` from this crate's `cuda/decode.cu`, so its kernels keep the embedded
+/// ones' names and parameters). The override is announced once on the log (warn).
 ///
 /// # Errors
-/// The named file cannot be read (read once; the error then at every launch).
-fn ptx() -> Result<&'static str> {
-    // Read once: this runs at every launch.
-    static SRC: std::sync::OnceLock<Option<std::result::Result<String, String>>> =
-        std::sync::OnceLock::new();
-    let src = SRC.get_or_init(|| {
-        let path = std::env::var_os("STRATA_CUDA_PTX")?;
-        Some(
-            std::fs::read_to_string(&path)
-                .inspect(|_| {
-                    tracing::warn!(
-                        "CUDA kernels from STRATA_CUDA_PTX={} instead of the built-in PTX",
-                        path.to_string_lossy()
-                    )
-                })
-                .map_err(|e| format!("STRATA_CUDA_PTX={}: {e}", path.to_string_lossy())),
-        )
-    });
-    match src {
-        None => Ok(PTX),
-        Some(Ok(text)) => Ok(text.as_str()),
-        Some(Err(e)) => bail!("strata cuda kernels: {e}"),
+/// The named file cannot be read.
+fn kernel_image() -> Result<Ptx> {
+    match std::env::var_os("STRATA_CUDA_PTX") {
+        None => Ok(Ptx::from_binary(FATBIN.to_vec())),
+        Some(path) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "strata cuda kernels: STRATA_CUDA_PTX={}: {e}",
+                    path.to_string_lossy()
+                ))
+            })?;
+            tracing::warn!(
+                "CUDA kernels from STRATA_CUDA_PTX={} instead of the built-in ones",
+                path.to_string_lossy()
+            );
+            Ok(Ptx::from_src(text))
+        }
     }
+}
+
+/// Our kernels' module, loaded once per device (CUDA context ordinal), and the functions taken
+/// from it (by name).
+struct Loaded {
+    ordinal: usize,
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
+
+/// Kernel `name` of our module on `dev`'s context, loading the module at the first call for that
+/// device (the cost of loading: docs/performance.md, "The kernels as machine code").
+///
+/// # Errors
+/// The module cannot be loaded (no machine code or PTX the driver can run on this GPU, an
+/// unreadable `STRATA_CUDA_PTX`) or has no such kernel.
+fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    static LOADED: Mutex<Vec<Loaded>> = Mutex::new(Vec::new());
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    let at = match loaded.iter().position(|l| l.ordinal == ctx.ordinal()) {
+        Some(i) => i,
+        None => {
+            let module = ctx.load_module(kernel_image()?).w()?;
+            loaded.push(Loaded { ordinal: ctx.ordinal(), module, functions: HashMap::new() });
+            loaded.len() - 1
+        }
+    };
+    let l = &mut loaded[at];
+    if let Some(f) = l.functions.get(name) {
+        return Ok(f.clone());
+    }
+    let f = l.module.load_function(name).w()?;
+    l.functions.insert(name.to_string(), f.clone());
+    Ok(f)
 }
 
 /// Positions of the shortest context a captured decode graph serves (its bucket; graph.rs).
@@ -148,13 +188,14 @@ fn addr_or_null(t: Option<&Tensor>) -> Result<Arg> {
 /// `args` must match the kernel's parameter list, and every address must be valid for what the
 /// kernel reads and writes at `cfg`.
 unsafe fn launch(dev: &CudaDevice, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-    let f = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
+    let f = function(dev, name)?;
     if pdl() {
         // SAFETY: the caller's contract; every kernel of decode.cu waits for its predecessor
         // (PDL_ENTER) before touching global memory.
         return unsafe { launch_pdl(dev, &f, cfg, args) };
     }
-    let mut b = f.builder();
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&f);
     for a in args {
         match a {
             Arg::Ptr(p) => b.arg(p),
@@ -184,7 +225,7 @@ fn pdl() -> bool {
 /// reads or writes global memory, in every thread.
 unsafe fn launch_pdl(
     dev: &CudaDevice,
-    f: &candle_core::cuda_backend::cudarc::driver::CudaFunction,
+    f: &CudaFunction,
     cfg: LaunchConfig,
     args: &[Arg],
 ) -> Result<()> {
