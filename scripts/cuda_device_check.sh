@@ -253,7 +253,8 @@ if last:
     t = {n: x[-last:] for n, x in t.items()}
 total = sum(sum(x) for x in t.values())
 layers = sum(len(x) for n, x in t.items() if n.startswith("attn_decode") or "flash_attn_ext" in n)
-print(f"total {total:.0f} µs over {sum(len(x) for x in t.values())} launches, {layers} layers: {total/max(layers,1):.1f} µs per layer")
+per_layer = f", {layers} layers: {total / layers:.1f} µs per layer" if layers else ""
+print(f"total {total:.0f} µs over {sum(len(x) for x in t.values())} launches{per_layer}")
 print("| kernel | launches | mean µs | share |\n|---|---|---|---|")
 for name, x in sorted(t.items(), key=lambda kv: -sum(kv[1])):
     print(f"| {name} | {len(x)} | {sum(x)/len(x):.1f} | {100*sum(x)/total:.1f}% |")
