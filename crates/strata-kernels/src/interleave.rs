@@ -107,8 +107,8 @@ pub(crate) mod avx2 {
     /// the eight `vpmaddubsw` products are added in 16 bits and widened once (one `vpmaddwd`),
     /// instead of a widening per product: each 16-bit lane holds at most 8 · 2 · 15 · 128 =
     /// 30,720 in magnitude (nibbles ≤ 15, any i8 activation), so no sum saturates and the
-    /// integers equal [`dot4_avx2`]'s chain (and VNNI's) exactly — a third of the multiply-port
-    /// instructions.
+    /// integers equal [`dot4_avx2`]'s chain (and VNNI's) exactly — 9 multiply-port instructions
+    /// instead of 16.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn q4_1_block_avx2(lo: &[__m256i; 4], hi: &[__m256i; 4], y: &BlockQ8_1) -> __m256i {
