@@ -39,7 +39,8 @@ if [ -n "${JIT:-}" ]; then
   mkdir -p dist/jit
   C=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-kernels-*/out/quantized.ptx | head -1)")
   for f in "$C"/*.ptx; do xz -T0 -6 -c "$f" > "dist/jit/candle_$(basename "$f").xz"; done
-  nvcc --ptx -O3 -std=c++17 -arch=compute_90 -o dist/jit/strata_decode.ptx crates/strata-kernels/cuda/decode.cu
+  # (build.rs's flags, PTX only)
+  nvcc --ptx -O3 -std=c++17 -arch=compute_"${CUDA_COMPUTE_CAP:-90}" -o dist/jit/strata_decode.ptx crates/strata-kernels/cuda/decode.cu
   xz -f -T0 -6 dist/jit/strata_decode.ptx
   xz -T0 -6 -c "$(ls -t "$CARGO_TARGET_DIR"/release/build/strata-kernels-*/out/strata_decode.fatbin | head -1)" > dist/jit/strata_decode.fatbin.xz
 fi
