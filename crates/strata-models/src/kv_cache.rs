@@ -121,6 +121,9 @@ pub struct KvCache {
 struct GpuState {
     graphs: Option<Box<crate::transformer::DecodeGraphs>>,
     position: Option<(Tensor, usize)>,
+    /// Every attention layer's k and v addresses as row table words, by KV slot (taken once:
+    /// the tensors never move).
+    table_words: std::sync::OnceLock<Vec<[u32; 4]>>,
 }
 
 /// Bytes of a tensor's elements.
@@ -296,6 +299,26 @@ impl KvCache {
     /// for a [`KvDtype::F16`] cache), for
     /// kernels that write positions `len()..` in place and read them (the GPU decode path).
     /// Errors: the layer has no KV cache (a recurrent layer).
+    /// `layer`'s k and v device addresses as row table words
+    /// ([`strata_kernels::cuda::LayerKv::address_words`]), taken for every layer at the first
+    /// call and kept (`cuda` build).
+    ///
+    /// Errors: the layer has no KV cache; the cache is not on a CUDA device.
+    #[cfg(feature = "cuda")]
+    pub fn table_words(&self, layer: usize) -> candle_core::Result<[u32; 4]> {
+        let s = self.kv_slot(layer)?;
+        if self.gpu.table_words.get().is_none() {
+            let words = self
+                .k
+                .iter()
+                .zip(&self.v)
+                .map(|(k, v)| strata_kernels::cuda::LayerKv { k, v }.address_words())
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let _ = self.gpu.table_words.set(words);
+        }
+        Ok(self.gpu.table_words.get().expect("set above")[s])
+    }
+
     pub fn layer_kv(&self, layer: usize) -> candle_core::Result<(&Tensor, &Tensor)> {
         let s = self.kv_slot(layer)?;
         Ok((&self.k[s], &self.v[s]))

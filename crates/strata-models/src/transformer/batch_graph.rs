@@ -70,6 +70,7 @@ impl Transformer {
         seqs: &mut [BatchSeq<'_>],
         opts: &BatchOptions<'_>,
     ) -> Result<Option<Vec<Result<ForwardOutput>>>> {
+        let t0 = std::time::Instant::now();
         let n = seqs.len();
         if !(2..=GRAPH_ROWS_MAX).contains(&n)
             || !opts.hidden_layers.is_empty()
@@ -112,8 +113,10 @@ impl Transformer {
         }
         let tokens: Vec<u32> = seqs.iter().map(|s| s.tokens[0]).collect();
         gpu::write_u32s(&g.tokens, &tokens)?;
-        let tables = self.write_row_tables(g, seqs, key.1)?;
+        let (tables, tables_ms) = self.write_row_tables(g, seqs, key.1)?;
+        let t_choice = std::time::Instant::now();
         let chosen = self.write_batch_choice(g, seqs, &tokens)?;
+        let choice_ms = t_choice.elapsed().as_secs_f64() * 1e3;
         if synthetic != 0 && chosen.is_none() {
             return Ok(None); // no MoE layer routes on the device: nothing was recorded
         }
@@ -141,6 +144,9 @@ impl Transformer {
             }
         }
         let c = g.graphs.get(&key).expect("captured above");
+        if super::graph::stats_on() {
+            g.timed.add_prep(t0.elapsed().as_secs_f64() * 1e3, choice_ms, tables_ms);
+        }
         replay(dev, c, &mut g.timed, |c| {
             let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
             finish(seqs, &c.logits, routing.unwrap_or_default()).map(Some)
@@ -161,31 +167,38 @@ impl Transformer {
     }
 
     /// Writes every layer's row table for this step (one host-to-device copy) and returns views
-    /// of them, positions at most `max`.
+    /// of them, positions at most `max`, and the ms its three parts took (entries, copy, views).
     fn write_row_tables(
         &self,
         g: &BatchGraphs,
         seqs: &[BatchSeq<'_>],
         max: usize,
-    ) -> Result<Vec<Rows>> {
+    ) -> Result<(Vec<Rows>, [f64; 3])> {
+        let t = std::time::Instant::now();
         let n = seqs.len();
         let mut words = Vec::with_capacity(self.layers.len() * n * 5);
         for layer in 0..self.layers.len() {
             let mut table = gpu::RowTable::default();
             for s in seqs {
                 let (k, v) = s.cache.layer_kv(layer)?;
-                table.push(s.cache.len(), 1, gpu::LayerKv { k, v })?;
+                let kept = s.cache.table_words(layer)?;
+                // SAFETY: `kept` is this cache's `address_words` (KvCache::table_words), and
+                // the cache outlives the step.
+                unsafe { table.push_words(s.cache.len(), 1, gpu::LayerKv { k, v }, kept) }?;
             }
             words.extend_from_slice(table.words());
         }
+        let entries = t.elapsed().as_secs_f64() * 1e3;
         gpu::write_u32s(&g.tables, &words)?;
+        let copy = t.elapsed().as_secs_f64() * 1e3 - entries;
         let mut out = Vec::with_capacity(self.layers.len());
         for layer in 0..self.layers.len() {
             let view = g.tables.narrow(0, layer * n * 5, n * 5)?.reshape((n, 5))?;
             let (k, v) = seqs[0].cache.layer_kv(layer)?;
             out.push(Rows::in_buffer(view, max, gpu::LayerKv { k, v })?);
         }
-        Ok(out)
+        let views = t.elapsed().as_secs_f64() * 1e3 - entries - copy;
+        Ok((out, [entries, copy, views]))
     }
 
     /// A synthetic model's choice for this step ([`synthetic_choices`], recorded in each

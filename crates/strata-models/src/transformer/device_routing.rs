@@ -91,52 +91,27 @@ pub(super) fn synthetic_choices(
         }
         Some(out)
     };
-    let rows: usize = seqs.iter().map(|(_, t)| t.len()).sum();
-    let threads = choice_threads(work.len() * rows).min(work.len());
-    let per_layer: Vec<Option<Vec<u32>>> = if threads <= 1 {
+    let per_layer: Vec<Option<Vec<u32>>> = if one_thread() {
         work.into_iter().map(choose).collect()
     } else {
-        // Layers in contiguous groups, one thread each; joined in layer order.
-        let per = work.len().div_ceil(threads);
-        let mut groups = Vec::with_capacity(threads);
-        while !work.is_empty() {
-            let rest = work.split_off(per.min(work.len()));
-            groups.push(std::mem::replace(&mut work, rest));
-        }
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = groups
-                .into_iter()
-                .map(|g| scope.spawn(move || g.into_iter().map(choose).collect::<Vec<_>>()))
-                .collect();
-            handles.into_iter().flat_map(|h| h.join().expect("a routing thread panicked")).collect()
-        })
+        // One task per layer on rayon's pool, joined in layer order (an indexed collect).
+        use rayon::prelude::*;
+        work.into_par_iter().map(choose).collect()
     };
     Some(per_layer.into_iter().collect::<Option<Vec<_>>>()?.concat())
 }
 
-/// Threads for a synthetic model's choice of `routes` (layer, row) draws: one below
-/// [`PARALLEL_CHOICES_MIN`] (a decode step of one sequence: starting threads would cost about what
-/// its few dozen draws of a few µs each cost), else up to 8 of the host's cores (a batched step of
-/// 16 sequences through 48 MoE layers makes 768 draws before its launch). The choice is the same
-/// bits either way: each layer's draws read and write only that layer's history. A measurement
-/// override: `STRATA_ROUTING_THREADS=n`.
-fn choice_threads(routes: usize) -> usize {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
-        std::env::var("STRATA_ROUTING_THREADS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0)
-    });
-    if let Some(n) = forced {
-        return *n;
-    }
-    if routes < PARALLEL_CHOICES_MIN {
-        return 1;
-    }
-    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+/// Whether a synthetic model's choice runs on the calling thread alone
+/// (`STRATA_ROUTING_THREADS=1`, a measurement override); otherwise its layers are tasks on
+/// rayon's pool (all of the host's cores). A decode step draws once per MoE layer and row (768
+/// draws of ~4-5 µs for 16 sequences through 48 layers, before the step can launch): on one
+/// thread 3.9 ms of a 13.3 ms step, on eight scoped threads started per step 1.2 ms (H200 host,
+/// 16 cores; docs/performance.md). The choice is the same bits either way: each layer's draws
+/// read and write only that layer's history.
+fn one_thread() -> bool {
+    static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ONE.get_or_init(|| std::env::var("STRATA_ROUTING_THREADS").is_ok_and(|v| v == "1"))
 }
-
-/// (Layer, row) draws from which a synthetic model's choice runs on several threads (a batched
-/// step of 16 sequences through tiny-moe's 4 layers is one: the device checks take that path).
-const PARALLEL_CHOICES_MIN: usize = 64;
 
 impl DeviceRouting {
     /// `Some` when this pass of `rows` rows through layers `0..end` can route on the device

@@ -67,15 +67,31 @@ pub struct DecodeGraphs {
     timed: ReplayStats,
 }
 
-/// Replays timed under `STRATA_GPU_GRAPH_STATS=1`: their count and summed GPU and host ms.
+/// Replays timed under `STRATA_GPU_GRAPH_STATS=1`: their count and summed GPU and host ms, and
+/// (batched steps) the host's ms before the launch: all of it, and the synthetic routing
+/// choice's part.
 #[derive(Debug, Default)]
 pub(super) struct ReplayStats {
     n: usize,
     gpu_ms: f64,
     host_ms: f64,
+    prep_ms: f64,
+    choice_ms: f64,
+    /// The row tables: entries, their copy to the device, the per-layer views.
+    tables_ms: [f64; 3],
 }
 
 impl ReplayStats {
+    /// The host's time before a batched step's launch: `prep_ms` in all, of it `choice_ms` the
+    /// synthetic routing choice and `tables_ms` the row tables (added to the next replay's).
+    pub(super) fn add_prep(&mut self, prep_ms: f64, choice_ms: f64, tables_ms: [f64; 3]) {
+        self.prep_ms += prep_ms;
+        self.choice_ms += choice_ms;
+        for (a, b) in self.tables_ms.iter_mut().zip(tables_ms) {
+            *a += b;
+        }
+    }
+
     /// Adds one replay; every 64 replays prints the means on stderr.
     pub(super) fn add(&mut self, gpu_ms: f64, host_ms: f64) {
         self.n += 1;
@@ -85,10 +101,16 @@ impl ReplayStats {
             let n = self.n as f64;
             eprintln!(
                 "strata: graph replays: {}, GPU {:.3} ms per pass, host {:.3} ms per pass \
-                 (positions written to outputs read)",
+                 (positions written to outputs read), before the launch {:.3} ms (routing \
+                 choice {:.3} ms, row tables {:.3} + {:.3} + {:.3} ms: entries, copy, views)",
                 self.n,
                 self.gpu_ms / n,
-                self.host_ms / n
+                self.host_ms / n,
+                self.prep_ms / n,
+                self.choice_ms / n,
+                self.tables_ms[0] / n,
+                self.tables_ms[1] / n,
+                self.tables_ms[2] / n
             );
         }
     }
@@ -453,7 +475,7 @@ pub(super) fn replay<T>(
 /// `STRATA_GPU_GRAPH_STATS=1`: each capture's nodes by type, and every 64 replays the mean GPU
 /// time of a replay (CUDA events around the launch) beside the host's time per pass (from the
 /// positions written to the outputs read), on stderr — where a decode step's time goes.
-fn stats_on() -> bool {
+pub(super) fn stats_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("STRATA_GPU_GRAPH_STATS").is_ok_and(|v| v == "1"))
 }
