@@ -295,10 +295,6 @@ impl KvCache {
         Ok((read(&self.k[layer])?, read(&self.v[layer])?))
     }
 
-    /// Layer `layer`'s key and value storage `[1, n_kv_heads, capacity, head_dim]` (f32, or f16
-    /// for a [`KvDtype::F16`] cache), for
-    /// kernels that write positions `len()..` in place and read them (the GPU decode path).
-    /// Errors: the layer has no KV cache (a recurrent layer).
     /// `layer`'s k and v device addresses as row table words
     /// ([`strata_kernels::cuda::LayerKv::address_words`]), taken for every layer at the first
     /// call and kept (`cuda` build).
@@ -319,6 +315,10 @@ impl KvCache {
         Ok(self.gpu.table_words.get().expect("set above")[s])
     }
 
+    /// Layer `layer`'s key and value storage `[1, n_kv_heads, capacity, head_dim]` (f32, or f16
+    /// for a [`KvDtype::F16`] cache), for
+    /// kernels that write positions `len()..` in place and read them (the GPU decode path).
+    /// Errors: the layer has no KV cache (a recurrent layer).
     pub fn layer_kv(&self, layer: usize) -> candle_core::Result<(&Tensor, &Tensor)> {
         let s = self.kv_slot(layer)?;
         Ok((&self.k[s], &self.v[s]))

@@ -105,9 +105,10 @@ pub(super) fn synthetic_choices(
 /// (`STRATA_ROUTING_THREADS=1`, a measurement override); otherwise its layers are tasks on
 /// rayon's pool (all of the host's cores). A decode step draws once per MoE layer and row (768
 /// draws of ~4-5 µs for 16 sequences through 48 layers, before the step can launch): on one
-/// thread 3.9 ms of a 13.3 ms step, on eight scoped threads started per step 1.2 ms (H200 host,
-/// 16 cores; docs/performance.md). The choice is the same bits either way: each layer's draws
-/// read and write only that layer's history.
+/// thread 3.9 ms of a 13.3 ms step, on the eight scoped threads started per step before 1.2 ms,
+/// on rayon's pool (with the popularity kept per position, synthetic_routing.rs) 0.41-0.50 ms
+/// (H200 host, 16 cores; docs/performance.md). The choice is the same bits either way: each
+/// layer's draws read and write only that layer's history.
 fn one_thread() -> bool {
     static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ONE.get_or_init(|| std::env::var("STRATA_ROUTING_THREADS").is_ok_and(|v| v == "1"))
