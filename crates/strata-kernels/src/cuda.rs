@@ -593,17 +593,9 @@ impl RowTable {
     /// Errors: a cache not [`LayerKv::check`]ed, or of another shape or element type than the
     /// caches already in the table; a cache tensor not contiguous on a CUDA device.
     pub fn push(&mut self, first: usize, rows: usize, cache: LayerKv<'_>) -> Result<()> {
-        cache.check()?;
-        let shape = self.shape.get_or_insert_with(|| cache.signature());
-        if cache.signature() != *shape {
-            bail!("row table: cache {:?} after {shape:?}", cache.signature());
-        }
-        let (k, v) = (addr(cache.k)?, addr(cache.v)?);
-        for p in first..first + rows {
-            self.words.extend([p as u32, k as u32, (k >> 32) as u32, v as u32, (v >> 32) as u32]);
-            self.max = self.max.max(p);
-        }
-        Ok(())
+        let words = cache.address_words()?;
+        // SAFETY: `words` are `cache`'s own addresses, taken just now from its live tensors.
+        unsafe { self.push_words(first, rows, cache, words) }
     }
 
     /// [`Self::push`] with the cache's address words already taken (a batched step's tables are
@@ -623,16 +615,15 @@ impl RowTable {
     ) -> Result<()> {
         cache.check()?;
         match &self.shape {
-            Some((dims, dtype))
-                if dims.as_slice() != cache.k.dims() || *dtype != cache.k.dtype() =>
-            {
-                bail!("row table: cache {:?} after {:?}", cache.signature(), self.shape)
+            Some(shape) if shape.0.as_slice() != cache.k.dims() || shape.1 != cache.k.dtype() => {
+                bail!("row table: cache {:?} after {shape:?}", cache.signature())
             }
             Some(_) => {}
             None => self.shape = Some(cache.signature()),
         }
+        let [k_lo, k_hi, v_lo, v_hi] = words;
         for p in first..first + rows {
-            self.words.extend([p as u32, words[0], words[1], words[2], words[3]]);
+            self.words.extend([p as u32, k_lo, k_hi, v_lo, v_hi]);
             self.max = self.max.max(p);
         }
         Ok(())

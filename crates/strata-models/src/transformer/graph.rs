@@ -99,18 +99,26 @@ impl ReplayStats {
         self.host_ms += host_ms;
         if self.n.is_multiple_of(64) {
             let n = self.n as f64;
+            // The split before the launch is recorded for batched steps only.
+            let prep = if self.prep_ms > 0.0 {
+                format!(
+                    ", before the launch {:.3} ms (routing choice {:.3} ms, row tables {:.3} + \
+                     {:.3} + {:.3} ms: entries, copy, views)",
+                    self.prep_ms / n,
+                    self.choice_ms / n,
+                    self.tables_ms[0] / n,
+                    self.tables_ms[1] / n,
+                    self.tables_ms[2] / n
+                )
+            } else {
+                String::new()
+            };
             eprintln!(
                 "strata: graph replays: {}, GPU {:.3} ms per pass, host {:.3} ms per pass \
-                 (positions written to outputs read), before the launch {:.3} ms (routing \
-                 choice {:.3} ms, row tables {:.3} + {:.3} + {:.3} ms: entries, copy, views)",
+                 (positions written to outputs read){prep}",
                 self.n,
                 self.gpu_ms / n,
-                self.host_ms / n,
-                self.prep_ms / n,
-                self.choice_ms / n,
-                self.tables_ms[0] / n,
-                self.tables_ms[1] / n,
-                self.tables_ms[2] / n
+                self.host_ms / n
             );
         }
     }
