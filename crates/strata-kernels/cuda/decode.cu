@@ -69,20 +69,47 @@ __device__ __forceinline__ void q8_round_warp(float v, size_t i, bool valid, int
 // next kernel on the stream be scheduled once every block of this one has started (its blocks
 // then wait in PDL_ENTER instead of behind this grid's drain and launch latency); `wait` blocks
 // until the previous grid has completed and its writes are visible. Nothing is read from or
-// written to global memory before the wait, and every thread executes it (so a grid's completion
-// implies its predecessors'). Without the launch attribute (src/cuda.rs, `STRATA_GPU_PDL=0`)
-// both are no-ops.
+// written to global memory before the wait but L2 prefetches of constant weights (the mat-vecs
+// split PDL_ENTER into PDL_LAUNCH, l2_prefetch, PDL_WAIT), and every thread executes it (so a
+// grid's completion implies its predecessors'). Without the launch attribute (src/cuda.rs,
+// `STRATA_GPU_PDL=0`) all are no-ops.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTER()                                                 \
     do {                                                            \
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
         asm volatile("griddepcontrol.wait;" ::: "memory");          \
     } while (0)
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
 #define PDL_ENTER() \
     do {            \
     } while (0)
+#define PDL_LAUNCH() \
+    do {             \
+    } while (0)
+#define PDL_WAIT() \
+    do {           \
+    } while (0)
 #endif
+
+// Weights fetched into L2 ahead of their loads (`prefetch.global.L2` of each 128-byte line, PTX ISA
+// "prefetch"): a mat-vec's constant weights before its PDL wait — fetched while the previous
+// kernel still runs — and a MoE gate/up warp's expert rows once the routing is known. A prefetch
+// changes no value. Build with -DSTRATA_L2_PREFETCH=0 for kernels without them (measurements:
+// docs/performance.md, "Weights into L2 ahead of their loads").
+#ifndef STRATA_L2_PREFETCH
+#define STRATA_L2_PREFETCH 1
+#endif
+
+// [p, p + bytes) into L2 (bytes > 0), its lines spread over `lanes` threads (this one `lane`).
+__device__ __forceinline__ void l2_prefetch(const uint8_t* p, uint32_t bytes, int lane, int lanes) {
+    if (!STRATA_L2_PREFETCH) return;
+    // One more than the lines `bytes` spans from a 128-byte boundary: p need not be on one.
+    const uint32_t lines = (bytes + 127) / 128 + 1;
+    for (uint32_t l = lane; l < lines; l += lanes)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + min(l * 128, bytes - 1)));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Routing. One block (ROUTE_THREADS threads, of which one warp works: no block barriers) per
@@ -316,8 +343,11 @@ __device__ __forceinline__ float block_dot_f32(const float4* __restrict__ w, con
 // (a few loads each, all in flight), then a warp sum and the block's four partial sums.
 extern "C" __global__ void mv_f32(const float* __restrict__ x, const float* __restrict__ w,
                                   float* __restrict__ y, int rows, int cols) {
-    PDL_ENTER();
+    PDL_LAUNCH();
     const int r = blockIdx.x, t = blockIdx.y;
+    if (t == 0 && threadIdx.x < WARP)  // the row, before the wait (constant)
+        l2_prefetch((const uint8_t*)(w + (size_t)r * cols), (uint32_t)cols * 4, threadIdx.x, WARP);
+    PDL_WAIT();
     const float d = block_dot_f32((const float4*)(w + (size_t)r * cols),
                                   (const float4*)(x + (size_t)t * cols), cols / 4);
     if (threadIdx.x == 0) y[(size_t)t * rows + r] = d;

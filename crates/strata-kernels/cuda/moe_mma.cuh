@@ -207,13 +207,24 @@ __device__ __forceinline__ void q4k_mm_q8_block(
     }
 }
 
+// A dense block's 16 weight rows (group rb of W [R, K] Q4_K) into L2 before the PDL wait (the
+// weights are constant, so they may be fetched while the previous kernel still runs); warp 0.
+__device__ __forceinline__ void mma_dense_prefetch(const uint8_t* w, int R, int K, int rb) {
+    const int r0 = rb * MMA_ROWS;
+    if (threadIdx.x >= WARP || r0 >= R) return;
+    const size_t row_bytes = (size_t)(K / 256) * Q4K_BYTES;
+    l2_prefetch(w + r0 * row_bytes, (uint32_t)(min(MMA_ROWS, R - r0) * row_bytes), threadIdx.x, WARP);
+}
+
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
     q4k_mm_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
               const uint8_t* __restrict__ w, const uint8_t* __restrict__ w2,
               const uint32_t* __restrict__ order, const uint32_t* __restrict__ tiles,
               const uint32_t* __restrict__ ntiles, float* __restrict__ out, int P, int R, int K,
               int k, int per_token, int indirect) {
-    PDL_ENTER();
+    PDL_LAUNCH();
+    if (!order) mma_dense_prefetch(w, R, K, blockIdx.y);
+    PDL_WAIT();
     q4k_mm_q8_block(xq, xd, w, w2, order, tiles, ntiles, out, P, R, K, k, per_token, indirect,
                     blockIdx.y);
 }
@@ -228,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
                const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
                const uint8_t* __restrict__ w2, float* __restrict__ out0, float* __restrict__ out1,
                float* __restrict__ out2, int P, int R0, int R1, int R2, int K) {
-    PDL_ENTER();
+    PDL_LAUNCH();
     const int g0 = (R0 + MMA_ROWS - 1) / MMA_ROWS, g1 = (R1 + MMA_ROWS - 1) / MMA_ROWS;
     int rb = blockIdx.y;
     const uint8_t* w = w0;
@@ -245,5 +256,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
         out = out1;
         R = R1;
     }
+    mma_dense_prefetch(w, R, K, rb);
+    PDL_WAIT();
     q4k_mm_q8_block(xq, xd, w, nullptr, nullptr, nullptr, nullptr, out, P, R, K, 1, 0, 0, rb);
 }

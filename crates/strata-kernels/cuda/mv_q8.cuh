@@ -81,7 +81,7 @@ struct Q8In {
     extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const int8_t* q, const float* d, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,  \
         float* y0, float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                \
-        PDL_ENTER();                                                                              \
+        PDL_LAUNCH();                                                                             \
         mv_q4k_rows<R, T>(Q8In{q, d, cols}, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);           \
     }
 MV_Q4K_Q8_KERNEL(1, 1, mv_q4k_q8_r1)
@@ -202,7 +202,7 @@ __device__ void mv_b32_rows(const int8_t* __restrict__ q, const float* __restric
     extern "C" __global__ void __launch_bounds__(128) NAME(                                         \
         const int8_t* q, const float* d, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2,  \
         float* y0, float* y1, float* y2, int r0, int r1, int r2, int cols, int n) {                \
-        PDL_ENTER();                                                                              \
+        PDL_LAUNCH();                                                                             \
         mv_b32_rows<W, R, T>(q, d, w0, w1, w2, y0, y1, y2, r0, r1, r2, cols, n);                  \
     }
 // The six launch shapes of one format (rows per warp 1, 2, 4; tokens per warp 1, 4).
