@@ -233,7 +233,9 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
 /// Logs the batch's figures every few seconds while it works, and when it runs out of work:
 /// per step the forward pass (`pass_ms`), the whole step with sampling and the tokens' emission
 /// (`step_ms`), and the time from one step's start to the next with the admission of new
-/// requests (`loop_ms`); `tok_s` over the busy time since the last line.
+/// requests (`loop_ms`); of the step beside the pass, the admission and plan before it
+/// (`admit_ms`), sampling and emission after it (`emit_ms`) and the ending of sequences
+/// (`finish_ms`: prefixes kept, slots freed); `tok_s` over the busy time since the last line.
 struct StepLog {
     /// When the first step counted here started.
     since: Option<Instant>,
@@ -246,6 +248,9 @@ struct StepLog {
     distinct: f64,
     bytes: u64,
     pass_ms: f64,
+    admit_ms: f64,
+    emit_ms: f64,
+    finish_ms: f64,
     step_ms: f64,
 }
 
@@ -261,6 +266,9 @@ impl StepLog {
             distinct: 0.0,
             bytes: 0,
             pass_ms: 0.0,
+            admit_ms: 0.0,
+            emit_ms: 0.0,
+            finish_ms: 0.0,
             step_ms: 0.0,
         }
     }
@@ -280,6 +288,9 @@ impl StepLog {
         self.distinct += st.distinct_experts_per_layer;
         self.bytes += st.expert_bytes_read;
         self.pass_ms += st.pass_ms;
+        self.admit_ms += st.admit_ms;
+        self.emit_ms += st.emit_ms;
+        self.finish_ms += st.finish_ms;
         self.step_ms += now.duration_since(started).as_secs_f64() * 1e3;
         if self.since.is_some_and(|s| s.elapsed() >= Duration::from_secs(5)) {
             self.flush();
@@ -297,6 +308,9 @@ impl StepLog {
             rows_per_step = format!("{:.1}", self.rows as f64 / n),
             tok_s = format!("{:.1}", self.generated as f64 / busy),
             pass_ms = format!("{:.2}", self.pass_ms / n),
+            admit_ms = format!("{:.3}", self.admit_ms / n),
+            emit_ms = format!("{:.3}", self.emit_ms / n),
+            finish_ms = format!("{:.3}", self.finish_ms / n),
             step_ms = format!("{:.2}", self.step_ms / n),
             loop_ms = format!("{:.2}", busy * 1e3 / n),
             distinct_experts_per_layer = format!("{:.1}", self.distinct / n),

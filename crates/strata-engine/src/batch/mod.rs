@@ -120,6 +120,15 @@ pub struct StepStats {
     pub expert_bytes_read: u64,
     /// Milliseconds the pass took.
     pub pass_ms: f64,
+    /// Milliseconds before the pass: cancelled sequences dropped, waiting requests admitted
+    /// (prefix-cache lookups and copies), the step planned.
+    pub admit_ms: f64,
+    /// Milliseconds after the pass until the sequences that ended are handled: sampling, the
+    /// tokens' detokenization, stop checks and emission, the routing tally.
+    pub emit_ms: f64,
+    /// Milliseconds spent ending sequences: held-back text flushed, prefixes kept in the prefix
+    /// cache, slots freed.
+    pub finish_ms: f64,
 }
 
 /// The continuous-batching scheduler over one [`Engine`]. Drive it with [`Self::submit`] and
@@ -276,12 +285,14 @@ impl Batcher {
     /// with `EngineError::Model(Interrupted)` and every sequence is left as it was (call
     /// [`Self::fail_all`]).
     pub fn step(&mut self, stop: &dyn Fn() -> bool) -> Result<StepStats> {
+        let started = Instant::now();
         self.drop_cancelled();
         self.admit();
         if self.running.is_empty() {
             return Ok(StepStats::default());
         }
         let (plan, rows, decode_rows) = self.plan();
+        let admit_ms = ms_since(started);
         let before = self.engine.model.experts().stats();
         let t = Instant::now();
         let results = {
@@ -306,9 +317,16 @@ impl Batcher {
                 self.engine.model.forward_batch(&mut batch, opts)
             })?
         };
-        let pass_ms = t.elapsed().as_secs_f64() * 1e3;
-        let mut stats =
-            StepStats { sequences: plan.len(), rows, decode_rows, pass_ms, ..Default::default() };
+        let pass_ms = ms_since(t);
+        let emitting = Instant::now();
+        let mut stats = StepStats {
+            sequences: plan.len(),
+            rows,
+            decode_rows,
+            pass_ms,
+            admit_ms,
+            ..Default::default()
+        };
         if let (Some(a), Some(b)) = (self.engine.model.experts().stats(), before) {
             stats.expert_bytes_read = a.since(&b).bytes_read;
         }
@@ -344,12 +362,15 @@ impl Batcher {
         if layers > 0 {
             stats.distinct_experts_per_layer = distinct as f64 / layers as f64;
         }
+        stats.emit_ms = ms_since(emitting);
+        let finishing = Instant::now();
         for (id, outcome) in finished {
             if let Some(i) = self.running.iter().position(|s| s.id == id) {
                 let s = self.running.remove(i);
                 self.finish(s, outcome);
             }
         }
+        stats.finish_ms = ms_since(finishing);
         Ok(stats)
     }
 
@@ -663,4 +684,9 @@ fn copy_cache(caches: &mut [KvCache], from: usize, to: usize) -> strata_models::
     let block = src.export_block(0, src.len())?;
     let state = src.snapshot_recurrent();
     caches[to].import_prefix(&[&block], state.as_ref())
+}
+
+/// Milliseconds since `t`.
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
 }
