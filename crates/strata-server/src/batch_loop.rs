@@ -63,7 +63,7 @@ fn run(
     trigger: Option<Vec<u32>>,
     window: Duration,
 ) {
-    let mut log = StepLog::new();
+    let mut log = StepLog::default();
     loop {
         // Block while idle; otherwise take what the free slots can start this step.
         let mut admitted = false;
@@ -236,6 +236,7 @@ fn admit(b: &mut Batcher, job: Job, s: &Scheduler, trigger: Option<&Vec<u32>>) {
 /// requests (`loop_ms`); of the step beside the pass, the admission and plan before it
 /// (`admit_ms`), sampling and emission after it (`emit_ms`) and the ending of sequences
 /// (`finish_ms`: prefixes kept, slots freed); `tok_s` over the busy time since the last line.
+#[derive(Default)]
 struct StepLog {
     /// When the first step counted here started.
     since: Option<Instant>,
@@ -255,24 +256,6 @@ struct StepLog {
 }
 
 impl StepLog {
-    fn new() -> Self {
-        Self {
-            since: None,
-            last_end: None,
-            steps: 0,
-            sequences: 0,
-            rows: 0,
-            generated: 0,
-            distinct: 0.0,
-            bytes: 0,
-            pass_ms: 0.0,
-            admit_ms: 0.0,
-            emit_ms: 0.0,
-            finish_ms: 0.0,
-            step_ms: 0.0,
-        }
-    }
-
     /// Counts a step that began at `started` and ended now.
     fn add(&mut self, st: &StepStats, started: Instant) {
         if st.sequences == 0 {
@@ -317,6 +300,6 @@ impl StepLog {
             expert_bytes_per_token = self.bytes / self.generated.max(1),
             "batch"
         );
-        *self = Self::new();
+        *self = Self::default();
     }
 }

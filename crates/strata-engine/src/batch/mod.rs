@@ -266,7 +266,7 @@ impl Batcher {
             self.prefix =
                 Some(PrefixCache::new(self.cfg.prefix_block, self.cfg.prefix_cache_bytes));
         }
-        Ok((started.elapsed().as_secs_f64() * 1e3, hit))
+        Ok((ms_since(started), hit))
     }
 
     /// Ends every running and waiting request with `error()` (a server shutdown).
