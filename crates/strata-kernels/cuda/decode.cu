@@ -274,6 +274,30 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 }
 
 // ---------------------------------------------------------------------------------------------
+// A run of positions of every attention layer's KV cache, copied to or from one contiguous block
+// in one launch (the prefix cache's entries, strata-engine batch/prefix_cache.rs; before, one
+// candle copy per layer and k / v: 96 launches and allocations for a 48-layer model's block).
+// caches [2L] device addresses (layer 0's k, its v, layer 1's k, ...), each [kvh, cap, row16]
+// in 16-byte units; block [2L, kvh, len, row16]. grid (kvh, 2L), 256 threads; to_block 1 copies
+// positions start .. start + len of each cache into the block, 0 copies the block back there.
+extern "C" __global__ void kv_span_copy(const unsigned long long* __restrict__ caches,
+                                        uint4* __restrict__ block, int kvh, int cap, int start,
+                                        int len, int row16, int to_block) {
+    PDL_ENTER();
+    const int h = blockIdx.x, t = blockIdx.y;
+    uint4* c = (uint4*)caches[t] + ((size_t)h * cap + start) * row16;
+    uint4* b = block + ((size_t)t * kvh + h) * len * row16;
+    const size_t n = (size_t)len * row16;
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+        if (to_block) {
+            b[i] = c[i];
+        } else {
+            c[i] = b[i];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Residual add + RMSNorm in one pass (Zhang & Sennrich 2019; candle's `rms_norm` after an add):
 // sum = a + b; out = sum / sqrt(mean(sum²) + eps) · w. a, b, sum, out [n, H]; w [H].
 // oq [n, H] int8, od [n, H / 32] (nullable; H a multiple of 32 when given): out's q8 rounding

@@ -547,6 +547,141 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// Threads of a [`KvSpanTable`] copy block.
+const KV_SPAN_THREADS: u32 = 256;
+
+/// Whether [`KvSpanTable`] takes these caches: CUDA, one shape and element type, and a
+/// position's row of a head (`head_dim` elements) a multiple of 16 bytes (f16 caches: `head_dim`
+/// a multiple of 8; f32: of 4).
+pub fn kv_span_supports(layers: &[LayerKv<'_>]) -> bool {
+    let Some(first) = layers.first() else { return false };
+    let sig = first.signature();
+    first.k.device().is_cuda()
+        && layers.iter().all(|l| l.check().is_ok() && l.signature() == sig)
+        && (sig.0[3] * sig.1.size_in_bytes()).is_multiple_of(16)
+}
+
+/// Every attention layer's KV cache of one sequence, for copying a run of positions of all of
+/// them to or from one contiguous block in one launch (the prefix cache's entries): the caches'
+/// addresses uploaded once (u32 `[4 · layers]`: [`LayerKv::address_words`] in order, read by
+/// the kernel as `2 · layers` u64). It keeps the caches' tensors (candle tensors share their
+/// storage), so the addresses stay valid while it lives.
+#[derive(Debug)]
+pub struct KvSpanTable {
+    table: Tensor,
+    /// k and v of each layer, in the table's order.
+    caches: Vec<Tensor>,
+    kv_heads: usize,
+    capacity: usize,
+    head_dim: usize,
+    dtype: DType,
+}
+
+impl KvSpanTable {
+    /// `layers`: each `[1, kv_heads, capacity, head_dim]`, one shape and type.
+    ///
+    /// Errors: caches [`kv_span_supports`] refuses.
+    pub fn new(layers: &[LayerKv<'_>]) -> Result<Self> {
+        if !kv_span_supports(layers) {
+            bail!("kv span copy: {} layer caches of different shapes or unsupported", layers.len());
+        }
+        let (dims, dtype) = layers[0].signature();
+        let mut words = Vec::with_capacity(4 * layers.len());
+        for l in layers {
+            words.extend_from_slice(&l.address_words()?);
+        }
+        Ok(Self {
+            table: Tensor::from_slice(&words, words.len(), layers[0].k.device())?,
+            caches: layers.iter().flat_map(|l| [l.k.clone(), l.v.clone()]).collect(),
+            kv_heads: dims[1],
+            capacity: dims[2],
+            head_dim: dims[3],
+            dtype,
+        })
+    }
+
+    /// Positions `start..start + len` of every layer's k and v copied into one new block
+    /// `[2 · layers, kv_heads, len, head_dim]` (layer 0's k, its v, layer 1's k, ...) in one
+    /// launch: the same bytes as narrowing each cache and making it contiguous (tested).
+    ///
+    /// Errors: `start + len` past the capacity.
+    pub fn export(&self, start: usize, len: usize) -> Result<Tensor> {
+        self.check_range(start, len)?;
+        let dev = cuda_device(&self.table)?;
+        let shape = (self.caches.len(), self.kv_heads, len, self.head_dim);
+        let block = match self.dtype {
+            DType::F16 => alloc::<half::f16>(dev, shape)?,
+            _ => alloc::<f32>(dev, shape)?,
+        };
+        // SAFETY: the table holds the addresses of `caches` (alive in self), each [kv_heads,
+        // capacity, head_dim]; `block` holds caches · kv_heads · len rows; the range is checked.
+        unsafe { self.launch(&block, start, len, true) }?;
+        Ok(block)
+    }
+
+    /// The inverse of [`Self::export`]: `block` `[2 · layers, kv_heads, len, head_dim]` written
+    /// into positions `start..start + len` of every layer's k and v, in one launch.
+    ///
+    /// Errors: a block of another shape or type; `start + len` past the capacity.
+    pub fn import(&self, block: &Tensor, start: usize) -> Result<()> {
+        let (t, h, len, hd) = block.dims4()?;
+        if (t, h, hd) != (self.caches.len(), self.kv_heads, self.head_dim)
+            || block.dtype() != self.dtype
+        {
+            bail!(
+                "kv span copy: a block {:?} {:?} for {} caches [1, {}, {}, {}] of {:?}",
+                block.dtype(),
+                block.dims(),
+                self.caches.len(),
+                self.kv_heads,
+                self.capacity,
+                self.head_dim,
+                self.dtype
+            );
+        }
+        self.check_range(start, len)?;
+        // SAFETY: as export, the block's shape checked above.
+        unsafe { self.launch(block, start, len, false) }
+    }
+
+    fn check_range(&self, start: usize, len: usize) -> Result<()> {
+        if start + len > self.capacity {
+            bail!(
+                "kv span copy: positions {start}..{} past a capacity of {}",
+                start + len,
+                self.capacity
+            );
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// `block` is `[caches, kv_heads, len, head_dim]` of the caches' type, `start + len` within
+    /// the capacity.
+    unsafe fn launch(
+        &self,
+        block: &Tensor,
+        start: usize,
+        len: usize,
+        to_block: bool,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let dev = cuda_device(block)?;
+        let cfg = LaunchConfig {
+            grid_dim: (self.kv_heads as u32, self.caches.len() as u32, 1),
+            block_dim: (KV_SPAN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let row16 = self.head_dim * self.dtype.size_in_bytes() / 16;
+        let mut args = vec![Arg::Ptr(addr(&self.table)?), Arg::Ptr(addr(block)?)];
+        args.extend(i32s(&[self.kv_heads, self.capacity, start, len, row16, to_block as usize]));
+        // SAFETY: arguments in `kv_span_copy`'s order; the caller's contract.
+        unsafe { launch(dev, "kv_span_copy", cfg, &args) }
+    }
+}
+
 /// Rotary embedding style: pairs `(i, i + d/2)` (NeoX, candle's `rope`) or `(2i, 2i + 1)`
 /// (GPT-J, candle's `rope_i`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

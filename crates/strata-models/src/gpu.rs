@@ -97,6 +97,10 @@ pub enum GpuPath {
     /// The greedy pick of a [`crate::Logits::Greedy`] sequence made on the device
     /// (`strata_kernels::cuda::argmax_rows`): its logits stay there.
     Argmax,
+    /// A prefix-cache block's keys and values copied out of (and back into) a KV cache in one
+    /// launch over every layer (`strata_kernels::cuda::KvSpanTable`)
+    /// instead of one candle copy per layer and tensor ([`crate::KvCache::export_block`]).
+    KvSpan,
 }
 
 /// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
@@ -149,6 +153,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static ATTN_TC_DECODE: OnceLock<bool> = OnceLock::new();
     static DELTANET: OnceLock<bool> = OnceLock::new();
     static ARGMAX: OnceLock<bool> = OnceLock::new();
+    static KV_SPAN: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
@@ -168,6 +173,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::AttnTcDecode => (&ATTN_TC_DECODE, "STRATA_GPU_ATTN_TC_DECODE"),
         GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
         GpuPath::Argmax => (&ARGMAX, "STRATA_GPU_ARGMAX"),
+        GpuPath::KvSpan => (&KV_SPAN, "STRATA_GPU_KV_SPAN"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
         (GpuPath::MoeGrouped | GpuPath::MoeMma, v) => v.is_ok_and(|v| v == "1"),

@@ -74,12 +74,31 @@ impl std::fmt::Display for KvDtype {
 /// A copy of a run of positions of one sequence's KV cache (see [`KvCache::export_block`]).
 #[derive(Debug)]
 pub struct KvBlock {
-    /// Per attention layer, `[1, kv_heads, len, head_dim]`.
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
+    kv: BlockKv,
     /// A synthetic model's routing choices at those positions, per layer `[len · top_k]`.
     routing: Option<Vec<Vec<u32>>>,
     len: usize,
+}
+
+/// A block's keys and values.
+#[derive(Debug)]
+enum BlockKv {
+    /// Per attention layer, `[1, kv_heads, len, head_dim]`.
+    Layers { k: Vec<Tensor>, v: Vec<Tensor> },
+    /// Every attention layer in one device tensor `[2 · layers, kv_heads, len, head_dim]` (layer
+    /// 0's k, its v, layer 1's k, ...): copied in one launch ([`crate::gpu::GpuPath::KvSpan`]).
+    #[cfg(feature = "cuda")]
+    Span(Tensor),
+}
+
+impl BlockKv {
+    fn bytes(&self) -> usize {
+        match self {
+            BlockKv::Layers { k, v } => k.iter().chain(v).map(tensor_bytes).sum(),
+            #[cfg(feature = "cuda")]
+            BlockKv::Span(t) => tensor_bytes(t),
+        }
+    }
 }
 
 impl KvBlock {
@@ -94,8 +113,7 @@ impl KvBlock {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        let t: usize = self.k.iter().chain(&self.v).map(tensor_bytes).sum();
-        t + self.routing.as_ref().map_or(0, |r| r.iter().map(|v| v.len() * 4).sum())
+        self.kv.bytes() + self.routing.as_ref().map_or(0, |r| r.iter().map(|v| v.len() * 4).sum())
     }
 }
 
@@ -124,6 +142,9 @@ struct GpuState {
     /// Every attention layer's k and v addresses as row table words, by KV slot (taken once:
     /// the tensors never move).
     table_words: std::sync::OnceLock<Vec<[u32; 4]>>,
+    /// The prefix cache's block copies over every layer in one launch (`None`: not taken,
+    /// [`crate::gpu::GpuPath::KvSpan`]); set up at the first copy.
+    span: std::sync::OnceLock<Option<strata_kernels::cuda::KvSpanTable>>,
 }
 
 /// Bytes of a tensor's elements.
@@ -431,11 +452,32 @@ impl KvCache {
         if start + len > self.len {
             return Err(ModelError::ContextFull { needed: start + len, capacity: self.len });
         }
+        let routing = self.routing.as_ref().map(|h| h.rows(start, len));
+        #[cfg(feature = "cuda")]
+        if let Some(span) = self.span() {
+            let kv = BlockKv::Span(span.export(start, len)?);
+            return Ok(KvBlock { kv, routing, len });
+        }
         let copy = |t: &Tensor| t.narrow(2, start, len).and_then(|t| t.force_contiguous());
         let k = self.k.iter().map(copy).collect::<candle_core::Result<Vec<_>>>()?;
         let v = self.v.iter().map(copy).collect::<candle_core::Result<Vec<_>>>()?;
-        let routing = self.routing.as_ref().map(|h| h.rows(start, len));
-        Ok(KvBlock { k, v, routing, len })
+        Ok(KvBlock { kv: BlockKv::Layers { k, v }, routing, len })
+    }
+
+    /// The table that copies a block of every attention layer in one launch
+    /// ([`crate::gpu::GpuPath::KvSpan`] on, caches the kernel takes); `None` otherwise.
+    #[cfg(feature = "cuda")]
+    fn span(&self) -> Option<&strata_kernels::cuda::KvSpanTable> {
+        use strata_kernels::cuda::{kv_span_supports, KvSpanTable, LayerKv};
+        self.gpu
+            .span
+            .get_or_init(|| {
+                let layers: Vec<LayerKv<'_>> =
+                    self.k.iter().zip(&self.v).map(|(k, v)| LayerKv { k, v }).collect();
+                let on = crate::gpu::enabled(crate::gpu::GpuPath::KvSpan);
+                (on && kv_span_supports(&layers)).then(|| KvSpanTable::new(&layers).ok()).flatten()
+            })
+            .as_ref()
     }
 
     /// Starts a new sequence from a cached prefix: `blocks` back to back from position 0, then
@@ -451,12 +493,29 @@ impl KvCache {
         let total: usize = blocks.iter().map(|b| b.len).sum();
         self.check_room(total)?;
         let mut pos = 0;
+        let other = || candle_core::Error::msg("a prefix block of another model");
         for b in blocks {
-            if b.k.len() != self.k.len() || b.v.len() != self.v.len() {
-                return Err(candle_core::Error::msg("a prefix block of another model").into());
-            }
-            for (dst, src) in self.k.iter().zip(&b.k).chain(self.v.iter().zip(&b.v)) {
-                dst.slice_set(src, 2, pos)?;
+            match &b.kv {
+                BlockKv::Layers { k, v } => {
+                    if k.len() != self.k.len() || v.len() != self.v.len() {
+                        return Err(other().into());
+                    }
+                    for (dst, src) in self.k.iter().zip(k).chain(self.v.iter().zip(v)) {
+                        dst.slice_set(src, 2, pos)?;
+                    }
+                }
+                #[cfg(feature = "cuda")]
+                BlockKv::Span(t) => {
+                    if t.dim(0)? != 2 * self.k.len() {
+                        return Err(other().into());
+                    }
+                    let span = self.span().ok_or_else(|| {
+                        candle_core::Error::msg(
+                            "a device prefix block for a cache that cannot take it",
+                        )
+                    })?;
+                    span.import(t, pos)?;
+                }
             }
             if let (Some(h), Some(rows)) = (self.routing.as_mut(), &b.routing) {
                 h.set_rows(pos, rows);

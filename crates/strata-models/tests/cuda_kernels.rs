@@ -250,6 +250,77 @@ fn argmax_rows_equals_the_first_strictly_greater_scan() {
     assert!(gpu::argmax_rows(&u).is_err());
 }
 
+/// A prefix-cache block copied out of every layer's KV cache in one launch equals candle's
+/// per-layer copies (layer 0's k, its v, layer 1's k, ...), bit for bit; copied back at another
+/// position it writes those positions and nothing else; bad blocks and ranges are refused.
+#[test]
+fn kv_span_copies_equal_the_per_layer_copies() {
+    let dev = cuda();
+    let mut rng = Rng(31);
+    for (dtype, kvh, hd, cap) in [(DType::F16, 4, 128, 96), (DType::F32, 3, 64, 80)] {
+        let layers = 5;
+        let mk = |rng: &mut Rng| {
+            Tensor::from_vec(rng.vec(kvh * cap * hd, 4.0), (1, kvh, cap, hd), &dev)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap()
+        };
+        let k: Vec<Tensor> = (0..layers).map(|_| mk(&mut rng)).collect();
+        let v: Vec<Tensor> = (0..layers).map(|_| mk(&mut rng)).collect();
+        let kv: Vec<gpu::LayerKv<'_>> =
+            k.iter().zip(&v).map(|(k, v)| gpu::LayerKv { k, v }).collect();
+        assert!(gpu::kv_span_supports(&kv));
+        let span = gpu::KvSpanTable::new(&kv).unwrap();
+        let (start, len) = (17, 29);
+        let block = span.export(start, len).unwrap();
+        assert_eq!(block.dims(), [2 * layers, kvh, len, hd]);
+        assert_eq!(block.dtype(), dtype);
+        let as_f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        for l in 0..layers {
+            for (j, t) in [&k[l], &v[l]].into_iter().enumerate() {
+                let want = as_f32(&t.narrow(2, start, len).unwrap().contiguous().unwrap());
+                let got = as_f32(&block.narrow(0, 2 * l + j, 1).unwrap().contiguous().unwrap());
+                let (w, g) = (want.to_vec1::<f32>().unwrap(), got.to_vec1::<f32>().unwrap());
+                assert!(w.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits()), "layer {l}");
+            }
+        }
+        // Back into zeroed caches at position 40: those positions equal the block, the rest 0.
+        let zk: Vec<Tensor> =
+            (0..layers).map(|_| Tensor::zeros((1, kvh, cap, hd), dtype, &dev).unwrap()).collect();
+        let zv: Vec<Tensor> =
+            (0..layers).map(|_| Tensor::zeros((1, kvh, cap, hd), dtype, &dev).unwrap()).collect();
+        let zkv: Vec<gpu::LayerKv<'_>> =
+            zk.iter().zip(&zv).map(|(k, v)| gpu::LayerKv { k, v }).collect();
+        let at = 40;
+        let zspan = gpu::KvSpanTable::new(&zkv).unwrap();
+        zspan.import(&block, at).unwrap();
+        for l in 0..layers {
+            for (j, t) in [&zk[l], &zv[l]].into_iter().enumerate() {
+                let src = if j == 0 { &k[l] } else { &v[l] };
+                let want = as_f32(&src.narrow(2, start, len).unwrap().contiguous().unwrap());
+                let got = as_f32(&t.narrow(2, at, len).unwrap().contiguous().unwrap());
+                assert_eq!(want.to_vec1::<f32>().unwrap(), got.to_vec1::<f32>().unwrap());
+                let all = as_f32(t).to_vec1::<f32>().unwrap();
+                let nonzero = all.iter().filter(|x| **x != 0.0).count();
+                let inside = got.to_vec1::<f32>().unwrap().iter().filter(|x| **x != 0.0).count();
+                assert_eq!(nonzero, inside, "a write outside positions {at}..{}", at + len);
+            }
+        }
+        // Refusals: past the capacity, a block for another layer count, an empty layer list,
+        // caches of different shapes.
+        assert!(span.export(cap - 3, 4).is_err());
+        assert!(zspan.import(&block, cap - len + 1).is_err());
+        let fewer = gpu::KvSpanTable::new(&zkv[..layers - 1]).unwrap();
+        assert!(fewer.import(&block, 0).is_err());
+        assert!(gpu::KvSpanTable::new(&[]).is_err());
+        let other = Tensor::zeros((1, kvh, cap + 1, hd), dtype, &dev).unwrap();
+        let mixed = [kv[0], gpu::LayerKv { k: &other, v: &other }];
+        assert!(!gpu::kv_span_supports(&mixed) && gpu::KvSpanTable::new(&mixed).is_err());
+    }
+    // A row of 2 f16 (4 bytes) is not a whole number of 16-byte units: not taken.
+    let small = Tensor::zeros((1, 2, 8, 2), DType::F16, &dev).unwrap();
+    assert!(!gpu::kv_span_supports(&[gpu::LayerKv { k: &small, v: &small }]));
+}
+
 /// One attention case: `seq` query rows after `pos` cached positions, a cache of `dtype`.
 struct Case {
     nh: usize,
