@@ -74,6 +74,10 @@
 #     under ncu (NCU_VARS) and end to end (E2E_VARS); see the part itself.
 # 15. PART=module-load (instead of 2-14): what loading the kernels costs on a cold driver cache
 #     (dist/jit/: the module files to time; see the part itself).
+# 16. PART=prefix (instead of 2-15): the prefix cache on the device. `strata serve` on PREFIX_MODEL
+#     (default tiny-moe Q4_K, realistic routing) with the one-launch block copies and with
+#     STRATA_GPU_KV_SPAN=0; scripts/prefix_check.py's greedy requests (prefix hits) must give
+#     the same texts with both, and hit the cache.
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -493,6 +497,30 @@ PY
         | grep -E 'tg|pp' | awk -F'|' '{printf "%s %s;", $4, $5}')" | tee -a "$D/load.md"
     done
   done
+  exit 0
+fi
+if [ "${PART:-}" = prefix ]; then
+  D="$OUT/prefix"; mkdir -p "$D"
+  PM=${PREFIX_MODEL:-/tmp/tiny-prefix.gguf}
+  [ -f "$PM" ] || "$S" synth --preset tiny-moe --quant Q4_K --routing realistic --out "$PM" > /dev/null 2>&1
+  for v in 1 0; do
+    STRATA_GPU_KV_SPAN=$v "$S" serve --model "$PM" --device cuda --stream-experts off --parallel 4 \
+      --ctx-size 4096 --port 8123 > "$D/serve-$v.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8123/v1/models > /dev/null 2>&1 && break; sleep 0.5; done
+    python3 scripts/prefix_check.py --url http://127.0.0.1:8123 > "$D/span-$v.json" 2> "$D/span-$v.err"
+    kill $pid; wait $pid 2>/dev/null
+  done
+  python3 - "$D/span-1.json" "$D/span-0.json" <<'PY' | tee "$D/prefix.md"
+import json, sys
+a, b = [json.load(open(f)) for f in sys.argv[1:]]
+same = [x["text"] == y["text"] for x, y in zip(a["results"], b["results"])]
+hits = a["metrics"].get("strata_prefix_cache_hits_total", 0)
+print(f"prefix hits {hits:.0f}, reused tokens {a['metrics'].get('strata_prefix_cache_reused_tokens_total', 0):.0f}; "
+      f"texts with the one-launch copies = without: {same}; seconds {[r['s'] for r in a['results']]} "
+      f"against {[r['s'] for r in b['results']]}")
+print("PASS" if all(same) and len(same) == 5 and hits >= 3 else "FAIL")
+PY
   exit 0
 fi
 if [ "${PART:-}" = ptx-variants ]; then
