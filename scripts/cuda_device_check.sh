@@ -515,8 +515,9 @@ if [ "${PART:-}" = prefix ]; then
 import json, sys
 a, b = [json.load(open(f)) for f in sys.argv[1:]]
 same = [x["text"] == y["text"] for x, y in zip(a["results"], b["results"])]
-hits = a["metrics"].get("strata_prefix_cache_hits_total", 0)
-print(f"prefix hits {hits:.0f}, reused tokens {a['metrics'].get('strata_prefix_cache_reused_tokens_total', 0):.0f}; "
+hits = a["metrics"].get("strata_prefix_cache_hits_total") or 0
+reused = a["metrics"].get("strata_prefix_cache_reused_tokens_total") or 0
+print(f"prefix hits {hits:.0f}, reused tokens {reused:.0f}; "
       f"texts with the one-launch copies = without: {same}; seconds {[r['s'] for r in a['results']]} "
       f"against {[r['s'] for r in b['results']]}")
 print("PASS" if all(same) and len(same) == 5 and hits >= 3 else "FAIL")

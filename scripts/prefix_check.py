@@ -10,18 +10,12 @@ Requests, in order (temperature 0, `ignore_eos`, --max-tokens each): a long prom
 question (a hit on fewer blocks), an unrelated short prompt. Standard library only.
 """
 import argparse
-import http.client
 import json
 import time
-import urllib.parse
 
+from bench_batching import conn, metric, served_model
 
-def call(url, method, path, body=None):
-    u = urllib.parse.urlparse(url)
-    c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    c.request(method, path, body, {"Content-Type": "application/json"} if body else {})
-    r = c.getresponse()
-    return r.status, r.read().decode()
+METRICS = ["strata_prefix_cache_hits_total", "strata_prefix_cache_reused_tokens_total"]
 
 
 def main():
@@ -30,7 +24,7 @@ def main():
     p.add_argument("--words", type=int, default=600, help="words of the shared prompt")
     p.add_argument("--max-tokens", type=int, default=48)
     a = p.parse_args()
-    model = json.loads(call(a.url, "GET", "/v1/models")[1])["data"][0]["id"]
+    model = served_model(a.url)
     sentence = "the river carries stone and salt past the old mill while the town sleeps "
     words = (sentence * (a.words // 14 + 1)).split()[: a.words]
     pre = " ".join(words)
@@ -42,17 +36,16 @@ def main():
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": a.max_tokens,
                            "temperature": 0, "ignore_eos": True})
         t = time.perf_counter()
-        status, text = call(a.url, "POST", "/v1/completions", body)
-        if status != 200:
-            raise SystemExit(f"request failed: {status} {text[:300]}")
+        c = conn(a.url)
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = c.getresponse()
+        text = resp.read().decode()
+        if resp.status != 200:
+            raise SystemExit(f"request failed: {resp.status} {text[:300]}")
         r = json.loads(text)
         results.append({"text": r["choices"][0]["text"], "s": round(time.perf_counter() - t, 3),
                         "prompt_tokens": r["usage"]["prompt_tokens"]})
-    metrics = {}
-    for line in call(a.url, "GET", "/metrics")[1].splitlines():
-        if line.startswith("strata_prefix_cache_"):
-            name, value = line.split()[:2]
-            metrics[name] = float(value)
+    metrics = {name: metric(a.url, name) for name in METRICS}
     print(json.dumps({"results": results, "metrics": metrics}))
 
 

@@ -468,14 +468,16 @@ impl KvCache {
     /// ([`crate::gpu::GpuPath::KvSpan`] on, caches the kernel takes); `None` otherwise.
     #[cfg(feature = "cuda")]
     fn span(&self) -> Option<&strata_kernels::cuda::KvSpanTable> {
-        use strata_kernels::cuda::{kv_span_supports, KvSpanTable, LayerKv};
+        use strata_kernels::cuda::{KvSpanTable, LayerKv};
         self.gpu
             .span
             .get_or_init(|| {
                 let layers: Vec<LayerKv<'_>> =
                     self.k.iter().zip(&self.v).map(|(k, v)| LayerKv { k, v }).collect();
-                let on = crate::gpu::enabled(crate::gpu::GpuPath::KvSpan);
-                (on && kv_span_supports(&layers)).then(|| KvSpanTable::new(&layers).ok()).flatten()
+                // `new` refuses caches the kernel does not take (kv_span_supports).
+                crate::gpu::enabled(crate::gpu::GpuPath::KvSpan)
+                    .then(|| KvSpanTable::new(&layers).ok())
+                    .flatten()
             })
             .as_ref()
     }
@@ -493,22 +495,21 @@ impl KvCache {
         let total: usize = blocks.iter().map(|b| b.len).sum();
         self.check_room(total)?;
         let mut pos = 0;
-        let other = || candle_core::Error::msg("a prefix block of another model");
         for b in blocks {
             match &b.kv {
                 BlockKv::Layers { k, v } => {
                     if k.len() != self.k.len() || v.len() != self.v.len() {
-                        return Err(other().into());
+                        return Err(
+                            candle_core::Error::msg("a prefix block of another model").into()
+                        );
                     }
                     for (dst, src) in self.k.iter().zip(k).chain(self.v.iter().zip(v)) {
                         dst.slice_set(src, 2, pos)?;
                     }
                 }
                 #[cfg(feature = "cuda")]
+                // (`import` refuses a block of another layer count or shape.)
                 BlockKv::Span(t) => {
-                    if t.dim(0)? != 2 * self.k.len() {
-                        return Err(other().into());
-                    }
                     let span = self.span().ok_or_else(|| {
                         candle_core::Error::msg(
                             "a device prefix block for a cache that cannot take it",
