@@ -19,9 +19,9 @@ pub struct InfoArgs {
     /// Plan for `serve --parallel N`: N sequence slots, one KV cache each.
     #[arg(long, default_value_t = 1)]
     pub parallel: usize,
-    /// Plan for `serve --prefix-cache SIZE` (default: none).
-    #[arg(long, default_value = "0", value_parser = strata_plan::parse_bytes)]
-    pub prefix_cache: u64,
+    /// Plan for `serve --prefix-cache SIZE|auto` (default: none, as `generate` runs).
+    #[arg(long, default_value = "0")]
+    pub prefix_cache: strata_plan::PrefixCacheBudget,
 }
 
 pub fn run(mut a: InfoArgs) -> Result<()> {

@@ -105,13 +105,13 @@ pub struct ModelArgs {
 pub struct Serving {
     /// Sequences at once (`--parallel`): one KV cache each.
     pub parallel: usize,
-    /// Prefix cache bytes (`--prefix-cache`).
-    pub prefix_cache: u64,
+    /// Prefix cache (`--prefix-cache`): bytes, or `auto` (the plan sizes it).
+    pub prefix_cache: strata_plan::PrefixCacheBudget,
 }
 
 impl Default for Serving {
     fn default() -> Self {
-        Self { parallel: 1, prefix_cache: 0 }
+        Self { parallel: 1, prefix_cache: strata_plan::PrefixCacheBudget::Bytes(0) }
     }
 }
 
@@ -152,7 +152,7 @@ impl ModelArgs {
             moe_top_k: self.moe_top_k,
             device,
             parallel: self.serving.parallel,
-            prefix_cache_bytes: self.serving.prefix_cache,
+            prefix_cache: self.serving.prefix_cache,
             kv_dtype,
         })
     }

@@ -42,10 +42,12 @@ pub struct ServeArgs {
     #[arg(long, default_value = "auto", value_parser = parse_window)]
     pub batch_window: Window,
     /// Keep finished requests' KV entries (in 64-token blocks, least recently used dropped first)
-    /// for later requests that share a prompt prefix, up to this many bytes (`0`: off). Counted
-    /// by the memory plan. Not used with speculative decoding.
-    #[arg(long, default_value = "256MiB", value_parser = strata_plan::parse_bytes)]
-    pub prefix_cache: u64,
+    /// for later requests that share a prompt prefix, up to this many bytes (`0`: off). `auto`:
+    /// half of the memory (RAM, or VRAM on a GPU) the plan leaves free, at most 8 GiB — at most
+    /// 256 MiB when experts stream, whose cache needs the memory more. Counted by the memory plan
+    /// (the start-up log says how much). Not used with speculative decoding.
+    #[arg(long, default_value = "auto")]
+    pub prefix_cache: strata_plan::PrefixCacheBudget,
     /// Requests that may wait for a slot; more are answered 503 at once.
     #[arg(long, default_value_t = 16)]
     pub queue_size: usize,
@@ -88,7 +90,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let speculative = a.model.spec.kind()?.is_some();
-    let prefix_cache = if speculative { 0 } else { a.prefix_cache };
+    let prefix_cache =
+        if speculative { strata_plan::PrefixCacheBudget::Bytes(0) } else { a.prefix_cache };
     a.model.serving = crate::model_args::Serving { parallel: a.parallel, prefix_cache };
     let (engine, plan) = a.model.load_with_plan()?;
     let engine = Arc::new(engine);
@@ -110,7 +113,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         prefill_chunk: a.model.prefill_chunk,
         batch_tokens: a.batch_tokens,
         batch_window: a.batch_window.0,
-        prefix_cache_bytes: prefix_cache as usize,
+        prefix_cache_bytes: plan.memory.prefix_cache as usize,
         warm_up: !a.no_warmup && !engine.model.device().is_cpu(),
         sampling: a.sampling.params(&engine),
         plan: Some(plan),

@@ -391,7 +391,7 @@ fn serve_flags_are_checked_and_the_key_is_not_shown() {
 
 /// The plan counts one KV cache per `--parallel` slot (and the prefix cache): `serve --parallel 64`
 /// where 64 caches do not fit is refused at start (exit 2, saying what to lower); `info` says
-/// the same, and a `--parallel` that fits is planned.
+/// the same, and a `--parallel` that fits is planned, with a fixed or an `auto` prefix cache.
 #[test]
 fn parallel_slots_that_do_not_fit_are_refused_by_the_plan() {
     let m = model().to_string_lossy().into_owned();
@@ -423,6 +423,14 @@ fn parallel_slots_that_do_not_fit_are_refused_by_the_plan() {
     assert_eq!(v["parallel"], 4);
     assert_eq!(v["memory"]["kv_cache"].as_u64().unwrap(), 4 * per_slot);
     assert_eq!(v["memory"]["prefix_cache"].as_u64().unwrap(), 256 << 20);
+    // `auto` (serve's default): half of what the plan without a prefix cache leaves free.
+    let m0 = &v["memory"];
+    let free = m0["available"].as_u64().unwrap()
+        - (m0["resident_total"].as_u64().unwrap() - (256 << 20))
+        - m0["reserve"].as_u64().unwrap();
+    let (code, v) = info(&["--parallel", "4", "--prefix-cache", "auto"]);
+    assert_eq!(code, Some(0), "{v}");
+    assert_eq!(v["memory"]["prefix_cache"].as_u64().unwrap(), free / 2, "{v}");
 }
 
 /// Issue 27's API surface through the official `openai` client (`scripts/openai_api_check.py`):

@@ -45,8 +45,9 @@ pub struct LoadRequest {
     pub device: Device,
     /// Sequences served at once (`serve --parallel`): the plan counts one KV cache each.
     pub parallel: usize,
-    /// Bytes of the server's prefix cache, counted by the plan.
-    pub prefix_cache_bytes: u64,
+    /// The server's prefix cache, counted by the plan (`auto`: sized by it; the bytes it chose
+    /// are the plan's `memory.prefix_cache`).
+    pub prefix_cache: strata_plan::PrefixCacheBudget,
     /// Element type of the KV caches (`--kv-cache-dtype`): the plan counts its bytes.
     pub kv_dtype: strata_models::KvDtype,
 }
@@ -73,7 +74,7 @@ impl LoadRequest {
             moe_top_k: None,
             device,
             parallel: 1,
-            prefix_cache_bytes: 0,
+            prefix_cache: strata_plan::PrefixCacheBudget::Bytes(0),
             kv_dtype: strata_models::KvDtype::F32,
         }
     }
@@ -101,7 +102,7 @@ pub fn plan_for(files: &ModelFiles, path: &Path, req: &LoadRequest) -> Result<Pl
         gpu: req.gpu,
         gpu_expert_cache: req.gpu_expert_cache,
         parallel: req.parallel,
-        prefix_cache: req.prefix_cache_bytes,
+        prefix_cache: req.prefix_cache,
     };
     let system = strata_plan::SystemMemory::detect(req.ram);
     Ok(strata_plan::make_plan(&facts, &system, strata_plan::calibrate::load(path), &plan_req))

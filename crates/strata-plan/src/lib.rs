@@ -11,6 +11,7 @@
 //! - [`hit_curve`]: the expert-cache hit rate of typical decode routing at a cache share.
 //! - [`observed`]: hit rate and compute time measured by previous runs of the model.
 //! - [`plan`]: [`make_plan`], the strategy and the cost model.
+//! - [`prefix`]: `serve --prefix-cache` sizes and what `auto` takes of the memory the plan leaves.
 //! - [`gpu`]: the same on a GPU: VRAM, page-locked host RAM and the drive as tiers.
 
 pub mod budget;
@@ -20,6 +21,7 @@ pub mod gpu;
 pub mod hit_curve;
 pub mod observed;
 pub mod plan;
+pub mod prefix;
 pub mod switch;
 pub mod system;
 
@@ -29,4 +31,5 @@ pub use facts::ModelFacts;
 pub use gpu::{GpuMemory, GpuPlan};
 pub use observed::Observed;
 pub use plan::{make_plan, Estimate, MemoryBudget, Plan, PlanRequest, Strategy, StreamMode};
+pub use prefix::PrefixCacheBudget;
 pub use system::SystemMemory;

@@ -18,6 +18,7 @@ use crate::calibrate::{Bandwidths, RatesSource};
 use crate::facts::ModelFacts;
 use crate::gpu::{plan_gpu, GpuDecision, GpuInputs, GpuMemory, GpuPlan};
 use crate::observed::{miss_rate_at, Observed};
+use crate::prefix::PrefixCacheBudget;
 use crate::system::SystemMemory;
 
 /// `--stream-experts`: `auto` streams only when the model does not fit.
@@ -58,8 +59,9 @@ pub struct PlanRequest {
     pub gpu_expert_cache: CacheBudget,
     /// Sequences served at once (`serve --parallel`): one KV cache (and draft KV cache) each.
     pub parallel: usize,
-    /// Bytes of the server's prefix cache (`serve --prefix-cache`).
-    pub prefix_cache: u64,
+    /// The server's prefix cache (`serve --prefix-cache`): bytes, or `auto`
+    /// ([`crate::prefix::auto_bytes`]; the plan's [`MemoryBudget::prefix_cache`] says how many).
+    pub prefix_cache: PrefixCacheBudget,
 }
 
 /// The strategy.
@@ -98,7 +100,8 @@ pub struct MemoryBudget {
     /// KV caches and recurrent state of every sequence slot: `parallel × (ctx × per-token +
     /// recurrent state)`.
     pub kv_cache: u64,
-    /// The server's prefix cache (KV blocks kept for reuse).
+    /// The server's prefix cache (KV blocks kept for reuse): `--prefix-cache` bytes, or what
+    /// `auto` chose ([`crate::prefix::auto_bytes`]).
     pub prefix_cache: u64,
     /// Activations, logits, thread stacks: `prefill_chunk · hidden · 64 + vocab · 8 + 64 MiB`.
     pub compute_buffers: u64,
@@ -168,15 +171,27 @@ fn gb(b: u64) -> String {
 }
 
 /// Makes the plan. Never fails: a model that cannot run gets `TOO-LARGE` with the reason.
+/// `--prefix-cache auto` plans twice: without a prefix cache, then with what
+/// [`crate::prefix::auto_bytes`] takes of the memory that plan leaves.
 pub fn make_plan(
     model: &ModelFacts,
     system: &SystemMemory,
     rates: (Bandwidths, RatesSource),
     req: &PlanRequest,
 ) -> Plan {
+    let prefix_cache = match req.prefix_cache {
+        PrefixCacheBudget::Bytes(b) => b,
+        PrefixCacheBudget::Auto => {
+            let mut sized = req.clone();
+            sized.prefix_cache = PrefixCacheBudget::Bytes(0);
+            let base = make_plan(model, system, rates.clone(), &sized);
+            sized.prefix_cache = PrefixCacheBudget::Bytes(crate::prefix::auto_bytes(&base));
+            return make_plan(model, system, rates, &sized);
+        }
+    };
     let slots = req.parallel.max(1) as u64;
     let per_seq_kv = req.ctx_size as u64 * model.kv_bytes_per_token + model.recurrent_state_bytes;
-    let kv = slots * per_seq_kv + req.prefix_cache;
+    let kv = slots * per_seq_kv + prefix_cache;
     let compute = (req.prefill_chunk.min(req.ctx_size) * model.hidden * 64 + model.vocab * 8)
         as u64
         + (64 << 20);
@@ -192,8 +207,8 @@ pub fn make_plan(
     let memory = MemoryBudget {
         dense_weights: model.dense_memory_bytes,
         expert_weights: model.expert_memory_bytes,
-        kv_cache: kv - req.prefix_cache,
-        prefix_cache: req.prefix_cache,
+        kv_cache: kv - prefix_cache,
+        prefix_cache,
         compute_buffers: compute,
         draft,
         reserve,
@@ -335,7 +350,7 @@ pub fn make_plan(
             if mode == StreamMode::Off && model.is_moe() && can_stream {
                 reason += "; --stream-experts auto would stream the experts";
             }
-            reason += &lower_kv_hint(model, req, need - kv, available);
+            reason += &lower_kv_hint(model, req, prefix_cache, need - kv, available);
             let bits = (model.dense_bytes + model.expert_bytes) as f64 * 8.0
                 / model.total_params.max(1) as f64;
             if bits > 5.0 {
@@ -478,8 +493,15 @@ fn estimate(
 }
 
 /// What to lower so that the KV caches fit, when that is enough: `--parallel`, `--prefix-cache`,
-/// `--ctx-size` (`without_kv`: what the plan needs besides KV caches and the prefix cache).
-fn lower_kv_hint(model: &ModelFacts, req: &PlanRequest, without_kv: u64, available: u64) -> String {
+/// `--ctx-size` (`without_kv`: what the plan needs besides KV caches and the `prefix` bytes of
+/// the prefix cache).
+fn lower_kv_hint(
+    model: &ModelFacts,
+    req: &PlanRequest,
+    prefix: u64,
+    without_kv: u64,
+    available: u64,
+) -> String {
     let mut hint = String::new();
     if available <= without_kv || model.kv_bytes_per_token == 0 {
         return hint;
@@ -487,19 +509,16 @@ fn lower_kv_hint(model: &ModelFacts, req: &PlanRequest, without_kv: u64, availab
     let room = available - without_kv;
     let per_seq = req.ctx_size as u64 * model.kv_bytes_per_token + model.recurrent_state_bytes;
     let slots = req.parallel.max(1) as u64;
-    if req.prefix_cache > 0 {
-        hint += &format!(
-            "; the prefix cache takes {} (--prefix-cache 0 frees it)",
-            gb(req.prefix_cache)
-        );
+    if prefix > 0 {
+        hint += &format!("; the prefix cache takes {} (--prefix-cache 0 frees it)", gb(prefix));
     }
     if slots > 1 {
-        let fit = room.saturating_sub(req.prefix_cache) / per_seq.max(1);
+        let fit = room.saturating_sub(prefix) / per_seq.max(1);
         if fit >= 1 {
             hint += &format!("; --parallel {} would fit", fit.min(slots - 1));
         }
     }
-    let per_slot = room.saturating_sub(req.prefix_cache) / slots;
+    let per_slot = room.saturating_sub(prefix) / slots;
     let ctx = per_slot.saturating_sub(model.recurrent_state_bytes) / model.kv_bytes_per_token;
     if ctx >= 256 {
         hint += &format!("; --ctx-size {} would fit", ctx / 256 * 256);
@@ -532,6 +551,9 @@ impl Plan {
                 gb(c),
                 h * 100.0
             );
+        }
+        if self.memory.prefix_cache > 0 {
+            s += &format!(" | prefix cache {}", gb(self.memory.prefix_cache));
         }
         if self.strategy != Strategy::TooLarge {
             s += &format!(

@@ -4,11 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use strata_formats::ModelFiles;
-use strata_plan::CacheBudget;
 use strata_plan::{
     make_plan, Bandwidths, ModelFacts, Plan, PlanRequest, RatesSource, Strategy, StreamMode,
     SystemMemory,
 };
+use strata_plan::{CacheBudget, PrefixCacheBudget};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -33,7 +33,7 @@ fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
         parallel: 1,
-        prefix_cache: 0,
+        prefix_cache: PrefixCacheBudget::Bytes(0),
     };
     make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }
@@ -134,7 +134,7 @@ fn a_big_context_is_what_does_not_fit() {
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
         parallel: 1,
-        prefix_cache: 0,
+        prefix_cache: PrefixCacheBudget::Bytes(0),
     };
     let p = make_plan(&m, &ram(2 << 30), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert_eq!(p.strategy, Strategy::TooLarge);
@@ -156,7 +156,7 @@ fn a_draft_model_over_70_percent_of_ram_warns_and_shrinks_the_cache() {
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
         parallel: 1,
-        prefix_cache: 0,
+        prefix_cache: PrefixCacheBudget::Bytes(0),
     };
     let rates = || (Bandwidths::DEFAULTS, RatesSource::Defaults);
     let alone = make_plan(&m, &ram(ram_bytes), rates(), &req(None));
@@ -231,7 +231,7 @@ fn observed_runs_replace_the_typical_curve() {
         gpu: None,
         gpu_expert_cache: CacheBudget::Auto,
         parallel: 1,
-        prefix_cache: 0,
+        prefix_cache: PrefixCacheBudget::Bytes(0),
     };
     let p = make_plan(&m, &ram(tight), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req);
     assert!(
@@ -268,7 +268,7 @@ fn gpu_plan(m: &ModelFacts, vram: u64, ram_bytes: u64, stream: StreamMode) -> Pl
         gpu: Some(gpu),
         gpu_expert_cache: CacheBudget::Auto,
         parallel: 1,
-        prefix_cache: 0,
+        prefix_cache: PrefixCacheBudget::Bytes(0),
     };
     make_plan(m, &ram(ram_bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
 }
@@ -321,5 +321,79 @@ fn gpu_plans_use_vram_then_pinned_host_memory_then_the_drive() {
     let tiny = gpu_plan(&m, fixed / 2, 64 << 30, StreamMode::Auto);
     assert_eq!(tiny.strategy, Strategy::TooLarge);
     assert!(tiny.reason.contains("VRAM") && tiny.recommended_command.is_none(), "{}", tiny.reason);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// `--prefix-cache auto`: half of the memory a plan without one leaves free, at most
+/// `prefix::AUTO_MAX`, resident in RAM or in VRAM; at most `AUTO_STREAMING_MAX` (an eighth of
+/// the expert cache's room) where experts stream; none when nothing fits. The plan with it keeps
+/// its strategy and still fits.
+#[test]
+fn an_auto_prefix_cache_takes_what_the_plan_leaves() {
+    use strata_plan::prefix::{AUTO_MAX, AUTO_STREAMING_MAX};
+    let path = synth("prefix-auto", 16);
+    let m = facts(&path);
+    let with = |p: PrefixCacheBudget, ram_bytes: u64, gpu: Option<u64>| {
+        let req = PlanRequest {
+            ctx_size: 1024,
+            prefill_chunk: 512,
+            stream: StreamMode::Auto,
+            expert_cache: CacheBudget::Auto,
+            draft: None,
+            observed: None,
+            gpu: gpu.map(|v| strata_plan::GpuMemory {
+                vram_total: v,
+                vram_free: v,
+                simulated: true,
+            }),
+            gpu_expert_cache: CacheBudget::Auto,
+            parallel: 4,
+            prefix_cache: p,
+        };
+        make_plan(&m, &ram(ram_bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
+    };
+    let pair = |ram_bytes: u64, gpu: Option<u64>| {
+        (
+            with(PrefixCacheBudget::Bytes(0), ram_bytes, gpu),
+            with(PrefixCacheBudget::Auto, ram_bytes, gpu),
+        )
+    };
+    let resident = m.dense_memory_bytes + m.expert_memory_bytes;
+    // Resident in RAM: a machine with ~3 GB free after everything, and one with far more.
+    for spare in [3u64 << 30, 64 << 30] {
+        let (base, auto) = pair(resident + spare, None);
+        assert_eq!(base.strategy, Strategy::Resident, "{}", base.reason);
+        let m0 = &base.memory;
+        let free = m0.available - m0.resident_total - m0.reserve;
+        assert_eq!(auto.memory.prefix_cache, (free / 2).min(AUTO_MAX));
+        assert_eq!(auto.strategy, Strategy::Resident, "{}", auto.reason);
+        assert_eq!(auto.memory.kv_cache, m0.kv_cache);
+        assert_eq!(auto.memory.resident_total, m0.resident_total + auto.memory.prefix_cache);
+    }
+    assert_eq!(pair(resident + (64 << 30), None).1.memory.prefix_cache, AUTO_MAX);
+    // Resident in VRAM: half of the VRAM left free.
+    let (base, auto) = pair(64 << 30, Some(resident + (6 << 30)));
+    assert_eq!(base.strategy, Strategy::Resident, "{}", base.reason);
+    let g = base.gpu.as_ref().unwrap();
+    let free = g.memory.vram_free - g.vram_resident_total;
+    assert!(free > 1 << 30, "{free}");
+    assert_eq!(auto.memory.prefix_cache, free / 2);
+    assert_eq!(auto.strategy, Strategy::Resident, "{}", auto.reason);
+    // Experts streaming from the drive: a small share of the expert cache's room.
+    // (Available memory that leaves a third of the experts' bytes after everything else and
+    // the host reserve of 512 MiB + 5% of available.)
+    let big = pair(64 << 30, None).0;
+    let room = big.memory.resident_total - big.memory.expert_weights + m.expert_memory_bytes / 3;
+    let (base, auto) = pair((room + (512 << 20)) * 20 / 19, None);
+    assert_eq!(base.strategy, Strategy::ExpertStreaming, "{}", base.reason);
+    let p = auto.memory.prefix_cache;
+    assert!(p > 0 && p <= AUTO_STREAMING_MAX, "{p}");
+    assert_eq!(auto.strategy, Strategy::ExpertStreaming, "{}", auto.reason);
+    let (c0, c1) = (base.expert_cache_bytes.unwrap(), auto.expert_cache_bytes.unwrap());
+    assert!(c1 < c0 && c0 - c1 <= p + m.bytes_per_expert, "cache {c0} → {c1}, prefix {p}");
+    // Nothing fits: none.
+    let (base, auto) = pair(m.dense_memory_bytes / 2, None);
+    assert_eq!(base.strategy, Strategy::TooLarge);
+    assert_eq!(auto.memory.prefix_cache, 0);
     let _ = std::fs::remove_file(&path);
 }
