@@ -22,8 +22,9 @@ fn ram(bytes: u64) -> SystemMemory {
     SystemMemory { ram_total: bytes, available: bytes, cgroup_limit: None, simulated: true }
 }
 
-fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
-    let req = PlanRequest {
+/// `ctx 1024`, one slot, automatic caches, no prefix cache, on the CPU.
+fn request(stream: StreamMode) -> PlanRequest {
+    PlanRequest {
         ctx_size: 1024,
         prefill_chunk: 512,
         stream,
@@ -34,8 +35,11 @@ fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
         gpu_expert_cache: CacheBudget::Auto,
         parallel: 1,
         prefix_cache: PrefixCacheBudget::Bytes(0),
-    };
-    make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
+    }
+}
+
+fn plan(m: &ModelFacts, bytes: u64, stream: StreamMode) -> Plan {
+    make_plan(m, &ram(bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &request(stream))
 }
 
 fn synth(name: &str, layers: usize) -> PathBuf {
@@ -334,22 +338,9 @@ fn an_auto_prefix_cache_takes_what_the_plan_leaves() {
     let path = synth("prefix-auto", 16);
     let m = facts(&path);
     let with = |p: PrefixCacheBudget, ram_bytes: u64, gpu: Option<u64>| {
-        let req = PlanRequest {
-            ctx_size: 1024,
-            prefill_chunk: 512,
-            stream: StreamMode::Auto,
-            expert_cache: CacheBudget::Auto,
-            draft: None,
-            observed: None,
-            gpu: gpu.map(|v| strata_plan::GpuMemory {
-                vram_total: v,
-                vram_free: v,
-                simulated: true,
-            }),
-            gpu_expert_cache: CacheBudget::Auto,
-            parallel: 4,
-            prefix_cache: p,
-        };
+        let gpu =
+            gpu.map(|v| strata_plan::GpuMemory { vram_total: v, vram_free: v, simulated: true });
+        let req = PlanRequest { gpu, parallel: 4, prefix_cache: p, ..request(StreamMode::Auto) };
         make_plan(&m, &ram(ram_bytes), (Bandwidths::DEFAULTS, RatesSource::Defaults), &req)
     };
     let pair = |ram_bytes: u64, gpu: Option<u64>| {
