@@ -9,6 +9,7 @@
 
 use std::str::FromStr;
 
+use crate::budget::cache_room;
 use crate::plan::{Plan, Strategy};
 
 /// Most bytes `auto` gives the prefix cache: llama-server's `--cache-ram` default.
@@ -19,12 +20,11 @@ pub const AUTO_MAX: u64 = 8 << 30;
 pub const AUTO_STREAMING_MAX: u64 = 256 << 20;
 
 /// What `--prefix-cache` asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefixCacheBudget {
     /// This many bytes (`0`: no prefix cache).
     Bytes(u64),
     /// Sized by the plan ([`auto_bytes`]).
-    #[default]
     Auto,
 }
 
@@ -55,17 +55,17 @@ pub fn auto_bytes(base: &Plan) -> u64 {
     match (base.strategy, &base.gpu) {
         (Strategy::TooLarge, _) => 0,
         (Strategy::Resident, Some(g)) => {
-            (g.memory.vram_free.saturating_sub(g.vram_resident_total) / 2).min(AUTO_MAX)
+            (cache_room(g.memory.vram_free, g.vram_resident_total, 0) / 2).min(AUTO_MAX)
         }
         (Strategy::Resident, None) => {
-            (m.available.saturating_sub(m.resident_total + m.reserve) / 2).min(AUTO_MAX)
+            (cache_room(m.available, m.resident_total, m.reserve) / 2).min(AUTO_MAX)
         }
         (_, Some(g)) => {
-            (g.memory.vram_free.saturating_sub(g.vram_fixed) / 8).min(AUTO_STREAMING_MAX)
+            (cache_room(g.memory.vram_free, g.vram_fixed, 0) / 8).min(AUTO_STREAMING_MAX)
         }
         (_, None) => {
             let fixed = m.resident_total - m.expert_weights;
-            (m.available.saturating_sub(fixed + m.reserve) / 8).min(AUTO_STREAMING_MAX)
+            (cache_room(m.available, fixed, m.reserve) / 8).min(AUTO_STREAMING_MAX)
         }
     }
 }
