@@ -203,6 +203,68 @@ pub fn verify_ratio(width: usize, verify_tok_s: f64, decode_tok_s: f64) -> f64 {
     width as f64 / verify_tok_s * decode_tok_s
 }
 
+/// Token `i` of sequence `s` in the batched tests: a fixed spread over the vocabulary.
+fn batch_token(i: u32, s: u32, vocab: u32) -> u32 {
+    (i * 7919 + s * 104_729 + 13) % vocab
+}
+
+/// One batched forward pass of `tokens[s]` on `caches[s]`, each sequence asking for its greedy
+/// pick (what greedy serving reads: on a GPU the pick, made there; elsewhere, or with
+/// `STRATA_GPU_ARGMAX=0`, each sequence's logits `[vocab]` read to the host). Returns the seconds
+/// until the pass returned (on a GPU: the host's launches, up to its first synchronisation) and
+/// until every result was read.
+fn batch_pass(
+    engine: &Engine,
+    caches: &mut [strata_models::KvCache],
+    tokens: &[&[u32]],
+) -> Result<(f64, f64)> {
+    use strata_models::{BatchOptions, BatchSeq};
+    let mut seqs: Vec<BatchSeq<'_>> = caches
+        .iter_mut()
+        .zip(tokens)
+        .map(|(cache, &t)| BatchSeq { tokens: t, cache, logits: Logits::Greedy })
+        .collect();
+    let t = std::time::Instant::now();
+    let outs = engine.model.forward_batch(&mut seqs, BatchOptions::default())?;
+    let returned = t.elapsed().as_secs_f64();
+    for r in outs {
+        read_logits(&r?)?;
+    }
+    Ok((returned, t.elapsed().as_secs_f64()))
+}
+
+/// Batched prompt passes (llama-batched-bench's S_PP): `batch` sequences' `n`-token prompts (each
+/// its own tokens) in one forward pass, as a server's step runs requests that arrive together
+/// ([`strata_models::Transformer::forward_batch`]; each sequence's last position's greedy pick
+/// read, as a greedy request's first token), after one untimed warm-up pass; `reps` times from
+/// empty caches. tok/s counts every sequence's prompt tokens.
+pub fn bench_batch_prefill(
+    engine: &Engine,
+    batch: usize,
+    n: usize,
+    reps: usize,
+) -> Result<BenchResult> {
+    let batch = batch.max(1);
+    let vocab = engine.model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..batch as u32)
+        .map(|s| (0..n as u32).map(|i| batch_token(i, s, vocab)).collect())
+        .collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let mut caches = (0..batch).map(|_| engine.new_cache(n + 1)).collect::<Result<Vec<_>>>()?;
+    let mut pass = || -> Result<f64> {
+        caches.iter_mut().for_each(|c| c.clear());
+        Ok(batch_pass(engine, &mut caches, &refs)?.1)
+    };
+    pass()?; // warm-up
+    let runs = (0..reps).map(|_| Ok((n * batch) as f64 / pass()?)).collect::<Result<Vec<f64>>>()?;
+    Ok(BenchResult {
+        test: format!("pp{n} x{batch}"),
+        tokens: n * batch,
+        median_tok_s: median(&runs),
+        runs,
+    })
+}
+
 /// Batched text generation (llama-batched-bench's S_TG): `batch` sequences decoding together, one
 /// forward pass over all of them per step ([`strata_models::Transformer::forward_batch`]), `n`
 /// steps from empty caches, `reps` times; tok/s counts every sequence's tokens.
@@ -212,31 +274,17 @@ pub fn bench_batch_decode(
     n: usize,
     reps: usize,
 ) -> Result<BenchResult> {
-    use strata_models::{BatchOptions, BatchSeq};
     let vocab = engine.model.config().vocab_size as u32;
     let mut caches =
         (0..batch.max(1)).map(|_| engine.new_cache(n + 2)).collect::<Result<Vec<_>>>()?;
-    // Seconds until the pass returned (on a GPU: the host's launches, up to its first
-    // synchronisation) and until its logits were read, summed over steps.
+    // Seconds until the pass returned and until its results were read, summed over steps.
     let split = std::cell::Cell::new((0f64, 0f64));
     let step = |caches: &mut [strata_models::KvCache], i: u32| -> Result<()> {
         let toks: Vec<[u32; 1]> =
-            (0..caches.len() as u32).map(|s| [(i * 7919 + s * 104_729 + 13) % vocab]).collect();
-        let mut seqs: Vec<BatchSeq<'_>> = caches
-            .iter_mut()
-            .zip(&toks)
-            .map(|(cache, t)| BatchSeq { tokens: t, cache, logits: Logits::Greedy })
-            .collect();
-        // What greedy serving reads (the server's greedy requests ask for `Logits::Greedy`): on a
-        // GPU the pick, made there; elsewhere (or `STRATA_GPU_ARGMAX=0`) each sequence's logits
-        // `[vocab]` read to the host.
-        let t = std::time::Instant::now();
-        let outs = engine.model.forward_batch(&mut seqs, BatchOptions::default())?;
-        let returned = t.elapsed().as_secs_f64();
-        for r in outs {
-            read_logits(&r?)?;
-        }
-        split.set((split.get().0 + returned, split.get().1 + t.elapsed().as_secs_f64()));
+            (0..caches.len() as u32).map(|s| [batch_token(i, s, vocab)]).collect();
+        let refs: Vec<&[u32]> = toks.iter().map(|t| t.as_slice()).collect();
+        let (returned, total) = batch_pass(engine, caches, &refs)?;
+        split.set((split.get().0 + returned, split.get().1 + total));
         Ok(())
     };
     step(&mut caches, 0)?; // warm-up

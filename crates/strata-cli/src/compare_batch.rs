@@ -1,6 +1,7 @@
 //! `strata compare-devices --batch N`: on the compared device, N sequences decoded together (one
 //! forward pass per step over all of them, as the server's continuous batching runs them) against
-//! each decoded alone — greedy tokens and every step's logits. The prompts are the compared
+//! each decoded alone — greedy tokens and every step's logits; together, the prompts run in one
+//! batched prompt pass, alone one pass each. The prompts are the compared
 //! prompt cycled to different lengths (at least [`PROMPT_MIN`] tokens, so longer runs cross the
 //! 256-position bucket of captured CUDA graphs), and the last sequence leaves halfway, so the
 //! batch changes size as requests end. Together, every other step of each sequence asks for
@@ -67,10 +68,11 @@ pub fn batched_equals_alone(
 /// the pick alone.
 type Step = (u32, Option<Vec<f32>>);
 
-/// Prefills each of `prompts` alone, then decodes them greedily together, sequence `s` for
-/// `steps[s]` tokens (a sequence leaves the batch when its count is reached): every step's
-/// token and logits per sequence. `mix`: sequence `s` asks for [`Logits::Greedy`] at the steps
-/// where `step + s` is even (the pick then comes from the model, made on the device on a GPU).
+/// Prefills `prompts` (each alone, or with `mix` all in one batched pass), then decodes them
+/// greedily together, sequence `s` for `steps[s]` tokens (a sequence leaves the batch when its
+/// count is reached): every step's token and logits per sequence. `mix`: sequence `s` asks for
+/// [`Logits::Greedy`] at the steps where `step + s` is even (the pick then comes from the model,
+/// made on the device on a GPU).
 fn decode(
     e: &Engine,
     prompts: &[&[u32]],
@@ -81,9 +83,22 @@ fn decode(
     let mut caches: Vec<KvCache> =
         prompts.iter().map(|_| e.new_cache(cap)).collect::<Result<_, _>>()?;
     let mut next = Vec::with_capacity(prompts.len());
-    for (p, c) in prompts.iter().zip(caches.iter_mut()) {
-        let out = e.model.forward(p, c, Logits::Last, &[])?;
-        next.push(argmax(&out.logits.flatten_all()?.to_vec1::<f32>()?));
+    if mix {
+        // Together: every prompt in one pass, as the server's step runs requests that arrive
+        // together.
+        let mut seqs: Vec<BatchSeq<'_>> = caches
+            .iter_mut()
+            .zip(prompts)
+            .map(|(cache, p)| BatchSeq { tokens: p, cache, logits: Logits::Last })
+            .collect();
+        for out in e.model.forward_batch(&mut seqs, BatchOptions::default())? {
+            next.push(argmax(&out?.logits.flatten_all()?.to_vec1::<f32>()?));
+        }
+    } else {
+        for (p, c) in prompts.iter().zip(caches.iter_mut()) {
+            let out = e.model.forward(p, c, Logits::Last, &[])?;
+            next.push(argmax(&out.logits.flatten_all()?.to_vec1::<f32>()?));
+        }
     }
     let mut out_steps: Vec<Vec<Step>> = vec![Vec::new(); prompts.len()];
     for step in 0..steps.iter().copied().max().unwrap_or(0) {

@@ -83,6 +83,10 @@ pub struct BenchArgs {
     /// comma-separated: `--batch 2,4,8`.
     #[arg(long, value_delimiter = ',')]
     pub batch: Vec<usize>,
+    /// With --batch: also run each batch's prompts of this many tokens (each sequence its own) in
+    /// one forward pass — a server's step for requests that arrive together (`ppN xB`, S_PP).
+    #[arg(long, default_value_t = 0)]
+    pub batch_prompt: usize,
     /// Also time speculative verify passes of W tokens (all positions' logits, rolled back to one
     /// accepted token: zero acceptance), --n-gen passes from an empty cache, and print each
     /// pass's time over a tg step's; repeatable or comma-separated: `--verify 2,4,8`.
@@ -280,7 +284,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     let mut m = a.model.clone();
     let deepest = a.n_depth.iter().copied().max().unwrap_or(0);
-    m.ctx_size = m.ctx_size.max(deepest + a.n_prompt + a.n_gen + 1);
+    m.ctx_size = m.ctx_size.max(deepest + a.n_prompt + a.n_gen + 1).max(a.batch_prompt + 1);
     let engine = m.load()?;
     let reps = a.reps.max(1);
     let mut results = Vec::new();
@@ -289,6 +293,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         results.push(strata_bench::bench::bench_decode(&engine, a.n_gen, d, reps)?);
     }
     for &b in a.batch.iter().filter(|&&b| b > 1) {
+        if a.batch_prompt > 0 {
+            let pp = strata_bench::bench::bench_batch_prefill(&engine, b, a.batch_prompt, reps)?;
+            results.push(pp);
+        }
         results.push(strata_bench::bench::bench_batch_decode(&engine, b, a.n_gen, a.reps.max(1))?);
     }
     // Verify passes start from an empty cache: their ratio is to the depth-0 tg (else the first).

@@ -1,6 +1,7 @@
 //! `strata bench` as a user runs it on a synthetic model: `-d` (llama-bench's context depth) adds
 //! a pp and a tg test per depth, named as llama-bench names them, each timed after its context is
-//! in the cache; and `--kv-cache-dtype f16` on the CPU is refused before anything loads. The KV
+//! in the cache; `--batch` with `--batch-prompt` adds a batched prompt pass and batched decoding;
+//! and `--kv-cache-dtype f16` on the CPU is refused before anything loads. The KV
 //! cache's default element type follows the device: f16 on CUDA, f32 on the CPU (the plan shows it).
 
 use std::path::PathBuf;
@@ -46,6 +47,17 @@ fn bench_depths_add_a_pp_and_a_tg_test_each_and_f16_kv_needs_a_gpu() {
     for r in results {
         assert!(r["median_tok_s"].as_f64().unwrap() > 0.0, "{r}");
     }
+
+    // `--batch B --batch-prompt P`: B prompts of P tokens in one pass (S_PP), then B sequences
+    // decoding together (S_TG), named as llama-batched-bench's rows are counted.
+    let out = run(&["--batch", "3", "--batch-prompt", "6", "--json"]);
+    assert!(out.status.success(), "bench: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let results = v["results"].as_array().unwrap();
+    let names: Vec<&str> = results.iter().map(|r| r["test"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pp8", "tg4", "pp6 x3", "tg4 x3"]);
+    assert_eq!(results[2]["tokens"].as_u64(), Some(18), "every sequence's prompt tokens");
+    assert!(results[2]["median_tok_s"].as_f64().unwrap() > 0.0);
 
     let out = run(&["--kv-cache-dtype", "f16"]);
     assert!(!out.status.success(), "an f16 KV cache on the CPU must be refused");

@@ -7,6 +7,10 @@
 //  attn_prefill_f16_hd{64,128,256}
 //      q [seq, nh, hd] f32 (rotated), cache k, v [nkv, cap, hd] f16 (this pass's rows already
 //      written) -> out [seq, nh * hd] f32; row i attends positions [0, pos + i].
+//  attn_prefill_rows_f16_hd{64,128,256}
+//      the same for a batched prompt pass over several sequences in one launch: q and out hold
+//      every sequence's rows; per sequence (grid z) its rows, first position and, through the
+//      row table (decode.cu's RowKv) entry of its first row, its cache.
 //  attn_decode_tc_f16_hd{64,128,256}
 //      the same for decode steps and verify passes (a few rows), split over chunks of positions
 //      (FlashDecoding: grid z = splits of `chunk` positions, a multiple of the key tile) into
@@ -90,12 +94,27 @@ __device__ void attn_tc_impl(const float* __restrict__ q, const __half* __restri
                              const __half* __restrict__ cv, float* __restrict__ out,
                              float* __restrict__ part, int nh, int nkv, int cap, int pos, int seq,
                              float scale, int chunk, const uint32_t* __restrict__ pos_dev,
-                             const uint32_t* __restrict__ rows_tab) {
+                             const uint32_t* __restrict__ rows_tab,
+                             const uint32_t* __restrict__ segs) {
     if (pos_dev) pos = (int)*pos_dev;
     // With a row table (a batched pass over several sequences), block x takes batch row x alone:
-    // its query heads over its own sequence's cache up to its position.
-    int row0 = 0;
-    if (rows_tab) {
+    // its query heads over its own sequence's cache up to its position. With segments as well
+    // (a batched prompt pass, one split), block column z takes sequence z: its rows segs[3z] ..
+    // + segs[3z + 1] from position segs[3z + 2] over the cache of its first row's table entry,
+    // in the tiles a launch over that sequence alone would have (the same tiles, the same
+    // arithmetic: the same bits).
+    int row0 = 0, tiles = gridDim.x;
+    if (segs) {
+        const uint32_t* sg = segs + 3 * (size_t)blockIdx.z;
+        row0 = (int)sg[0];
+        seq = (int)sg[1];
+        pos = (int)sg[2];
+        tiles = (nh / nkv * seq + FA_BM - 1) / FA_BM;
+        if ((int)blockIdx.x >= tiles) return;  // the whole block
+        const RowKv<__half> r = row_kv<__half>(rows_tab, row0);
+        ck = r.k;
+        cv = r.v;
+    } else if (rows_tab) {
         const RowKv<__half> r = row_kv<__half>(rows_tab, blockIdx.x);
         row0 = blockIdx.x;
         pos = r.pos;
@@ -111,7 +130,7 @@ __device__ void attn_tc_impl(const float* __restrict__ q, const __half* __restri
     const int n_rep = nh / nkv, rows = n_rep * seq;
     const int kvh = blockIdx.y;
     // The longest-running tiles (the last tokens) first.
-    const int t0 = rows_tab ? 0 : (gridDim.x - 1 - blockIdx.x) * FA_BM;
+    const int t0 = rows_tab && !segs ? 0 : (tiles - 1 - blockIdx.x) * FA_BM;
     const int lane = threadIdx.x % WARP, w = threadIdx.x / WARP;
     const __half* kb = ck + (size_t)kvh * cap * HD;
     const __half* vb = cv + (size_t)kvh * cap * HD;
@@ -273,7 +292,15 @@ __device__ void attn_tc_impl(const float* __restrict__ q, const __half* __restri
         float* __restrict__ out, int nh, int nkv, int cap, int pos, int seq, float scale) {       \
         PDL_ENTER();                                                                              \
         attn_tc_impl<HD, BN>(q, ck, cv, out, nullptr, nh, nkv, cap, pos, seq, scale, 0, nullptr,  \
-                             nullptr);                                                            \
+                             nullptr, nullptr);                                                   \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_prefill_rows_f16_hd##HD(        \
+        const float* __restrict__ q, const __half* __restrict__ ck, const __half* __restrict__ cv, \
+        float* __restrict__ out, int nh, int nkv, int cap, float scale,                           \
+        const uint32_t* __restrict__ rows_tab, const uint32_t* __restrict__ segs) {               \
+        PDL_ENTER();                                                                              \
+        attn_tc_impl<HD, BN>(q, ck, cv, out, nullptr, nh, nkv, cap, 0, 0, scale, 0, nullptr,      \
+                             rows_tab, segs);                                                     \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_decode_tc_f16_hd##HD(           \
         const float* __restrict__ q, const __half* __restrict__ ck, const __half* __restrict__ cv, \
@@ -281,7 +308,7 @@ __device__ void attn_tc_impl(const float* __restrict__ q, const __half* __restri
         int chunk, const uint32_t* __restrict__ pos_dev, const uint32_t* __restrict__ rows_tab) { \
         PDL_ENTER();                                                                              \
         attn_tc_impl<HD, BN>(q, ck, cv, nullptr, part, nh, nkv, cap, pos, seq, scale, chunk,      \
-                             pos_dev, rows_tab);                                                  \
+                             pos_dev, rows_tab, nullptr);                                         \
     }
 FA_KERNEL(64, 64)
 FA_KERNEL(128, 64)

@@ -410,6 +410,65 @@ extern "C" __global__ void mv_f32_warp(const float* __restrict__ x, const float*
     if (lane == 0) y[(size_t)t * rows + r] = acc;
 }
 
+// f32 product of many rows (a MoE router's logits in a prompt pass): x [n, cols]; w [rows, cols];
+// y [n, rows] = x · wᵀ, in two launches: gemm_f32_rows_part sums each output over chunk z of
+// `chunk` consecutive k (one fmaf per k, in order) into part [splits, n, rows], and
+// gemm_f32_rows_sum adds the chunks' partials in chunk order. The chunks depend on cols alone, so
+// a row's outputs do not depend on n or on the rows beside it (cuBLAS picks its kernel, split-K
+// included, by the shape: a prompt's router logits then changed with the other prompts of its
+// pass). Tiles of GR_T rows × GR_T outputs staged GR_K values at a time in shared memory.
+// part: grid (ceil(rows / GR_T), ceil(n / GR_T), splits), 256 threads (16 × 16, each 2 × 2).
+#define GR_T 32
+#define GR_K 32
+extern "C" __global__ void __launch_bounds__(256) gemm_f32_rows_part(const float* __restrict__ x,
+                                                                     const float* __restrict__ w,
+                                                                     float* __restrict__ part,
+                                                                     int n, int rows, int cols,
+                                                                     int chunk) {
+    PDL_ENTER();
+    __shared__ float xs[GR_T][GR_K + 1], ws[GR_T][GR_K + 1];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int t0 = blockIdx.y * GR_T, r0 = blockIdx.x * GR_T;
+    const int kb = blockIdx.z * chunk, ke = min(cols, kb + chunk);
+    float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    for (int k0 = kb; k0 < ke; k0 += GR_K) {
+        for (int i = threadIdx.x; i < GR_T * GR_K; i += 256) {
+            const int a = i / GR_K, k = k0 + i % GR_K;
+            xs[a][i % GR_K] = t0 + a < n && k < ke ? x[(size_t)(t0 + a) * cols + k] : 0.f;
+            ws[a][i % GR_K] = r0 + a < rows && k < ke ? w[(size_t)(r0 + a) * cols + k] : 0.f;
+        }
+        __syncthreads();
+        const int kn = min(GR_K, ke - k0);
+        for (int k = 0; k < kn; k++) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+                    acc[i][j] = fmaf(xs[ty + 16 * i][k], ws[tx + 16 * j][k], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    float* p = part + (size_t)blockIdx.z * n * rows;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int t = t0 + ty + 16 * i, r = r0 + tx + 16 * j;
+            if (t < n && r < rows) p[(size_t)t * rows + r] = acc[i][j];
+        }
+}
+
+// y[i] = part[0][i] + part[1][i] + … (in order) over `splits` partials of `total` values each.
+extern "C" __global__ void gemm_f32_rows_sum(const float* __restrict__ part, float* __restrict__ y,
+                                             int total, int splits) {
+    PDL_ENTER();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    float s = part[i];
+    for (int z = 1; z < splits; z++) s += part[(size_t)z * total + i];
+    y[i] = s;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Causal softmax of attention scores, in place: x [R, total] with row r the query i = r % seq of
 // a pass of seq rows after `past` cached positions; y = softmax(scale · x) over keys j <= past + i

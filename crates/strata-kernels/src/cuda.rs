@@ -711,6 +711,8 @@ pub struct RowTable {
     words: Vec<u32>,
     max: usize,
     shape: Option<(Vec<usize>, DType)>,
+    /// Per push (a sequence's rows): its first row, rows and first position.
+    segments: Vec<[u32; 3]>,
 }
 
 /// A [`RowTable`] on the device: u32 `[rows, 5]` (position, then the cache k and v addresses,
@@ -757,6 +759,7 @@ impl RowTable {
             None => self.shape = Some(cache.signature()),
         }
         let [k_lo, k_hi, v_lo, v_hi] = words;
+        self.segments.push([(self.words.len() / 5) as u32, rows as u32, first as u32]);
         for p in first..first + rows {
             self.words.extend([p as u32, k_lo, k_hi, v_lo, v_hi]);
             self.max = self.max.max(p);
@@ -777,6 +780,42 @@ impl RowTable {
             table: Tensor::from_slice(&self.words, (rows, 5), device)?,
             max: self.max,
             shape: self.shape.clone().unwrap_or((Vec::new(), DType::F32)),
+        })
+    }
+}
+
+/// A [`RowTable`] on the device with its sequences ([`RowTable::upload_segments`]), for a
+/// batched prompt pass's attention ([`attend_prefill_rows`]): the rows ([`Self::rows`], for
+/// [`Position::Rows`]) and u32 `[sequences, 3]` — each push's first row, row count and first
+/// position — taken from one table, so they always agree.
+#[derive(Debug)]
+pub struct SegmentedRows {
+    rows: Rows,
+    segments: Tensor,
+    longest: usize,
+}
+
+impl SegmentedRows {
+    /// The row table, for the pass's other kernels ([`rope_kv_append`]).
+    pub fn rows(&self) -> &Rows {
+        &self.rows
+    }
+}
+
+impl RowTable {
+    /// The table and its sequences (one [`Self::push`] each) on `device`: two host-to-device
+    /// copies.
+    ///
+    /// Errors: an empty table, a device error.
+    pub fn upload_segments(&self, device: &Device) -> Result<SegmentedRows> {
+        if self.segments.is_empty() {
+            bail!("row table: no rows");
+        }
+        let flat: Vec<u32> = self.segments.iter().flatten().copied().collect();
+        Ok(SegmentedRows {
+            rows: self.upload(device)?,
+            segments: Tensor::from_slice(&flat, (self.segments.len(), 3), device)?,
+            longest: self.segments.iter().map(|s| s[1] as usize).max().unwrap_or(0),
         })
     }
 }
@@ -1248,6 +1287,48 @@ pub fn attend_prefill(q: &Tensor, pos: usize, scale: f32, cache: LayerKv<'_>) ->
     Ok(out)
 }
 
+/// [`attend_prefill`] for a batched prompt pass over several sequences in one launch: `q:
+/// [rows, nh, hd]` f32 (rotated) holds every sequence's rows in the order they were pushed to
+/// the [`RowTable`] that gave `table` ([`RowTable::upload_segments`]); each
+/// sequence's rows attend over its own f16 cache (the table's), row `i` of a sequence from
+/// position `p` seeing positions `0..=p + i` → `[rows, nh · hd]`. Each sequence's tiles and
+/// arithmetic are those of [`attend_prefill`] over it alone, so its rows are the same bits
+/// (tested); one launch instead of one per sequence (16 sequences of a 48-layer model's prompt
+/// pass: 768 launches of a few blocks each).
+///
+/// Errors: as [`attend_prefill`]; a table of another row count than `q`, or whose caches
+/// differ from `cache`.
+pub fn attend_prefill_rows(
+    q: &Tensor,
+    table: &SegmentedRows,
+    scale: f32,
+    cache: LayerKv<'_>,
+) -> Result<Tensor> {
+    let pos = Position::Rows(&table.rows);
+    pos.check(q.dim(0)?, &cache)?;
+    let supports = attend_prefill_supports;
+    let (seq, nh, hd, nkv, cap) =
+        check_attention("attend_prefill_rows", q, &cache, |s| pos.end(s), supports, true)?;
+    let dev = cuda_device(q)?;
+    let out = alloc::<f32>(dev, (seq, nh * hd))?;
+    if seq == 0 {
+        return Ok(out);
+    }
+    let tiles = (nh / nkv * table.longest).div_ceil(PREFILL_BM);
+    let n = table.segments.dim(0)?;
+    let (cfg, mut args) = attn_tc_launch(q, &cache, &out, [tiles, nkv, n])?;
+    args.extend(i32s(&[nh, nkv, cap]));
+    args.push(Arg::F32(scale));
+    args.push(Arg::Ptr(pos.rows_addr()?));
+    args.push(Arg::Ptr(addr(&table.segments)?));
+    // SAFETY: arguments in `attn_prefill_rows_f16_hd*`'s order; q `[seq, nh, hd]` f32 and the
+    // f16 caches of the table's shape checked above; the segments come from the same RowTable as
+    // its rows (pushes of consecutive positions over one cache each, every position at most
+    // `max < cap`) and cover its `seq` rows; `out` holds `seq · nh · hd` values.
+    unsafe { launch(dev, &format!("attn_prefill_rows_f16_hd{hd}"), cfg, &args) }?;
+    Ok(out)
+}
+
 /// Shapes of a MoE call over Q4_K experts.
 struct MoeDims {
     n: usize,
@@ -1614,6 +1695,65 @@ pub fn matvec_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     // SAFETY: arguments in `mv_f32`'s order (`mv_f32_warp` takes the same); x [n, K], w [R, K]
     // f32 16-byte aligned, K % 4 == 0; the grid covers R rows as each kernel expects.
     unsafe { launch(dev, name, cfg, &args) }?;
+    Ok(y)
+}
+
+/// Outputs per row up to which [`matmul_f32_rows`] is meant to serve (routers and gates: its
+/// tiles are plain shared-memory FMA tiles, far below cuBLAS on a large matrix).
+pub const MATMUL_F32_ROWS_MAX_OUT: usize = 1024;
+
+/// Values of `K` a chunk of [`matmul_f32_rows`] sums (its chunks depend on `K` alone).
+const F32_ROWS_CHUNK: usize = 128;
+
+/// `x: [n, K]` times an f32 matrix `w: [R, K]` → `[n, R]` for many rows (a MoE router's logits
+/// in a prompt pass): `gemm_f32_rows_part` sums each output over fixed chunks of
+/// [`F32_ROWS_CHUNK`] values of K (tiles of 32 × 32 in shared memory, one `fmaf` per k in
+/// order), `gemm_f32_rows_sum` adds the chunks in order — so a row's result does not depend on
+/// `n` or on the rows beside it, as cuBLAS's (its kernel and split-K chosen by the shape) did not
+/// guarantee: a prompt's router logits changed with the other prompts of its pass. f32
+/// rounding differs from [`matvec_f32`]'s (decode steps).
+///
+/// Errors: not f32, shapes that disagree, not on one CUDA device.
+pub fn matmul_f32_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    check_f32(x, "x")?;
+    check_f32(w, "w")?;
+    let (n, k) = x.dims2()?;
+    let (r, wk) = w.dims2()?;
+    if wk != k || n.div_ceil(32) > 65535 {
+        bail!("matmul_f32_rows: x {:?}, w {:?}", x.dims(), w.dims());
+    }
+    let dev = cuda_device(x)?;
+    let y = alloc::<f32>(dev, (n, r))?;
+    if n == 0 || r == 0 {
+        return Ok(y);
+    }
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let splits = k.div_ceil(F32_ROWS_CHUNK).max(1);
+    let part = alloc::<f32>(dev, (splits, n, r))?;
+    let cfg = LaunchConfig {
+        grid_dim: (r.div_ceil(32) as u32, n.div_ceil(32) as u32, splits as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = vec![Arg::Ptr(addr(&x)?), Arg::Ptr(addr(&w)?), Arg::Ptr(addr(&part)?)];
+    args.extend(i32s(&[n, r, k, F32_ROWS_CHUNK]));
+    // SAFETY: arguments in `gemm_f32_rows_part`'s order; x [n, K], w [R, K] contiguous f32,
+    // part [splits, n, R] with splits · chunk ≥ K; the kernel bounds every access by n, R, K.
+    unsafe { launch(dev, "gemm_f32_rows_part", cfg, &args) }?;
+    let total = n * r;
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::Ptr(addr(&part)?),
+        Arg::Ptr(addr(&y)?),
+        Arg::I32(total as i32),
+        Arg::I32(splits as i32),
+    ];
+    // SAFETY: arguments in `gemm_f32_rows_sum`'s order; part holds splits · total values, y total.
+    unsafe { launch(dev, "gemm_f32_rows_sum", cfg, &args) }?;
     Ok(y)
 }
 

@@ -466,10 +466,14 @@ impl Attention {
     /// [`Self::attend_gpu`] for a batched pass over several sequences, in two launches for all of
     /// them: the q/k norms and head splits once over the batch's rows, then RoPE with the
     /// KV-cache writes and split-K attention with each row's position and cache read from a row
-    /// table ([`strata_kernels::cuda::RowTable`], one small host-to-device copy per layer).
-    /// `None` where the per-sequence path must run: the conditions of [`Self::attend_gpu`], a
-    /// single sequence, caches of different capacities, or a cache whose position lives on the
-    /// device (a captured CUDA graph).
+    /// table ([`strata_kernels::cuda::RowTable`], one small host-to-device copy per layer). A
+    /// batched prompt pass whose every sequence has more than [`GPU_ATTEND_ROWS_MAX`] tokens
+    /// (requests that arrive together) takes the prompt-pass kernel over the same table
+    /// ([`strata_kernels::cuda::attend_prefill_rows`]: each sequence the same bits as its
+    /// [`Self::attend_gpu`] alone). `None` where the per-sequence path must run: the conditions
+    /// of [`Self::attend_gpu`], a single sequence, a mix of short and long parts, caches of
+    /// different capacities, or a cache whose position lives on the device (a captured CUDA
+    /// graph).
     #[cfg(feature = "cuda")]
     fn attend_batch_gpu(
         &self,
@@ -483,8 +487,15 @@ impl Attention {
         use strata_kernels::cuda as gpu;
         let cap = parts.first().map(|p| p.cache.capacity());
         let longest = parts.iter().map(|p| p.rows.len()).max().unwrap_or(0);
+        let shortest = parts.iter().map(|p| p.rows.len()).min().unwrap_or(0);
+        let dtype =
+            parts.first().map(|p| p.cache.layer_kv(layer)).transpose()?.map(|kv| kv.0.dtype());
+        // Every part a prompt chunk that alone would take `attend_prefill`.
+        let prompts = shortest > GPU_ATTEND_ROWS_MAX
+            && dtype.is_some_and(|d| self.gpu_prefills(q, longest, d))
+            && crate::gpu::enabled(crate::gpu::GpuPath::AttnTcRows);
         if parts.len() < 2
-            || !self.gpu_attends(q, longest)
+            || !(prompts || self.gpu_attends(q, longest))
             || parts
                 .iter()
                 .any(|p| Some(p.cache.capacity()) != cap || p.cache.device_position().is_some())
@@ -502,9 +513,15 @@ impl Attention {
             let (ck, cv) = p.cache.layer_kv(layer)?;
             table.push(p.cache.len(), p.rows.len(), gpu::LayerKv { k: ck, v: cv })?;
         }
-        let rows = table.upload(q.device())?;
         let (ck, cv) = parts[0].cache.layer_kv(layer)?;
         let cache = gpu::LayerKv { k: ck, v: cv };
+        if prompts {
+            let table = table.upload_segments(q.device())?;
+            let at = gpu::Position::Rows(table.rows());
+            let q = self.rope_append_gpu(q, k, v, rope, at, cache)?;
+            return Ok(Some(gpu::attend_prefill_rows(&q, &table, self.scale as f32, cache)?));
+        }
+        let rows = table.upload(q.device())?;
         self.rope_attend_gpu(q, k, v, rope, gpu::Position::Rows(&rows), cache).map(Some)
     }
 }

@@ -11,7 +11,10 @@
 //! `STRATA_GPU_ATTN_TC=0` (prompt passes over an f16 KV cache attend through candle's f32
 //! matmuls over an f32 copy of the cache instead of our tensor-core flash-attention kernel),
 //! `STRATA_GPU_ATTN_TC_DECODE=0` (decode and verify passes over an f16 cache on the CUDA-core
-//! split-K kernel `attend_decode` instead of the tensor-core one),
+//! split-K kernel `attend_decode` instead of the tensor-core one), `STRATA_GPU_ATTN_TC_ROWS=0`
+//! (a batched prompt pass attends sequence by sequence instead of in one launch over a row
+//! table), `STRATA_GPU_F32_ROWS=0` (a prompt pass's router logits through cuBLAS instead of our
+//! row-independent f32 product),
 //! `STRATA_GPU_MATVEC=0` (one-row dense Q4_K products through candle's DMMV kernel instead of
 //! ours, q/k/v as three launches instead of one, router logits through cuBLAS),
 //! `STRATA_GPU_Q8=0` (the Q4_K mat-vec and short-pass MoE kernels on f32 inputs instead of
@@ -81,6 +84,17 @@ pub enum GpuPath {
     /// (`strata_kernels::cuda::attend_prefill`, [`crate::attention`]); needs
     /// [`GpuPath::Attention`].
     AttnTc,
+    /// f32 products of many rows with at most `strata_kernels::cuda::MATMUL_F32_ROWS_MAX_OUT`
+    /// outputs (a MoE router's logits in a prompt pass) on our row-independent kernel
+    /// (`strata_kernels::cuda::matmul_f32_rows`) instead of cuBLAS, whose kernel choice made a
+    /// prompt's logits depend on the other prompts of its pass ([`crate::layers::Linear`]).
+    F32Rows,
+    /// A batched prompt pass's attention (every sequence's chunk longer than
+    /// [`crate::attention::GPU_ATTEND_ROWS_MAX`] tokens) over f16 KV caches in one launch of the
+    /// tensor-core kernel over a row table (`strata_kernels::cuda::attend_prefill_rows`), RoPE
+    /// and the cache writes in one more, instead of three launches per sequence; needs
+    /// [`GpuPath::AttnTc`].
+    AttnTcRows,
     /// Decode and verify passes (batched ones too) over an f16 KV cache on the tensor-core split-K
     /// kernel (`strata_kernels::cuda::attend_decode_tc`) instead of `attend_decode`; needs
     /// [`GpuPath::Attention`].
@@ -151,6 +165,8 @@ pub fn enabled(path: GpuPath) -> bool {
     static DENSE_TC: OnceLock<bool> = OnceLock::new();
     static ATTN_TC: OnceLock<bool> = OnceLock::new();
     static ATTN_TC_DECODE: OnceLock<bool> = OnceLock::new();
+    static ATTN_TC_ROWS: OnceLock<bool> = OnceLock::new();
+    static F32_ROWS: OnceLock<bool> = OnceLock::new();
     static DELTANET: OnceLock<bool> = OnceLock::new();
     static ARGMAX: OnceLock<bool> = OnceLock::new();
     static KV_SPAN: OnceLock<bool> = OnceLock::new();
@@ -171,6 +187,8 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::DenseTc => (&DENSE_TC, "STRATA_GPU_DENSE_TC"),
         GpuPath::AttnTc => (&ATTN_TC, "STRATA_GPU_ATTN_TC"),
         GpuPath::AttnTcDecode => (&ATTN_TC_DECODE, "STRATA_GPU_ATTN_TC_DECODE"),
+        GpuPath::AttnTcRows => (&ATTN_TC_ROWS, "STRATA_GPU_ATTN_TC_ROWS"),
+        GpuPath::F32Rows => (&F32_ROWS, "STRATA_GPU_F32_ROWS"),
         GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
         GpuPath::Argmax => (&ARGMAX, "STRATA_GPU_ARGMAX"),
         GpuPath::KvSpan => (&KV_SPAN, "STRATA_GPU_KV_SPAN"),

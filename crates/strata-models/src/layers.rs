@@ -421,8 +421,10 @@ pub fn matvec_quant_fused(ls: &[&Linear], x: &Tensor) -> Option<candle_core::Res
 /// An f32 product `x: [.., in]` of the row counts [`crate::gpu::matvec_rows`] takes (a MoE
 /// router's logits in a decode step or a short verify pass: each row the decode step's result)
 /// on our mat-vec kernel (`strata_kernels::cuda::matvec_f32`, one launch instead of cuBLAS's
-/// GEMV pair) unless `STRATA_GPU_MATVEC=0`. `None`: another device, dtype, row count or a width
-/// not a multiple of 4.
+/// GEMV pair) unless `STRATA_GPU_MATVEC=0`; more rows (prompt passes) of a matrix of at most
+/// `MATMUL_F32_ROWS_MAX_OUT` outputs (routers, gates) on `matmul_f32_rows` (each row's result
+/// independent of the pass's other rows) unless `STRATA_GPU_F32_ROWS=0`. `None`: another
+/// device, dtype, a larger matrix's prompt pass, or a width not a multiple of 4.
 #[cfg(feature = "cuda")]
 fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>> {
     let QMatMul::Tensor(t) = w else { return None };
@@ -433,13 +435,24 @@ fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
         || x.dtype() != candle_core::DType::F32
         || !k.is_multiple_of(4)
         || t.rank() != 2
-        || !crate::gpu::matvec_rows(n)
     {
+        return None;
+    }
+    // Longer passes (prompts) of a router-sized matrix: our row-independent product, so that a
+    // prompt's logits do not depend on the other prompts of its pass.
+    let many = !crate::gpu::matvec_rows(n)
+        && t.dim(0).is_ok_and(|r| r <= strata_kernels::cuda::MATMUL_F32_ROWS_MAX_OUT)
+        && crate::gpu::enabled(crate::gpu::GpuPath::F32Rows);
+    if !many && !crate::gpu::matvec_rows(n) {
         return None;
     }
     let run = || {
         let mut dims = x.dims().to_vec();
-        let y = strata_kernels::cuda::matvec_f32(&x.reshape((n, k))?.contiguous()?, t)?;
+        let x2 = x.reshape((n, k))?.contiguous()?;
+        let y = match many {
+            true => strata_kernels::cuda::matmul_f32_rows(&x2, t)?,
+            false => strata_kernels::cuda::matvec_f32(&x2, t)?,
+        };
         *dims.last_mut().expect("rank ≥ 1") = y.dim(1)?;
         y.reshape(dims)
     };

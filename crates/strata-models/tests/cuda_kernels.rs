@@ -825,6 +825,21 @@ fn matvec_f32_and_add_rms_norm_match_the_reference() {
     }
     let odd = Tensor::zeros((1, 6), DType::F32, &dev).unwrap();
     assert!(gpu::matvec_f32(&odd, &Tensor::zeros((2, 6), DType::F32, &dev).unwrap()).is_err());
+    // The many-row product (prompt passes' router logits): the reference, and each row the same
+    // bits whatever the pass's other rows (a 3-row pass against rows of a 900-row one).
+    for &(r, k, n) in &[(128usize, 2048usize, 900usize), (33, 70, 5), (1, 31, 40)] {
+        let (w, x) = (rng.vec(r * k, 1.0), rng.vec(n * k, 1.0));
+        let wt = Tensor::from_vec(w.clone(), (r, k), &dev).unwrap();
+        let xt = Tensor::from_vec(x.clone(), (n, k), &dev).unwrap();
+        let got = flat(&gpu::matmul_f32_rows(&xt, &wt).unwrap());
+        let err = max_rel(&got, &matmul_ref(&w, &x, r, k));
+        assert!(err < 1e-5, "matmul_f32_rows off by {err} (R {r} K {k} n {n})");
+        let start = n / 2;
+        let few = xt.narrow(0, start, 3.min(n - start)).unwrap().contiguous().unwrap();
+        let part = flat(&gpu::matmul_f32_rows(&few, &wt).unwrap());
+        assert_eq!(part, got[start * r..start * r + part.len()], "rows alone (R {r} K {k})");
+    }
+    assert!(gpu::matmul_f32_rows(&odd, &Tensor::zeros((2, 5), DType::F32, &dev).unwrap()).is_err());
     for &(n, h) in &[(1usize, 2048usize), (3, 100), (2, 4096)] {
         let (a, b, w) = (rng.vec(n * h, 2.0), rng.vec(n * h, 2.0), rng.vec(h, 1.0));
         let up = |v: &Vec<f32>, s: (usize, usize)| Tensor::from_vec(v.clone(), s, &dev).unwrap();
@@ -1075,6 +1090,50 @@ fn check_row_table(dtype: DType) {
     let lone = lone.upload(&dev).unwrap();
     let kv = gpu::LayerKv { k: &batched[0].0, v: &batched[0].1 };
     assert!(gpu::attend_decode(&qr, gpu::Position::Rows(&lone), scale, kv).is_err());
+}
+
+/// A batched prompt pass's attention in one launch over a row table (`attend_prefill_rows`)
+/// equals `attend_prefill` over each sequence alone, bit for bit: sequences of different lengths
+/// (one tile, several, a partial last tile) at different positions, head dimensions 64 and 128.
+#[test]
+fn prefill_attention_over_a_row_table_equals_each_sequence_alone() {
+    let dev = cuda();
+    let mut rng = Rng(0x9f11);
+    for &(nh, nkv, hd) in &[(8usize, 2usize, 128usize), (4, 4, 64)] {
+        let cap = 700usize;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let seqs = [(5usize, 40usize), (300, 17), (611, 70), (0, 64)]; // (position, rows)
+        let rows: usize = seqs.iter().map(|s| s.1).sum();
+        let caches: Vec<(Tensor, Tensor)> = seqs
+            .iter()
+            .map(|_| {
+                let c = |rng: &mut Rng| {
+                    Tensor::from_vec(rng.vec(nkv * cap * hd, 1.0), (1, nkv, cap, hd), &dev)
+                        .unwrap()
+                        .to_dtype(DType::F16)
+                        .unwrap()
+                };
+                (c(&mut rng), c(&mut rng))
+            })
+            .collect();
+        let q = Tensor::from_vec(rng.vec(rows * nh * hd, 1.0), (rows, nh, hd), &dev).unwrap();
+        let (mut alone, mut start) = (Vec::new(), 0);
+        let mut table = gpu::RowTable::default();
+        for (&(pos, n), (ck, cv)) in seqs.iter().zip(&caches) {
+            let qa = q.narrow(0, start, n).unwrap().contiguous().unwrap();
+            let o = gpu::attend_prefill(&qa, pos, scale, gpu::LayerKv { k: ck, v: cv }).unwrap();
+            alone.extend(flat(&o));
+            table.push(pos, n, gpu::LayerKv { k: ck, v: cv }).unwrap();
+            start += n;
+        }
+        let table = table.upload_segments(&dev).unwrap();
+        let kv = gpu::LayerKv { k: &caches[0].0, v: &caches[0].1 };
+        let batched = flat(&gpu::attend_prefill_rows(&q, &table, scale, kv).unwrap());
+        assert_eq!(batched, alone, "batched prompt attention (nh {nh}, nkv {nkv}, hd {hd})");
+        // Refused: a pass of another row count than the table's.
+        let fewer = q.narrow(0, 0, rows - 1).unwrap().contiguous().unwrap();
+        assert!(gpu::attend_prefill_rows(&fewer, &table, scale, kv).is_err());
+    }
 }
 
 #[test]
