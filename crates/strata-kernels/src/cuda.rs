@@ -711,8 +711,6 @@ pub struct RowTable {
     words: Vec<u32>,
     max: usize,
     shape: Option<(Vec<usize>, DType)>,
-    /// Per push (a sequence's rows): its first row, rows and first position.
-    segments: Vec<[u32; 3]>,
 }
 
 /// A [`RowTable`] on the device: u32 `[rows, 5]` (position, then the cache k and v addresses,
@@ -759,7 +757,6 @@ impl RowTable {
             None => self.shape = Some(cache.signature()),
         }
         let [k_lo, k_hi, v_lo, v_hi] = words;
-        self.segments.push([(self.words.len() / 5) as u32, rows as u32, first as u32]);
         for p in first..first + rows {
             self.words.extend([p as u32, k_lo, k_hi, v_lo, v_hi]);
             self.max = self.max.max(p);
@@ -786,8 +783,9 @@ impl RowTable {
 
 /// A [`RowTable`] on the device with its sequences ([`RowTable::upload_segments`]), for a
 /// batched prompt pass's attention ([`attend_prefill_rows`]): the rows ([`Self::rows`], for
-/// [`Position::Rows`]) and u32 `[sequences, 3]` — each push's first row, row count and first
-/// position — taken from one table, so they always agree.
+/// [`Position::Rows`]) and u32 `[sequences, 3]` — each run of rows over one cache at
+/// consecutive positions: its first row, row count and first position — taken from one table,
+/// so they always agree.
 #[derive(Debug)]
 pub struct SegmentedRows {
     rows: Rows,
@@ -803,19 +801,30 @@ impl SegmentedRows {
 }
 
 impl RowTable {
-    /// The table and its sequences (one [`Self::push`] each) on `device`: two host-to-device
-    /// copies.
+    /// The table and its sequences on `device` (two host-to-device copies): a sequence is a run
+    /// of rows over one cache at consecutive positions (what one [`Self::push`] adds; taken from
+    /// the rows here, so that the batched decode steps' pushes keep no more than the rows).
     ///
     /// Errors: an empty table, a device error.
     pub fn upload_segments(&self, device: &Device) -> Result<SegmentedRows> {
-        if self.segments.is_empty() {
+        // [first row, rows, first position] per run.
+        let mut runs: Vec<[u32; 3]> = Vec::new();
+        let rows: Vec<&[u32]> = self.words.chunks_exact(5).collect();
+        for (i, row) in rows.iter().enumerate() {
+            let continues = i > 0 && rows[i - 1][1..] == row[1..] && rows[i - 1][0] + 1 == row[0];
+            match runs.last_mut() {
+                Some(run) if continues => run[1] += 1,
+                _ => runs.push([i as u32, 1, row[0]]),
+            }
+        }
+        if runs.is_empty() {
             bail!("row table: no rows");
         }
-        let flat: Vec<u32> = self.segments.iter().flatten().copied().collect();
+        let flat: Vec<u32> = runs.iter().flatten().copied().collect();
         Ok(SegmentedRows {
             rows: self.upload(device)?,
-            segments: Tensor::from_slice(&flat, (self.segments.len(), 3), device)?,
-            longest: self.segments.iter().map(|s| s[1] as usize).max().unwrap_or(0),
+            segments: Tensor::from_slice(&flat, (runs.len(), 3), device)?,
+            longest: runs.iter().map(|s| s[1] as usize).max().unwrap_or(0),
         })
     }
 }
@@ -1322,9 +1331,9 @@ pub fn attend_prefill_rows(
     args.push(Arg::Ptr(pos.rows_addr()?));
     args.push(Arg::Ptr(addr(&table.segments)?));
     // SAFETY: arguments in `attn_prefill_rows_f16_hd*`'s order; q `[seq, nh, hd]` f32 and the
-    // f16 caches of the table's shape checked above; the segments come from the same RowTable as
-    // its rows (pushes of consecutive positions over one cache each, every position at most
-    // `max < cap`) and cover its `seq` rows; `out` holds `seq · nh · hd` values.
+    // f16 caches of the table's shape checked above; the segments are runs of the same table's
+    // rows (consecutive positions over one cache each, every position at most `max < cap`) and
+    // cover its `seq` rows; `out` holds `seq · nh · hd` values.
     unsafe { launch(dev, &format!("attn_prefill_rows_f16_hd{hd}"), cfg, &args) }?;
     Ok(out)
 }

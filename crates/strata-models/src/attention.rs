@@ -488,11 +488,12 @@ impl Attention {
         let cap = parts.first().map(|p| p.cache.capacity());
         let longest = parts.iter().map(|p| p.rows.len()).max().unwrap_or(0);
         let shortest = parts.iter().map(|p| p.rows.len()).min().unwrap_or(0);
-        let dtype =
-            parts.first().map(|p| p.cache.layer_kv(layer)).transpose()?.map(|kv| kv.0.dtype());
+        let Some(first) = parts.first() else { return Ok(None) };
+        let (ck, cv) = first.cache.layer_kv(layer)?;
+        let cache = gpu::LayerKv { k: ck, v: cv };
         // Every part a prompt chunk that alone would take `attend_prefill`.
         let prompts = shortest > GPU_ATTEND_ROWS_MAX
-            && dtype.is_some_and(|d| self.gpu_prefills(q, longest, d))
+            && self.gpu_prefills(q, longest, ck.dtype())
             && crate::gpu::enabled(crate::gpu::GpuPath::AttnTcRows);
         if parts.len() < 2
             || !(prompts || self.gpu_attends(q, longest))
@@ -513,8 +514,6 @@ impl Attention {
             let (ck, cv) = p.cache.layer_kv(layer)?;
             table.push(p.cache.len(), p.rows.len(), gpu::LayerKv { k: ck, v: cv })?;
         }
-        let (ck, cv) = parts[0].cache.layer_kv(layer)?;
-        let cache = gpu::LayerKv { k: ck, v: cv };
         if prompts {
             let table = table.upload_segments(q.device())?;
             let at = gpu::Position::Rows(table.rows());

@@ -438,9 +438,10 @@ fn dense_f32_gpu(w: &QMatMul, x: &Tensor) -> Option<candle_core::Result<Tensor>>
     {
         return None;
     }
-    // Longer passes (prompts) of a router-sized matrix: our row-independent product, so that a
-    // prompt's logits do not depend on the other prompts of its pass.
-    let many = !crate::gpu::matvec_rows(n)
+    // Passes longer than the mat-vec's (prompts) of a router-sized matrix: our row-independent
+    // product, so that a prompt's logits do not depend on the other prompts of its pass. (Decode
+    // steps and verify passes keep their own switches: `STRATA_GPU_MATVEC=0` sends them to cuBLAS.)
+    let many = n > crate::gpu::MATVEC_ROWS_MAX
         && t.dim(0).is_ok_and(|r| r <= strata_kernels::cuda::MATMUL_F32_ROWS_MAX_OUT)
         && crate::gpu::enabled(crate::gpu::GpuPath::F32Rows);
     if !many && !crate::gpu::matvec_rows(n) {
