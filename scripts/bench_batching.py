@@ -9,6 +9,10 @@ temperature 0) at the same moment; the script prints one JSON line: clients, gen
 seconds from the first request sent to the last stream ended, aggregate tok/s, mean TTFT and, for
 Strata, the drive bytes read per generated token (from `/metrics`, before and after).
 
+`--request-rate R`: the clients arrive as a Poisson process of R requests per second (seeded
+exponential gaps, as vLLM's `benchmark_serving.py --request-rate`) instead of all at once, so new
+prompts keep meeting running decodes (a server's mixed steps); the line then also gives the mean
+time per output token after the first (`mean_tpot_ms`).
 `--shared-prefix N`: every prompt starts with the same N-word preamble (prefix-cache runs);
 `--ttft-pair`: sends one request with a long shared preamble, then a second with the same
 preamble and another question, and prints both TTFTs (the prefix cache's figure).
@@ -17,6 +21,7 @@ Standard library only (no client package needed).
 import argparse
 import http.client
 import json
+import random
 import threading
 import time
 import urllib.parse
@@ -48,11 +53,13 @@ def metric(url, name):
     return None
 
 
-def stream_one(url, model, prompt, max_tokens, out, start_evt):
+def stream_one(url, model, prompt, max_tokens, out, start_evt, delay=0.0):
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}})
     start_evt.wait()
+    if delay:
+        time.sleep(delay)
     t0 = time.perf_counter()
     c = conn(url)
     c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -94,9 +101,15 @@ def run_clients(a, model):
     start = threading.Event()
     outs = [dict() for _ in range(a.clients)]
     threads = []
+    rng, at, delays = random.Random(0), 0.0, []
+    for i in range(a.clients):
+        delays.append(at)
+        if a.request_rate > 0:
+            at += rng.expovariate(a.request_rate)
     for i in range(a.clients):
         prompt = f"{preamble}Write a long essay about {TOPICS[i % len(TOPICS)]} (essay {i}).\n\n"
-        t = threading.Thread(target=stream_one, args=(a.url, model, prompt, a.max_tokens, outs[i], start))
+        t = threading.Thread(target=stream_one,
+                             args=(a.url, model, prompt, a.max_tokens, outs[i], start, delays[i]))
         t.start()
         threads.append(t)
     bytes0 = metric(a.url, "strata_expert_read_bytes_total")
@@ -115,6 +128,10 @@ def run_clients(a, model):
            "tok_s": round(tokens / (t1 - t0), 2),
            "mean_ttft_s": round(sum(o["ttft"] or 0 for o in outs) / len(outs), 3),
            "per_client_tok_s": round(sum(o["tokens"] / (o["t1"] - o["t0"]) for o in outs) / len(outs), 2)}
+    if a.request_rate > 0:
+        res["request_rate"] = a.request_rate
+        tpot = [(o["t1"] - o["t0"] - o["ttft"]) / (o["tokens"] - 1) for o in outs if o["ttft"] and o["tokens"] > 1]
+        res["mean_tpot_ms"] = round(1e3 * sum(tpot) / max(len(tpot), 1), 2)
     bytes1 = metric(a.url, "strata_expert_read_bytes_total")
     gen1 = metric(a.url, "strata_generated_tokens_total")
     if None not in (bytes0, bytes1, gen0, gen1) and gen1 > gen0:
@@ -141,6 +158,8 @@ def main():
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--request-rate", type=float, default=0.0,
+                   help="requests per second (Poisson arrivals); 0: all at once")
     p.add_argument("--shared-prefix", type=int, default=0)
     p.add_argument("--ttft-pair", type=int, default=0, help="words of shared preamble")
     p.add_argument("--label", default="")

@@ -12,7 +12,9 @@
 # Build llama.cpp with `bash ../shared/tools/llamacpp.sh cpu DIR` (LLAMA=DIR/bin).
 # Env: ROUNDS (3), CLIENTS (8), TOKENS (128), CTX (1024 per slot), THREADS (2), PORT (8097),
 # STRATA (target/release/strata), EXTRA (more `strata serve` flags), LLAMA_EXTRA (more
-# `llama-server` flags, e.g. "-ngl 99 -fa on" on a GPU), SKIP_LLAMA=1.
+# `llama-server` flags, e.g. "-ngl 99 -fa on" on a GPU), SKIP_LLAMA=1, RATE (requests per second
+# of the CLIENTS run as Poisson arrivals, so new prompts meet running decodes; default: all at
+# once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -34,7 +36,7 @@ measure() {  # NAME: an untimed warm-up request (a GPU's first pass loads module
   # graphs; llama-server warms itself up at start), then one client, then CLIENTS
   python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens 8 --label warmup >/dev/null
   python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens "$TOKENS" --label "$1 x1" | tee -a "$OUT"
-  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients "$CLIENTS" --max-tokens "$TOKENS" --label "$1 x$CLIENTS" | tee -a "$OUT"
+  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients "$CLIENTS" --max-tokens "$TOKENS" --request-rate "${RATE:-0}" --label "$1 x$CLIENTS" | tee -a "$OUT"
 }
 
 for r in $(seq 1 "$ROUNDS"); do

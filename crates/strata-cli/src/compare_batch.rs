@@ -3,8 +3,9 @@
 //! each decoded alone — greedy tokens and every step's logits; together, the prompts run in one
 //! batched prompt pass, alone one pass each. The prompts are the compared
 //! prompt cycled to different lengths (at least [`PROMPT_MIN`] tokens, so longer runs cross the
-//! 256-position bucket of captured CUDA graphs), and the last sequence leaves halfway, so the
-//! batch changes size as requests end. Together, every other step of each sequence asks for
+//! 256-position bucket of captured CUDA graphs), and the last sequence joins at step
+//! [`JOIN_STEP`] (its prompt in one pass with the others' decode rows: a server's mixed step) and
+//! leaves halfway, so the batch changes size as requests start and end. Together, every other step of each sequence asks for
 //! its greedy pick alone (`Logits::Greedy`: on a GPU made on the device, the step's other rows
 //! copied to the host around it); those steps' tokens are compared, the others' logits too.
 
@@ -15,6 +16,9 @@ use strata_models::{BatchOptions, BatchSeq, KvCache, Logits};
 
 /// The shortest prompt of a sequence in the batch, tokens.
 pub const PROMPT_MIN: usize = 240;
+
+/// The step at which, together, the last sequence's prompt joins the others' decode rows.
+pub const JOIN_STEP: usize = 2;
 
 /// Decodes `batch` sequences for `steps` greedy tokens together and alone on `e`'s device and
 /// prints one table row. Errors: a sequence's tokens differ, or a step's logits differ by more
@@ -68,9 +72,11 @@ pub fn batched_equals_alone(
 /// the pick alone.
 type Step = (u32, Option<Vec<f32>>);
 
-/// Prefills `prompts` (each alone, or with `mix` all in one batched pass), then decodes them
-/// greedily together, sequence `s` for `steps[s]` tokens (a sequence leaves the batch when its
-/// count is reached): every step's token and logits per sequence. `mix`: sequence `s` asks for
+/// Prefills `prompts` (each alone, or with `mix` in one batched pass), then decodes them greedily
+/// together, sequence `s` for `steps[s]` tokens (a sequence leaves the batch when its count is
+/// reached): every step's token and logits per sequence. `mix`: the last sequence joins late —
+/// its prompt runs in the pass of step [`JOIN_STEP`], after the others' decode rows (a server's
+/// mixed step: a request arriving while others decode) — and sequence `s` asks for
 /// [`Logits::Greedy`] at the steps where `step + s` is even (the pick then comes from the model,
 /// made on the device on a GPU).
 fn decode(
@@ -80,40 +86,54 @@ fn decode(
     cap: usize,
     mix: bool,
 ) -> Result<Vec<Vec<Step>>> {
+    let n = prompts.len();
+    let joins_late = |s: usize| mix && n > 1 && s + 1 == n;
     let mut caches: Vec<KvCache> =
         prompts.iter().map(|_| e.new_cache(cap)).collect::<Result<_, _>>()?;
-    let mut next = Vec::with_capacity(prompts.len());
+    let mut next = vec![0u32; n];
+    let mut started = vec![false; n];
     if mix {
-        // Together: every prompt in one pass, as the server's step runs requests that arrive
-        // together.
+        // Together: every prompt but the late one in one pass, as the server's step runs
+        // requests that arrive together.
         let mut seqs: Vec<BatchSeq<'_>> = caches
             .iter_mut()
             .zip(prompts)
-            .map(|(cache, p)| BatchSeq { tokens: p, cache, logits: Logits::Last })
+            .enumerate()
+            .filter(|(s, _)| !joins_late(*s))
+            .map(|(_, (cache, p))| BatchSeq { tokens: p, cache, logits: Logits::Last })
             .collect();
-        for out in e.model.forward_batch(&mut seqs, BatchOptions::default())? {
-            next.push(argmax(&out?.logits.flatten_all()?.to_vec1::<f32>()?));
+        let outs = e.model.forward_batch(&mut seqs, BatchOptions::default())?;
+        for (s, out) in (0..n).filter(|&s| !joins_late(s)).zip(outs) {
+            next[s] = argmax(&out?.logits.flatten_all()?.to_vec1::<f32>()?);
+            started[s] = true;
         }
     } else {
-        for (p, c) in prompts.iter().zip(caches.iter_mut()) {
+        for (s, (p, c)) in prompts.iter().zip(caches.iter_mut()).enumerate() {
             let out = e.model.forward(p, c, Logits::Last, &[])?;
-            next.push(argmax(&out.logits.flatten_all()?.to_vec1::<f32>()?));
+            next[s] = argmax(&out.logits.flatten_all()?.to_vec1::<f32>()?);
+            started[s] = true;
         }
     }
-    let mut out_steps: Vec<Vec<Step>> = vec![Vec::new(); prompts.len()];
-    for step in 0..steps.iter().copied().max().unwrap_or(0) {
-        let members: Vec<usize> = (0..prompts.len()).filter(|&s| step < steps[s]).collect();
-        let toks: Vec<[u32; 1]> = members.iter().map(|&s| [next[s]]).collect();
-        let mode = |s: usize| match mix && (step + s).is_multiple_of(2) {
-            true => Logits::Greedy,
-            false => Logits::Last,
+    let mut out_steps: Vec<Vec<Step>> = vec![Vec::new(); n];
+    let mut step = 0;
+    while (0..n).any(|s| out_steps[s].len() < steps[s]) {
+        // Decode rows first, then the prompt joining now (the last sequence): the server's order.
+        let decoding = |s: usize| started[s] && out_steps[s].len() < steps[s];
+        let joining = |s: usize| !started[s] && step == JOIN_STEP;
+        let members: Vec<usize> = (0..n).filter(|&s| decoding(s) || joining(s)).collect();
+        let toks: Vec<[u32; 1]> = (0..n).map(|s| [next[s]]).collect();
+        let mode = |s: usize| match (joining(s), mix && (step + s).is_multiple_of(2)) {
+            (true, _) | (false, false) => Logits::Last,
+            (false, true) => Logits::Greedy,
         };
         let mut seqs: Vec<BatchSeq<'_>> = caches
             .iter_mut()
             .enumerate()
             .filter(|(s, _)| members.contains(s))
-            .zip(&toks)
-            .map(|((s, cache), t)| BatchSeq { tokens: t, cache, logits: mode(s) })
+            .map(|(s, cache)| {
+                let tokens: &[u32] = if joining(s) { prompts[s] } else { &toks[s] };
+                BatchSeq { tokens, cache, logits: mode(s) }
+            })
             .collect();
         let outs = e.model.forward_batch(&mut seqs, BatchOptions::default())?;
         for (&s, out) in members.iter().zip(outs) {
@@ -126,8 +146,14 @@ fn decode(
                 }
             };
             next[s] = token;
-            out_steps[s].push((token, row));
+            if started[s] {
+                out_steps[s].push((token, row));
+            }
         }
+        for &s in &members {
+            started[s] = true;
+        }
+        step += 1;
     }
     Ok(out_steps)
 }

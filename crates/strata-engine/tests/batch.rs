@@ -10,8 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use strata_engine::batch::{BatchConfig, Batcher, SeqEvent, Submission};
+use strata_engine::sampling::argmax;
 use strata_engine::{Engine, FinishReason, GenerateRequest, SamplingParams};
-use strata_models::{Expert, ExpertProvider, ModelError, ResidentExperts, Transformer};
+use strata_models::{
+    BatchOptions, BatchSeq, Expert, ExpertProvider, KvCache, Logits, ModelError, ResidentExperts,
+    Transformer,
+};
 
 /// What one submission produced.
 #[derive(Default, Debug)]
@@ -443,4 +447,79 @@ fn the_warm_up_leaves_an_idle_batch_and_an_empty_prefix_cache() {
     assert!(b.warm_up().is_err());
     let mut tiny = Batcher::new(engine, BatchConfig::new(1, 5)).unwrap();
     assert!(tiny.warm_up().is_err());
+}
+
+/// Two prompts prefilled alone, then one pass of their next tokens (decode rows) and a third
+/// prompt (a chunk), merged or split ([`BatchOptions::split_mixed`]), then one decode step of all
+/// three: every sequence's logits of both passes, and its cache length.
+fn mixed_pass(engine: &Engine, split: bool) -> (Vec<Vec<f32>>, Vec<usize>) {
+    let prompts = smollm2_prompts(engine);
+    let mut caches: Vec<KvCache> = (0..3).map(|_| engine.new_cache(1024).unwrap()).collect();
+    let mut next = Vec::new();
+    for (p, c) in prompts.iter().zip(caches.iter_mut()).take(2) {
+        let out = engine.model.forward(p, c, Logits::Last, &[]).unwrap();
+        next.push([argmax(&out.logits.flatten_all().unwrap().to_vec1::<f32>().unwrap())]);
+    }
+    let mut logits = Vec::new();
+    let rows = 2 + prompts[2].len();
+    let [c0, c1, c2] = &mut caches[..] else { unreachable!() };
+    let mut seqs = vec![
+        BatchSeq { tokens: &next[0], cache: c0, logits: Logits::Last },
+        BatchSeq { tokens: &next[1], cache: c1, logits: Logits::Last },
+        BatchSeq { tokens: &prompts[2], cache: c2, logits: Logits::Last },
+    ];
+    let opts = BatchOptions { split_mixed: Some(split), ..Default::default() };
+    let outs =
+        strata_models::prefill_scope(rows, 2, || engine.model.forward_batch(&mut seqs, opts));
+    let mut last = Vec::new();
+    for out in outs.unwrap() {
+        let row = out.unwrap().logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        last.push([argmax(&row)]);
+        logits.push(row);
+    }
+    let mut seqs: Vec<BatchSeq<'_>> = caches
+        .iter_mut()
+        .zip(&last)
+        .map(|(cache, t)| BatchSeq { tokens: t, cache, logits: Logits::Last })
+        .collect();
+    for out in engine.model.forward_batch(&mut seqs, BatchOptions::default()).unwrap() {
+        logits.push(out.unwrap().logits.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+    (logits, caches.iter().map(KvCache::len).collect())
+}
+
+#[test]
+fn a_mixed_pass_split_in_two_equals_it_merged() {
+    let engine = common::load_smollm2(1024);
+    let prompts = smollm2_prompts(&engine);
+    let (merged, lens) = mixed_pass(&engine, false);
+    let (split, split_lens) = mixed_pass(&engine, true);
+    let want: Vec<usize> = (0..3).map(|i| prompts[i].len() + 1 + usize::from(i < 2)).collect();
+    assert_eq!(lens, want);
+    assert_eq!(split_lens, want);
+    assert_eq!(merged.len(), 6);
+    for (i, (a, b)) in merged.iter().zip(&split).enumerate() {
+        assert!(a == b, "sequence {} of pass {}: split logits differ from merged", i % 3, i / 3);
+    }
+
+    // Stopped during the chunks' pass: the decode rows' caches keep their lengths too.
+    let mut caches: Vec<KvCache> = (0..2).map(|_| engine.new_cache(1024).unwrap()).collect();
+    engine.model.forward(&prompts[0], &mut caches[0], Logits::Last, &[]).unwrap();
+    let polls = std::cell::Cell::new(0usize);
+    let layers = engine.model.config().num_layers;
+    let stop = || {
+        polls.set(polls.get() + 1);
+        polls.get() > layers // the decode rows' pass polls once per layer
+    };
+    let [c0, c1] = &mut caches[..] else { unreachable!() };
+    let len0 = c0.len();
+    let mut seqs = vec![
+        BatchSeq { tokens: &[1], cache: c0, logits: Logits::Last },
+        BatchSeq { tokens: &prompts[1], cache: c1, logits: Logits::Last },
+    ];
+    let opts = BatchOptions { split_mixed: Some(true), stop: Some(&stop), ..Default::default() };
+    let res = engine.model.forward_batch(&mut seqs, opts);
+    assert!(matches!(res, Err(ModelError::Interrupted)), "the second pass was stopped");
+    assert_eq!(polls.get(), layers + 1, "the decode rows' pass ran whole, the chunks' was stopped");
+    assert_eq!((caches[0].len(), caches[1].len()), (len0, 0));
 }

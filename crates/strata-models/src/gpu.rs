@@ -26,7 +26,9 @@
 //! `indexed_moe_forward` instead of our kernels), `STRATA_GPU_DELTANET=0` (hybrid models' Gated
 //! DeltaNet layers and their recurrent state on the host, the projections copied there every
 //! pass, instead of our kernels with the state on the device), `STRATA_GPU_ARGMAX=0` (greedy
-//! picks, [`crate::Logits::Greedy`], from logits brought to the host instead of on the device).
+//! picks, [`crate::Logits::Greedy`], from logits brought to the host instead of on the device),
+//! `STRATA_GPU_SPLIT_MIXED=0` (a batched pass of decode rows and prompt chunks as one pass, the
+//! decode rows on the prompt kernels, instead of two).
 //!
 //! Off by default, measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
 //! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by
@@ -115,6 +117,10 @@ pub enum GpuPath {
     /// launch over every layer (`strata_kernels::cuda::KvSpanTable`)
     /// instead of one candle copy per layer and tensor ([`crate::KvCache::export_block`]).
     KvSpan,
+    /// A batched pass mixing decode rows with prompt chunks, every expert resident, as two
+    /// passes: the decode rows as a batched decode step, then the chunks
+    /// ([`crate::Transformer::splits_mixed`]).
+    SplitMixed,
 }
 
 /// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
@@ -170,6 +176,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static DELTANET: OnceLock<bool> = OnceLock::new();
     static ARGMAX: OnceLock<bool> = OnceLock::new();
     static KV_SPAN: OnceLock<bool> = OnceLock::new();
+    static SPLIT_MIXED: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
@@ -192,6 +199,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::DeltaNet => (&DELTANET, "STRATA_GPU_DELTANET"),
         GpuPath::Argmax => (&ARGMAX, "STRATA_GPU_ARGMAX"),
         GpuPath::KvSpan => (&KV_SPAN, "STRATA_GPU_KV_SPAN"),
+        GpuPath::SplitMixed => (&SPLIT_MIXED, "STRATA_GPU_SPLIT_MIXED"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
         (GpuPath::MoeGrouped | GpuPath::MoeMma, v) => v.is_ok_and(|v| v == "1"),

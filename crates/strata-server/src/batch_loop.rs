@@ -30,6 +30,7 @@ pub fn start(
     bc.prefill_chunk = config.prefill_chunk.max(1);
     bc.step_tokens = config.batch_tokens.max(1);
     bc.prefix_cache_bytes = config.prefix_cache_bytes;
+    bc.split_mixed = config.split_mixed;
     let window = config.batch_window.unwrap_or(if engine.model.experts().stats().is_some() {
         STREAMED_BATCH_WINDOW
     } else {

@@ -69,6 +69,10 @@ pub struct ServerConfig {
     /// Bytes of KV entries kept for reuse by later requests sharing a prompt prefix
     /// (`--prefix-cache`; 0: none).
     pub prefix_cache_bytes: usize,
+    /// `--mixed-steps`: a step of decode rows and prompt chunks as two passes (`Some(true)`), one
+    /// (`Some(false)`), or the device's default (`None`,
+    /// [`strata_models::Transformer::splits_mixed`]).
+    pub split_mixed: Option<bool>,
     /// Run [`strata_engine::batch::Batcher::warm_up`] before serving (`serve` turns it on for
     /// GPU devices unless `--no-warmup`).
     pub warm_up: bool,
@@ -101,6 +105,7 @@ impl Default for ServerConfig {
             batch_tokens: 512,
             batch_window: None,
             prefix_cache_bytes: 0,
+            split_mixed: None,
             warm_up: false,
             sampling: SamplingParams::default(),
             plan: None,

@@ -54,6 +54,10 @@ pub struct BatchConfig {
     pub prefix_cache_bytes: usize,
     /// Tokens per prefix-cache block.
     pub prefix_block: usize,
+    /// A step of decode rows and prompt chunks as two forward passes (`Some(true)`), one
+    /// (`Some(false)`), or as the model's device decides (`None`:
+    /// [`strata_models::Transformer::splits_mixed`]; `serve --mixed-steps`).
+    pub split_mixed: Option<bool>,
 }
 
 impl BatchConfig {
@@ -65,6 +69,7 @@ impl BatchConfig {
             step_tokens: 512,
             prefix_cache_bytes: 0,
             prefix_block: 64,
+            split_mixed: None,
         }
     }
 }
@@ -310,6 +315,7 @@ impl Batcher {
             let opts = BatchOptions {
                 stop: Some(stop),
                 isolate_expert_errors: true,
+                split_mixed: self.cfg.split_mixed,
                 ..Default::default()
             };
             // Decode rows come first in the pass; the prompt chunks' rows after them.

@@ -43,6 +43,11 @@ pub struct BatchOptions<'a> {
     /// A sequence whose routed expert cannot be read fails alone (its result is the error), the
     /// others go on. Without it the whole pass fails.
     pub isolate_expert_errors: bool,
+    /// A pass whose first sequences are one-token decode rows and whose others are prompt chunks
+    /// runs as two passes, the decode rows' then the chunks' ([`Transformer::splits_mixed`]).
+    /// `None`: where the model's device and experts make it pay (a GPU with every expert
+    /// resident).
+    pub split_mixed: Option<bool>,
 }
 
 impl Transformer {
@@ -60,6 +65,9 @@ impl Transformer {
         seqs: &mut [BatchSeq<'_>],
         opts: BatchOptions<'_>,
     ) -> Result<Vec<Result<ForwardOutput>>> {
+        if let Some(d) = self.mixed_split(seqs, &opts) {
+            return self.forward_split(seqs, d, opts);
+        }
         #[cfg(feature = "cuda")]
         if let Some(mut out) = self.try_decode_graphed(seqs, &opts)? {
             let rows = 0..out.logits.dim(0)?;
@@ -102,6 +110,69 @@ impl Transformer {
             }
         }
         Ok(results.into_iter().map(|r| r.expect("every sequence has a result")).collect())
+    }
+
+    /// Where a mixed pass splits ([`BatchOptions::split_mixed`]): the number of leading one-token
+    /// sequences, when some sequences follow them and the split is on.
+    fn mixed_split(&self, seqs: &[BatchSeq<'_>], opts: &BatchOptions<'_>) -> Option<usize> {
+        let d = seqs.iter().take_while(|s| s.tokens.len() == 1).count();
+        let on = opts.split_mixed.unwrap_or_else(|| self.splits_mixed());
+        (on && d > 0 && d < seqs.len()).then_some(d)
+    }
+
+    /// Whether a pass mixing decode rows with prompt chunks runs as two passes by default: on a
+    /// GPU with every expert resident (`cuda` build, unless `STRATA_GPU_SPLIT_MIXED=0`) and no
+    /// recurrent layers. There the decode rows then run as a batched decode step — captured as a
+    /// CUDA graph, on the decode kernels, so each row is what a decode step without the chunks
+    /// computes — instead of as extra rows of the chunks' prompt kernels (f16 tensor-core
+    /// products, attention sequence by sequence), which made a running request's tokens depend
+    /// on whether another request's prompt arrived beside them. Reading the weights twice costs
+    /// little when they are in VRAM; where experts stream (drive, or host memory over the bus),
+    /// a merged pass reads the union of both groups' experts once, so it stays merged. The CPU's
+    /// decode rows keep the decode kernels in a merged pass ([`crate::prefill_scope`]).
+    pub fn splits_mixed(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.device.is_cuda()
+                && crate::gpu::enabled(crate::gpu::GpuPath::SplitMixed)
+                && self.experts.stats().is_none()
+                && !self.has_recurrent_layers()
+        }
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// A mixed pass as two: `seqs[..d]` (one token each) then `seqs[d..]`, results in order. If
+    /// the second fails as a whole, the first's caches go back to their lengths before the pass
+    /// (so the outer error leaves every cache's length unchanged, as [`Self::forward_batch`]
+    /// says).
+    fn forward_split(
+        &self,
+        seqs: &mut [BatchSeq<'_>],
+        d: usize,
+        opts: BatchOptions<'_>,
+    ) -> Result<Vec<Result<ForwardOutput>>> {
+        let (decode, chunks) = seqs.split_at_mut(d);
+        let inner = BatchOptions { split_mixed: Some(false), ..opts };
+        let before: Vec<usize> = decode.iter().map(|s| s.cache.len()).collect();
+        let mut outs = crate::prefill_scope(d, d, || self.forward_batch(decode, inner))?;
+        let rows = chunks.iter().map(|s| s.tokens.len()).sum();
+        match crate::prefill_scope(rows, 0, || self.forward_batch(chunks, inner)) {
+            Ok(more) => {
+                outs.extend(more);
+                Ok(outs)
+            }
+            Err(e) => {
+                for (s, (len, out)) in decode.iter_mut().zip(before.into_iter().zip(&outs)) {
+                    if out.is_ok() {
+                        // Attention caches only (the split is off for recurrent layers by
+                        // default); a forced split of a hybrid keeps the contract's caveat.
+                        let _ = s.cache.rollback(len);
+                    }
+                }
+                Err(e)
+            }
+        }
     }
 
     /// A short pass of one sequence (a decode step, a verify pass: up to
