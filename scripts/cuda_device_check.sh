@@ -29,7 +29,8 @@
 #     llama.cpp CUDA from dist/llamacpp-src.tar.xz (dist/llamacpp.sh, ~6 min) and runs
 #     llama-bench on the same file in the same rounds.
 #  6. PART=batch (instead of 2-5): continuous batching on the GPU (issue 25), everything in VRAM:
-#     the kernel tests and `compare-devices --batch 4 / 16` (batched = alone on the device, batched
+#     the kernel tests and `compare-devices --batch 2 / 4 / 16` on tiny-moe, tiny-hybrid and SmolLM2
+#     (batched = alone on the device, a sequence joining mid-way, batched
 #     steps captured as graphs and op by op; 8+ sequences over Q4_K dense layers within
 #     BATCH_TOL_MMA, exact with STRATA_GPU_DENSE_MMA=0; unless BENCH_ONLY), then `strata bench --batch
 #     2,4,8,16` (batched decode in the engine) with the opt-in grouped MoE kernels on and off
@@ -135,7 +136,9 @@ if [ "${PART:-}" = batch ]; then
     for r in local realistic; do
       [ -f /tmp/tiny-bq-$r.gguf ] || "$S" synth --preset tiny-moe --quant Q4_K --routing $r --out /tmp/tiny-bq-$r.gguf >/dev/null 2>&1
     done
-    for M in /tmp/tiny-bq-local.gguf /tmp/tiny-bq-realistic.gguf models/SmolLM2-135M-Instruct.Q4_1.gguf; do
+    # A hybrid (Gated DeltaNet) too: each sequence's recurrent state is its own in a batch.
+    [ -f /tmp/tiny-bh.gguf ] || "$S" synth --preset tiny-hybrid --quant Q4_K --routing realistic --out /tmp/tiny-bh.gguf >/dev/null 2>&1
+    for M in /tmp/tiny-bq-local.gguf /tmp/tiny-bq-realistic.gguf /tmp/tiny-bh.gguf models/SmolLM2-135M-Instruct.Q4_1.gguf; do
       [ -f "$M" ] || continue
       # Batches of 8-16 sequences take the int8 tensor-core kernel for Q4_K dense layers
       # (gpu::DENSE_MMA_ROWS_MIN): each row summed in another order than alone, then rounded to q8

@@ -120,20 +120,32 @@ fn batched_greedy_tokens_equal_each_request_alone() {
 
     let mut cfg = BatchConfig::new(4, 1024); // fewer slots than requests: some wait, then join
     cfg.prefill_chunk = 128;
+    batched_equals(&engine, cfg, &reqs, &want);
+}
+
+/// Runs `reqs` through a batcher of `cfg` until idle: they shared passes up to `cfg.slots`
+/// sequences, and each request's tokens are `want`'s.
+fn batched_equals(
+    engine: &Arc<Engine>,
+    cfg: BatchConfig,
+    reqs: &[GenerateRequest],
+    want: &[Vec<u32>],
+) {
+    let (slots, split) = (cfg.slots, cfg.split_mixed);
     let mut b = Batcher::new(engine.clone(), cfg).unwrap();
     let step = Arc::new(Mutex::new(0));
-    let outs = submit_all(&mut b, &reqs, &step);
+    let outs = submit_all(&mut b, reqs, &step);
     let mut max_batch = 0;
     while b.has_work() {
         let st = b.step(&|| false).unwrap();
         max_batch = max_batch.max(st.sequences);
     }
-    assert_eq!(max_batch, 4, "requests shared passes");
+    assert_eq!(max_batch, slots, "requests shared passes");
     for (i, o) in outs.iter().enumerate() {
         let o = o.lock().unwrap();
         assert_eq!(o.failed, None);
         assert_eq!(o.done, Some(FinishReason::Length));
-        assert_eq!(o.tokens, want[i], "request {i}: batched tokens differ from alone");
+        assert_eq!(o.tokens, want[i], "request {i} ({split:?}): batched tokens differ from alone");
     }
 }
 
@@ -522,4 +534,26 @@ fn a_mixed_pass_split_in_two_equals_it_merged() {
     assert!(matches!(res, Err(ModelError::Interrupted)), "the second pass was stopped");
     assert_eq!(polls.get(), layers + 1, "the decode rows' pass ran whole, the chunks' was stopped");
     assert_eq!((caches[0].len(), caches[1].len()), (len0, 0));
+}
+
+/// Hybrid models (Gated DeltaNet): each sequence's recurrent state is its own in a batch —
+/// requests decoded together, joining while others decode (mixed steps), give their tokens alone.
+#[test]
+fn hybrid_batched_greedy_tokens_equal_each_request_alone() {
+    let path = common::repo_root().join("tests/fixtures/moe-tiny/qwen3_next.gguf");
+    let engine = Arc::new(common::load(&path, 512));
+    let reqs: Vec<GenerateRequest> = (0..5u32)
+        .map(|r| {
+            let p: Vec<u32> = (0..20 + 37 * r).map(|i| (i * 31 + 7 * r + 3) % 500).collect();
+            greedy(p, 10 + 2 * r as usize)
+        })
+        .collect();
+    let want: Vec<Vec<u32>> = reqs.iter().map(|r| alone(&engine, r)).collect();
+    // Merged steps (the CPU's default), and decode rows split from prompt chunks (a GPU's).
+    for split in [None, Some(true)] {
+        let mut cfg = BatchConfig::new(3, 512); // fewer slots than requests: some join later
+        cfg.prefill_chunk = 48;
+        cfg.split_mixed = split;
+        batched_equals(&engine, cfg, &reqs, &want);
+    }
 }

@@ -275,6 +275,13 @@ impl KvCache {
         Ok(())
     }
 
+    /// Forgets the tokens past `len` (later passes overwrite their KV entries); a recurrent state
+    /// stays as it is — for a pass that failed after advancing this cache, whose sequence is
+    /// then cleared or discarded (restoring the state needs a checkpoint: [`Self::rollback`]).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// Tokens currently cached.
     pub fn len(&self) -> usize {
         self.len

@@ -121,9 +121,9 @@ impl Transformer {
     }
 
     /// Whether a pass mixing decode rows with prompt chunks runs as two passes by default: on a
-    /// GPU with every expert resident (`cuda` build, unless `STRATA_GPU_SPLIT_MIXED=0`) and no
-    /// recurrent layers. There the decode rows then run as a batched decode step — captured as a
-    /// CUDA graph, on the decode kernels, so each row is what a decode step without the chunks
+    /// GPU with every expert resident (`cuda` build, unless `STRATA_GPU_SPLIT_MIXED=0`). There
+    /// the decode rows then run as a batched decode step — on the decode kernels (captured as a
+    /// CUDA graph where the model has no recurrent layers), so each row is what a decode step without the chunks
     /// computes — instead of as extra rows of the chunks' prompt kernels (f16 tensor-core
     /// products, attention sequence by sequence), which made a running request's tokens depend
     /// on whether another request's prompt arrived beside them. Reading the weights twice costs
@@ -136,7 +136,6 @@ impl Transformer {
             self.device.is_cuda()
                 && crate::gpu::enabled(crate::gpu::GpuPath::SplitMixed)
                 && self.experts.stats().is_none()
-                && !self.has_recurrent_layers()
         }
         #[cfg(not(feature = "cuda"))]
         false
@@ -144,8 +143,8 @@ impl Transformer {
 
     /// A mixed pass as two: `seqs[..d]` (one token each) then `seqs[d..]`, results in order. If
     /// the second fails as a whole, the first's caches go back to their lengths before the pass
-    /// (so the outer error leaves every cache's length unchanged, as [`Self::forward_batch`]
-    /// says).
+    /// (so the outer error leaves every cache's length unchanged, and a hybrid's recurrent state
+    /// written, as [`Self::forward_batch`] says).
     fn forward_split(
         &self,
         seqs: &mut [BatchSeq<'_>],
@@ -165,9 +164,7 @@ impl Transformer {
             Err(e) => {
                 for (s, (len, out)) in decode.iter_mut().zip(before.into_iter().zip(&outs)) {
                     if out.is_ok() {
-                        // Attention caches only (the split is off for recurrent layers by
-                        // default); a forced split of a hybrid keeps the contract's caveat.
-                        let _ = s.cache.rollback(len);
+                        s.cache.truncate(len);
                     }
                 }
                 Err(e)
