@@ -16,7 +16,7 @@
 //!
 //! On a CUDA device whose sequence keeps its recurrent state there
 //! ([`crate::recurrent::RecurrentCache::on_device`]) the layer runs on our kernels
-//! (`strata_kernels::cuda::gdn_*`, `GatedDeltaNet::forward_gpu`): nothing goes to the host. There
+//! (`strata_kernels::cuda::gdn_*`, `GatedDeltaNet::mix_gpu`): nothing goes to the host. There
 //! too, passes of more than `EXACT_ROWS_MAX` tokens take the chunked form (`gdn_delta_chunked`,
 //! key heads of up to 128) and shorter ones the recurrent form (a warp per state column).
 
@@ -197,25 +197,24 @@ impl GatedDeltaNet {
         self.gpu.is_some() && self.dims.gpu_shape().supported()
     }
 
-    /// [`Self::forward`] on the device: the in-projections, their outputs gathered into
-    /// `[T, qkv | z | b | a]` rows, then `gdn_conv` → `gdn_delta` → `gdn_gated_norm` on the
-    /// sequence's device state, and the out-projection. `None` when this sequence's state is on
-    /// the host (or the weights are not on the device).
+    /// [`Self::mix`] on the device: the in-projections' outputs gathered into `[T, qkv | z | b |
+    /// a]` rows, then `gdn_conv` → `gdn_delta` → `gdn_gated_norm` on the sequence's device state.
+    /// `None` when this sequence's state is on the host (or the weights are not on the device).
     #[cfg(feature = "cuda")]
-    fn forward_gpu(&self, x: &Tensor, layer: usize, cache: &mut KvCache) -> Option<Result<Tensor>> {
+    fn mix_gpu(
+        &self,
+        parts: &[Tensor],
+        layer: usize,
+        cache: &mut KvCache,
+    ) -> Option<Result<Tensor>> {
         let w = self.gpu.as_ref()?;
         let dev = cache.recurrent_device_mut()?;
         let mut run = || -> Result<Tensor> {
             use strata_kernels::cuda::{gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm};
             let s = *dev.shape();
-            let parts = self
-                .in_proj
-                .iter()
-                .map(|p| p.forward(x))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let cat = match parts.len() {
-                1 => parts.into_iter().next().expect("one part"),
-                _ => Tensor::cat(&parts, 1)?,
+            let cat = match parts {
+                [one] => one.clone(),
+                _ => Tensor::cat(parts, 1)?,
             };
             let row = match &w.index {
                 None => cat.contiguous()?,
@@ -237,29 +236,52 @@ impl GatedDeltaNet {
             if let Some(log) = log {
                 log.push(&row, &qkv, &w.a_neg, &w.dt_bias);
             }
-            let y = gdn_gated_norm(&s, o, &row, &w.norm_w, self.eps)?;
-            Ok(self.out_proj.forward(&y)?)
+            Ok(gdn_gated_norm(&s, o, &row, &w.norm_w, self.eps)?)
         };
         Some(run())
     }
 
     /// `x: [seq, hidden]` → `[seq, hidden]`, advancing `layer`'s recurrent state in `cache` by
-    /// `seq` tokens (logged while a checkpoint is held).
+    /// `seq` tokens (logged while a checkpoint is held): [`Self::project_in`], [`Self::mix`],
+    /// [`Self::project_out`].
     pub fn forward(&self, x: &Tensor, layer: usize, cache: &mut KvCache) -> Result<Tensor> {
+        let parts = self.project_in(x)?;
+        self.project_out(&self.mix(&parts, layer, cache)?)
+    }
+
+    /// The in-projections of `x: [rows, hidden]`: one `[rows, width]` tensor per projection (a
+    /// batched pass projects every sequence's rows at once, each weight read once; a row's
+    /// result is its result alone where the products are row-independent — on a GPU, a hybrid's
+    /// batched passes keep the one-row kernels' bits, [`crate::gpu::rows_exact_scope`]).
+    pub fn project_in(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(self.in_proj.iter().map(|p| p.forward(x)).collect::<candle_core::Result<_>>()?)
+    }
+
+    /// The out-projection of [`Self::mix`]'s outputs `[rows, v_heads · v_dim]` → `[rows, hidden]`.
+    pub fn project_out(&self, y: &Tensor) -> Result<Tensor> {
+        Ok(self.out_proj.forward(y)?)
+    }
+
+    /// One sequence's token mixing: `parts` ([`Self::project_in`]'s outputs for its `seq` rows, in
+    /// order) → `[seq, v_heads · v_dim]` (the gated, normed delta-rule readout), advancing
+    /// `layer`'s recurrent state in `cache` by `seq` tokens (logged while a checkpoint is held).
+    /// The causal conv and the gated delta rule as in transformers' `Qwen3NextGatedDeltaNet`
+    /// (`modeling_qwen3_next.py`; Yang et al. 2024, "Gated Delta Networks").
+    pub fn mix(&self, parts: &[Tensor], layer: usize, cache: &mut KvCache) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(out) = self.forward_gpu(x, layer, cache) {
+        if let Some(out) = self.mix_gpu(parts, layer, cache) {
             return out;
         }
-        let seq = x.dim(0)?;
-        if !x.device().is_cpu() {
+        let seq = parts.first().map_or(Ok(0), |p| p.dim(0))?;
+        let device = parts.first().map(|p| p.device().clone()).unwrap_or(candle_core::Device::Cpu);
+        if !device.is_cpu() {
             crate::gpu::note_host_reads(self.in_proj.len() as u64);
         }
         let d = self.dims;
         let (kw, vw, cd, nv) = (d.key_width(), d.value_width(), d.conv_dim(), d.v_heads);
-        let parts = self
-            .in_proj
+        let parts = parts
             .iter()
-            .map(|p| p.forward(x).and_then(|y| y.flatten_all()).and_then(|y| y.to_vec1::<f32>()))
+            .map(|y| y.flatten_all().and_then(|y| y.to_vec1::<f32>()))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let widths: Vec<usize> = self.in_proj.iter().map(Linear::out_dim).collect();
         let total: usize = widths.iter().sum();
@@ -380,8 +402,7 @@ impl GatedDeltaNet {
                 }
             }
         });
-        let out = Tensor::from_vec(out, (seq, vw), x.device())?;
-        Ok(self.out_proj.forward(&out)?)
+        Ok(Tensor::from_vec(out, (seq, vw), &device)?)
     }
 }
 

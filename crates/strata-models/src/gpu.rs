@@ -242,7 +242,29 @@ pub fn moe_mma_rows(rows: usize) -> bool {
 pub fn dense_mma_rows(rows: usize) -> bool {
     static MIN: OnceLock<usize> = OnceLock::new();
     enabled(GpuPath::DenseMma)
+        && !ROWS_EXACT.with(std::cell::Cell::get)
         && mma_rows(rows, &MIN, "STRATA_GPU_DENSE_MMA_MIN", DENSE_MMA_ROWS_MIN)
+}
+
+thread_local! {
+    static ROWS_EXACT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (a batched pass of a model with recurrent layers) with the dense products of 8–16
+/// rows on the mat-vec kernel instead of the int8 tensor-core tiles ([`dense_mma_rows`] false on
+/// this thread), so that each row is a one-row step's bits. A Gated DeltaNet state carries a
+/// difference in the last bits on to every later token of its sequence: on tiny-hybrid Q4_K, 16
+/// sequences batched with the tiles kept 557 of 620 greedy tokens of each decoded alone
+/// (`compare-devices --batch 16`), and every one without them (docs/performance.md).
+pub fn rows_exact_scope<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ROWS_EXACT.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(ROWS_EXACT.with(|c| c.replace(true)));
+    f()
 }
 
 /// Device → host reads the model's layers made during forward passes on a GPU, since the

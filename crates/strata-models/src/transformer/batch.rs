@@ -2,8 +2,8 @@
 //! stacked into one `[rows, hidden]` matrix, so each dense weight and each routed expert is read
 //! once per pass for all of them — with streamed experts, a batch's experts are the union of its
 //! tokens' experts, fetched once. Token mixers (attention over a sequence's own KV cache, Gated
-//! DeltaNet over its own recurrent state) run per sequence; norms, projections, the MLP and the
-//! MoE block run over all rows. A one-sequence batch is [`Transformer::forward`].
+//! DeltaNet over its own recurrent state) run per sequence; norms, projections (a Gated DeltaNet
+//! layer's too), the MLP and the MoE block run over all rows. A one-sequence batch is [`Transformer::forward`].
 //!
 //! Each row's arithmetic does not depend on the other rows where the weights run on our kernels
 //! (tile kernels are bit-identical per token, [`crate::layers::Linear::forward`]) or where the
@@ -100,7 +100,10 @@ impl Transformer {
             }
         }
         if !live.is_empty() {
-            let outs = self.run_batch(seqs, &live, opts);
+            let outs = match self.has_recurrent_layers() {
+                true => crate::gpu::rows_exact_scope(|| self.run_batch(seqs, &live, opts)),
+                false => self.run_batch(seqs, &live, opts),
+            };
             // The pass's q8 twins (`cuda` build) are not needed past it.
             #[cfg(feature = "cuda")]
             strata_kernels::cuda::release_q8_twins();
@@ -123,10 +126,10 @@ impl Transformer {
     /// Whether a pass mixing decode rows with prompt chunks runs as two passes by default: on a
     /// GPU with every expert resident (`cuda` build, unless `STRATA_GPU_SPLIT_MIXED=0`). There
     /// the decode rows then run as a batched decode step — on the decode kernels (captured as a
-    /// CUDA graph where the model has no recurrent layers), so each row is what a decode step without the chunks
-    /// computes — instead of as extra rows of the chunks' prompt kernels (f16 tensor-core
-    /// products, attention sequence by sequence), which made a running request's tokens depend
-    /// on whether another request's prompt arrived beside them. Reading the weights twice costs
+    /// CUDA graph where the model has no recurrent layers), so each row is what a decode step
+    /// without the chunks computes — instead of as extra rows of the chunks' prompt kernels (f16
+    /// tensor-core products, attention sequence by sequence), which made a running request's
+    /// tokens depend on whether another request's prompt arrived beside them. Reading the weights twice costs
     /// little when they are in VRAM; where experts stream (drive, or host memory over the bus),
     /// a merged pass reads the union of both groups' experts once, so it stays merged. The CPU's
     /// decode rows keep the decode kernels in a merged pass ([`crate::prefill_scope`]).
@@ -269,11 +272,18 @@ impl Transformer {
                     a.forward_batch(&xn, i, &mut parts, &self.rope)?
                 }
                 Mixer::GatedDeltaNet(g) => {
+                    // The projections over every sequence's rows at once; the recurrence per
+                    // sequence over its own state.
+                    let parts = g.project_in(&xn)?;
                     let mut outs = Vec::with_capacity(ranges.len());
                     for (c, r) in caches.iter_mut().zip(&ranges) {
-                        outs.push(g.forward(&xn.narrow(0, r.start, r.len())?, i, c)?);
+                        let rows = parts
+                            .iter()
+                            .map(|p| p.narrow(0, r.start, r.len()))
+                            .collect::<candle_core::Result<Vec<_>>>()?;
+                        outs.push(g.mix(&rows, i, c)?);
                     }
-                    cat_rows(outs)?
+                    g.project_out(&cat_rows(outs)?)?
                 }
             };
             // The residual add and the FFN norm: one launch on a GPU.
