@@ -40,8 +40,8 @@ pub struct CompareArgs {
     pub gpu_expert_cache: Option<strata_engine::CacheBudget>,
     /// Also decode this many sequences together on the device (one forward pass per step, as
     /// `serve --parallel` batches them; prompts cut from the prompt cycled to 240+ tokens and
-    /// prefilled in one pass, the last sequence leaving halfway) and compare each with decoding
-    /// it alone there: greedy
+    /// prefilled in one pass, the last sequence joining at step 2 beside the others' decode rows
+    /// and leaving halfway) and compare each with decoding it alone there: greedy
     /// tokens equal and logits within --batch-tolerance, or exit 1.
     #[arg(long)]
     pub batch: Option<usize>,

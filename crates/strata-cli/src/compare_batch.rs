@@ -1,12 +1,12 @@
 //! `strata compare-devices --batch N`: on the compared device, N sequences decoded together (one
 //! forward pass per step over all of them, as the server's continuous batching runs them) against
-//! each decoded alone — greedy tokens and every step's logits; together, the prompts run in one
-//! batched prompt pass, alone one pass each. The prompts are the compared
-//! prompt cycled to different lengths (at least [`PROMPT_MIN`] tokens, so longer runs cross the
-//! 256-position bucket of captured CUDA graphs), and the last sequence joins at step
-//! [`JOIN_STEP`] (its prompt in one pass with the others' decode rows: a server's mixed step) and
-//! leaves halfway, so the batch changes size as requests start and end. Together, every other step of each sequence asks for
-//! its greedy pick alone (`Logits::Greedy`: on a GPU made on the device, the step's other rows
+//! each decoded alone — greedy tokens and every step's logits; together, the prompts but the last
+//! run in one batched prompt pass, alone one pass each. The prompts are the compared prompt cycled
+//! to different lengths (at least [`PROMPT_MIN`] tokens, so longer runs cross the 256-position
+//! bucket of captured CUDA graphs), and the last sequence joins at step [`JOIN_STEP`] (its prompt
+//! in one pass with the others' decode rows: a server's mixed step) and leaves halfway, so the
+//! batch changes size as requests start and end. Together, every other step of each sequence asks
+//! for its greedy pick alone (`Logits::Greedy`: on a GPU made on the device, the step's other rows
 //! copied to the host around it); those steps' tokens are compared, the others' logits too.
 
 use anyhow::{bail, Result};
