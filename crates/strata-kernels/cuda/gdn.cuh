@@ -15,16 +15,33 @@
 #define GDN_RMAX 8      // dk / 32 rounded up: dk ≤ 256
 #define GDN_WARPS 4     // value columns (warps) per delta block
 
+// A batched decode step's state table (rows_tab, nullable): per row 5 u32 — a position word (unused
+// here: a row table's layout, so one buffer holds every layer's table), then the addresses of its
+// sequence's conv window and delta-rule state for this layer (low word first). Row i of the pass
+// is one token of that sequence.
+__device__ __forceinline__ float* gdn_state(const uint32_t* __restrict__ tab, int i, int word) {
+    const uint32_t* t = tab + 5 * (size_t)i + word;
+    return (float*)(((uint64_t)t[1] << 32) | t[0]);
+}
+
 // One thread per conv channel c, the tokens in order: out[t, c] = silu(w[c, K-1]·x_t +
 // Σ_{j<K-1} w[c, j]·win_j) with win the K-1 previous inputs (from conv_state [K-1, cd], oldest
 // first), then the window written back. out == nullptr: only the window moves (a rollback's
-// replay, or after gdn_conv_rows; w unused), straight to its last K-1 inputs.
+// replay, or after gdn_conv_rows; w unused), straight to its last K-1 inputs. With rows_tab
+// (grid (ceil(cd / 128), rows), T = 1, conv_state unused): block row y is one token of its own
+// sequence, whose window is rows_tab's row y — the same arithmetic as that sequence's own pass.
 extern "C" __global__ void gdn_conv(const float* __restrict__ row, int rw, float* __restrict__ conv_state,
                                     const float* __restrict__ w, float* __restrict__ out, int T, int cd,
-                                    int K) {
+                                    int K, const uint32_t* __restrict__ rows_tab) {
     PDL_ENTER();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cd) return;
+    if (rows_tab) {
+        const int i = blockIdx.y;
+        conv_state = gdn_state(rows_tab, i, 1);
+        row += (size_t)i * rw;
+        if (out != nullptr) out += (size_t)i * cd;
+    }
     float win[GDN_KMAX];
     if (out == nullptr) {
         // Only the window moves: its new rows are the last K-1 of (window ++ the pass's inputs).
@@ -73,17 +90,27 @@ extern "C" __global__ void gdn_conv_rows(const float* __restrict__ row, int rw,
 // (q at 0, k at kw, v at 2·kw), L2-normalised (x · 1/√(Σx² + 1e-6)), q also times q_scale;
 // g = A[h]·softplus(a + dt_bias[h]) (A = −exp(A_log)), decay = exp(g), β = σ(b) from row;
 // S_:j ← decay·S_:j; S_:j += k̂·β(v_j − S_:jᵀk̂); out[t, h·dv + j] = S_:jᵀq̂. out == nullptr: no
-// readout (a rollback's replay).
+// readout (a rollback's replay). With rows_tab (grid z = rows, T = 1, ssm unused): block z is one
+// token of its own sequence, whose state is rows_tab's row z (gdn_state) — the same arithmetic as
+// that sequence's own pass.
 extern "C" __global__ void gdn_delta(const float* __restrict__ qkv, const float* __restrict__ row, int rw,
                                      const float* __restrict__ A, const float* __restrict__ dt_bias,
                                      float* __restrict__ ssm, float* __restrict__ out, int T, int k_heads,
-                                     int v_heads, int dk, int dv, int grouped, float q_scale) {
+                                     int v_heads, int dk, int dv, int grouped, float q_scale,
+                                     const uint32_t* __restrict__ rows_tab) {
     PDL_ENTER();
     const int h = blockIdx.x;
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.y * GDN_WARPS + (threadIdx.x >> 5);
     if (j >= dv) return;  // a whole warp leaves: no barriers below
     const int kw = k_heads * dk, vw = v_heads * dv, cd = 2 * kw + vw;
+    if (rows_tab) {
+        const int i = blockIdx.z;
+        ssm = gdn_state(rows_tab, i, 3);
+        qkv += (size_t)i * cd;
+        row += (size_t)i * rw;
+        if (out != nullptr) out += (size_t)i * vw;
+    }
     const int kh = grouped ? h / (v_heads / k_heads) : h % k_heads;
     const int R = (dk + 31) / 32;
     float* S = ssm + ((size_t)h * dv + j) * dk;

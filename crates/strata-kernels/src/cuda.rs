@@ -25,7 +25,8 @@ mod gdn;
 mod moe_mma;
 mod q8;
 pub use gdn::{
-    gdn_chunked_enabled, gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm, GdnShape,
+    gdn_chunked_enabled, gdn_conv, gdn_conv_seqs, gdn_delta, gdn_delta_chunked, gdn_delta_seqs,
+    gdn_gated_norm, GdnShape, GdnState, GdnStates,
 };
 pub use moe_mma::{matmul_q4k_mma, matmul_q4k_mma_many, moe_q4k_mma, MOE_MMA_ROWS_MAX};
 pub use q8::{

@@ -212,14 +212,7 @@ impl GatedDeltaNet {
         let mut run = || -> Result<Tensor> {
             use strata_kernels::cuda::{gdn_conv, gdn_delta, gdn_delta_chunked, gdn_gated_norm};
             let s = *dev.shape();
-            let cat = match parts {
-                [one] => one.clone(),
-                _ => Tensor::cat(parts, 1)?,
-            };
-            let row = match &w.index {
-                None => cat.contiguous()?,
-                Some(ix) => cat.index_select(ix, 1)?,
-            };
+            let row = gather_rows(parts, w)?;
             let (state, log) = dev.layer_mut(layer)?.ok_or_else(|| {
                 candle_core::Error::Msg(format!("layer {layer} has no recurrent state"))
             })?;
@@ -239,6 +232,47 @@ impl GatedDeltaNet {
             Ok(gdn_gated_norm(&s, o, &row, &w.norm_w, self.eps)?)
         };
         Some(run())
+    }
+
+    /// A batched decode step on the device (`cuda` build): `x: [n, hidden]`, row `i` one token of
+    /// the sequence whose state for this layer is `states`' row `i` → `[n, hidden]`, each state
+    /// advanced by its token. The projections over every row at once, then the conv and the
+    /// delta rule in one launch each over the state table (`gdn_conv_seqs`, `gdn_delta_seqs`:
+    /// the kernels of [`Self::mix`] on the device, so each row equals its sequence's own step bit
+    /// for bit) — what a captured batched step of a hybrid runs (`transformer::batch_graph`).
+    ///
+    /// Errors: weights not on the device, a table of another shape or row count, kernel errors.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn forward_seqs(
+        &self,
+        x: &Tensor,
+        states: &strata_kernels::cuda::GdnStates,
+    ) -> Result<Tensor> {
+        self.project_out(&self.mix_seqs(&self.project_in(x)?, states)?)
+    }
+
+    /// [`Self::mix`] of `n` sequences one token each (`cuda` build): `parts` ([`Self::project_in`]'s
+    /// outputs for their `n` rows, in the table's order) → `[n, v_heads · v_dim]`, each state of
+    /// `states` advanced by its token — [`Self::forward_seqs`] without the projections (an
+    /// op-by-op batched pass's decode rows, `transformer::batch`).
+    ///
+    /// Errors: as [`Self::forward_seqs`].
+    #[cfg(feature = "cuda")]
+    pub(crate) fn mix_seqs(
+        &self,
+        parts: &[Tensor],
+        states: &strata_kernels::cuda::GdnStates,
+    ) -> Result<Tensor> {
+        use strata_kernels::cuda::{gdn_conv_seqs, gdn_delta_seqs, gdn_gated_norm};
+        let w = self.gpu.as_ref().ok_or_else(|| {
+            candle_core::Error::msg("a Gated DeltaNet layer's weights are not on the device")
+        })?;
+        let s = self.dims.gpu_shape();
+        let row = gather_rows(parts, w)?;
+        let qkv = gdn_conv_seqs(&s, &row, states, &w.conv_w)?;
+        let q_scale = 1.0 / (self.dims.k_dim as f32).sqrt();
+        let o = gdn_delta_seqs(&s, &qkv, &row, &w.a_neg, &w.dt_bias, states, q_scale)?;
+        Ok(gdn_gated_norm(&s, o, &row, &w.norm_w, self.eps)?)
     }
 
     /// `x: [seq, hidden]` → `[seq, hidden]`, advancing `layer`'s recurrent state in `cache` by
@@ -403,6 +437,20 @@ impl GatedDeltaNet {
             }
         });
         Ok(Tensor::from_vec(out, (seq, vw), &device)?)
+    }
+}
+
+/// The in-projections' outputs `parts` (each `[rows, width]`) as the device kernels' input rows
+/// `[rows, qkv | z | b | a]`: concatenated, then gathered where the format groups them.
+#[cfg(feature = "cuda")]
+fn gather_rows(parts: &[Tensor], w: &GpuWeights) -> candle_core::Result<Tensor> {
+    let cat = match parts {
+        [one] => one.clone(),
+        _ => Tensor::cat(parts, 1)?,
+    };
+    match &w.index {
+        None => cat.contiguous(),
+        Some(ix) => cat.index_select(ix, 1),
     }
 }
 

@@ -28,7 +28,9 @@
 //! pass, instead of our kernels with the state on the device), `STRATA_GPU_ARGMAX=0` (greedy
 //! picks, [`crate::Logits::Greedy`], from logits brought to the host instead of on the device),
 //! `STRATA_GPU_SPLIT_MIXED=0` (a batched pass of decode rows and prompt chunks as one pass, the
-//! decode rows on the prompt kernels, instead of two).
+//! decode rows on the prompt kernels, instead of two), `STRATA_GPU_GDN_TABLES=0` (an op-by-op
+//! batched pass runs a hybrid's decode rows through each Gated DeltaNet layer sequence by
+//! sequence instead of in one launch per kernel over a state table).
 //!
 //! Off by default, measured slower on the H100: `STRATA_GPU_MOE_GROUPED=1` runs the Q4_K
 //! experts of batched passes (2 to `MOE_GROUPED_ROWS_MAX` tokens) on our kernels grouped by
@@ -121,6 +123,11 @@ pub enum GpuPath {
     /// passes: the decode rows as a batched decode step, then the chunks
     /// ([`crate::Transformer::splits_mixed`]).
     SplitMixed,
+    /// The one-token sequences leading an op-by-op batched pass through a Gated DeltaNet layer
+    /// (a hybrid's decode rows) in one launch per kernel over a state table
+    /// (`strata_kernels::cuda::gdn_conv_seqs`, `gdn_delta_seqs`) instead of sequence by sequence
+    /// (captured batched steps always take the table).
+    GdnTables,
 }
 
 /// Rows of `x` up to which a dense Q4_K product runs on the mat-vec kernel
@@ -177,6 +184,7 @@ pub fn enabled(path: GpuPath) -> bool {
     static ARGMAX: OnceLock<bool> = OnceLock::new();
     static KV_SPAN: OnceLock<bool> = OnceLock::new();
     static SPLIT_MIXED: OnceLock<bool> = OnceLock::new();
+    static GDN_TABLES: OnceLock<bool> = OnceLock::new();
     let (cell, var) = match path {
         GpuPath::Routing => (&ROUTING, "STRATA_GPU_ROUTING"),
         GpuPath::Attention => (&ATTENTION, "STRATA_GPU_ATTENTION"),
@@ -200,6 +208,7 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::Argmax => (&ARGMAX, "STRATA_GPU_ARGMAX"),
         GpuPath::KvSpan => (&KV_SPAN, "STRATA_GPU_KV_SPAN"),
         GpuPath::SplitMixed => (&SPLIT_MIXED, "STRATA_GPU_SPLIT_MIXED"),
+        GpuPath::GdnTables => (&GDN_TABLES, "STRATA_GPU_GDN_TABLES"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
         (GpuPath::MoeGrouped | GpuPath::MoeMma, v) => v.is_ok_and(|v| v == "1"),

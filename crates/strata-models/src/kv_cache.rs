@@ -242,6 +242,12 @@ impl KvCache {
 
     /// The recurrent state on the GPU, when this sequence keeps it there (`cuda` build).
     #[cfg(feature = "cuda")]
+    pub fn recurrent_device(&self) -> Option<&crate::recurrent::device::DeviceRecurrent> {
+        self.recurrent.device()
+    }
+
+    /// The recurrent state on the GPU, when this sequence keeps it there (`cuda` build).
+    #[cfg(feature = "cuda")]
     pub fn recurrent_device_mut(
         &mut self,
     ) -> Option<&mut crate::recurrent::device::DeviceRecurrent> {

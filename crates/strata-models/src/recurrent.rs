@@ -280,6 +280,12 @@ impl RecurrentCache {
 
     /// The device state (`cuda` build), when it lives there.
     #[cfg(feature = "cuda")]
+    pub fn device(&self) -> Option<&device::DeviceRecurrent> {
+        self.device.as_ref()
+    }
+
+    /// The device state (`cuda` build), when it lives there.
+    #[cfg(feature = "cuda")]
     pub fn device_mut(&mut self) -> Option<&mut device::DeviceRecurrent> {
         self.device.as_mut()
     }

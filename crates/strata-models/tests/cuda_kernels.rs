@@ -1846,6 +1846,97 @@ fn gated_delta_net_kernels_match_the_host_and_rows_equal_steps() {
     assert!(gpu::gdn_conv(&bad, &row, &conv, None).is_err());
 }
 
+/// A batched decode step over a state table (`gdn_conv_seqs` → `gdn_delta_seqs` →
+/// `gdn_gated_norm`, one launch each for five sequences) equals each sequence's own one-token pass
+/// (`gdn_conv` → `gdn_delta`) bit for bit — outputs, conv windows and delta-rule states — over two
+/// steps, the second with the sequences in another order in the table; each sequence's first step
+/// is also within 2e-5 of the host's definition. A table whose rows disagree with the pass's, or
+/// a state of another shape, is an error.
+#[test]
+fn gated_delta_net_state_tables_equal_each_sequence_alone() {
+    let dev = cuda();
+    let mut rng = Rng(0x3c6e_f372_fe94_f82b);
+    let n = 5;
+    for s in gdn_shapes() {
+        let (rw, cd, nv, dk, dv) = (s.row_width(), s.conv_dim(), s.v_heads, s.k_dim, s.v_dim);
+        let t = |v: &[f32], shape: &[usize]| Tensor::from_slice(v, shape, &dev).unwrap();
+        let seqs: Vec<GdnInputs> = (0..n).map(|_| GdnInputs::new(&mut rng, &s, 2)).collect();
+        // One layer's weights for every sequence (the first's), each its own state and rows.
+        let w = &seqs[0];
+        let (cw, an, dt, nw) = (
+            t(&w.conv_w, &[cd, s.kernel]),
+            t(&w.a_neg, &[nv]),
+            t(&w.dt_bias, &[nv]),
+            t(&w.norm_w, &[dv]),
+        );
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        let fresh = |x: &GdnInputs| {
+            (t(&x.conv0, &[s.kernel - 1, cd]), t(&transpose_heads(&x.ssm0, dk, dv), &[nv, dv, dk]))
+        };
+        let alone: Vec<(Tensor, Tensor)> = seqs.iter().map(fresh).collect();
+        let batched: Vec<(Tensor, Tensor)> = seqs.iter().map(fresh).collect();
+        for (step, order) in [[0, 1, 2, 3, 4], [3, 0, 4, 2, 1]].into_iter().enumerate() {
+            let mut want = Vec::new();
+            let mut rows = Vec::new();
+            for &k in &order {
+                let row = t(&seqs[k].row[step * rw..(step + 1) * rw], &[1, rw]);
+                let (conv, ssm) = &alone[k];
+                let qkv = gpu::gdn_conv(&s, &row, conv, Some(&cw)).unwrap().unwrap();
+                let o =
+                    gpu::gdn_delta(&s, &qkv, &row, &an, &dt, ssm, q_scale, true).unwrap().unwrap();
+                want.extend(flat(&gpu::gdn_gated_norm(&s, o, &row, &nw, 1e-6).unwrap()));
+                rows.extend_from_slice(&seqs[k].row[step * rw..(step + 1) * rw]);
+            }
+            let mut words = Vec::new();
+            for &k in &order {
+                let (conv, ssm) = &batched[k];
+                let w = gpu::GdnState { conv, ssm }.address_words(&s).unwrap();
+                words.extend([7u32, w[0], w[1], w[2], w[3]]);
+            }
+            let table = Tensor::from_slice(&words, (n, 5), &dev).unwrap();
+            // SAFETY: every row holds the address words of a distinct live state of shape `s`
+            // (`batched`, alive to the end of the test).
+            let states = unsafe { gpu::GdnStates::in_buffer(table, s) }.unwrap();
+            let rows = t(&rows, &[n, rw]);
+            let qkv = gpu::gdn_conv_seqs(&s, &rows, &states, &cw).unwrap();
+            let o = gpu::gdn_delta_seqs(&s, &qkv, &rows, &an, &dt, &states, q_scale).unwrap();
+            let have = flat(&gpu::gdn_gated_norm(&s, o, &rows, &nw, 1e-6).unwrap());
+            assert_eq!(have, want, "{s:?}: step {step}'s batched outputs differ from alone");
+            for k in 0..n {
+                assert_eq!(flat(&batched[k].0), flat(&alone[k].0), "{s:?}: conv window {k}");
+                assert_eq!(flat(&batched[k].1), flat(&alone[k].1), "{s:?}: state {k}");
+            }
+            if step == 0 {
+                // Against the host's definition, sequence by sequence (its first token).
+                for (i, &k) in order.iter().enumerate() {
+                    let x = &seqs[k];
+                    let (mut conv, mut ssm) = (x.conv0.clone(), x.ssm0.clone());
+                    let y = gdn_host(
+                        &s,
+                        &x.row[..rw],
+                        &mut conv,
+                        &w.conv_w,
+                        &w.a_neg,
+                        &w.dt_bias,
+                        &mut ssm,
+                        &w.norm_w,
+                        1e-6,
+                    );
+                    let e = max_rel(&have[i * s.value_width()..(i + 1) * s.value_width()], &y);
+                    assert!(e < 2e-5, "{s:?}: sequence {k} differs from the host by {e:.3e}");
+                }
+            }
+            // Rows that disagree with the table: an error, not a launch.
+            assert!(
+                gpu::gdn_conv_seqs(&s, &rows.narrow(0, 0, n - 1).unwrap(), &states, &cw).is_err()
+            );
+        }
+        let other = gpu::GdnShape { v_dim: s.v_dim + 1, ..s };
+        let (conv, ssm) = &batched[0];
+        assert!(gpu::GdnState { conv, ssm }.address_words(&other).is_err());
+    }
+}
+
 /// Prompt passes (more than 32 tokens): the conv's outputs all at once (`gdn_conv_rows`, then the
 /// window alone) and the chunked delta rule (`gdn_delta_chunked`) against the host's
 /// token-by-token definition — 150 tokens (nine chunks of 16 and a partial one) from non-zero

@@ -144,10 +144,12 @@ pub fn gdn_conv(
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: `gdn_conv_rows` takes `gdn_conv`'s arguments in its order; shapes as below.
+        // SAFETY: `gdn_conv_rows` takes `gdn_conv`'s arguments in its order (without the row
+        // table); shapes as below.
         unsafe { launch(dev, "gdn_conv_rows", cfg, &args) }?;
         args[4] = Arg::Ptr(0);
     }
+    args.push(Arg::Ptr(0)); // no row table
     let cfg =
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: arguments in `gdn_conv`'s order; row [T, rw], conv_state [K − 1, cd], weight
@@ -225,27 +227,49 @@ fn delta(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    let args = [
-        Arg::Ptr(addr(&qkv)?),
-        Arg::Ptr(addr(&row)?),
+    let out_ptr = out.as_ref().map_or(Ok(0), addr)?;
+    let mut args = delta_args(s, &qkv, &row, [a_neg, dt_bias], addr(ssm)?, out_ptr, t, q_scale)?;
+    if !chunked {
+        args.push(Arg::Ptr(0)); // no row table
+    }
+    // SAFETY: arguments in `gdn_delta`'s order (`gdn_delta_chunked` takes the same without the
+    // row table); every buffer's shape checked above (f32 on this device), k_dim ≤ 256
+    // (`supported`; ≤ 128 for the chunked kernel, checked by its caller), an output whenever
+    // `chunked`.
+    unsafe { launch(dev, name, cfg, &args) }?;
+    Ok(out)
+}
+
+/// `gdn_delta`'s arguments up to `q_scale` (the kernel's row table, when it takes one, follows):
+/// `qkv`, `row`, `[a_neg, dt_bias]` as [`gdn_delta`] takes them, the state and output addresses
+/// (0: none), `t` tokens.
+#[allow(clippy::too_many_arguments)]
+fn delta_args(
+    s: &GdnShape,
+    qkv: &Tensor,
+    row: &Tensor,
+    [a_neg, dt_bias]: [&Tensor; 2],
+    ssm: u64,
+    out: u64,
+    t: usize,
+    q_scale: f32,
+) -> Result<Vec<Arg>> {
+    Ok(vec![
+        Arg::Ptr(addr(qkv)?),
+        Arg::Ptr(addr(row)?),
         Arg::I32(s.row_width() as i32),
         Arg::Ptr(addr(a_neg)?),
         Arg::Ptr(addr(dt_bias)?),
-        Arg::Ptr(addr(ssm)?),
-        Arg::Ptr(out.as_ref().map_or(Ok(0), addr)?),
+        Arg::Ptr(ssm),
+        Arg::Ptr(out),
         Arg::I32(t as i32),
         Arg::I32(s.k_heads as i32),
-        Arg::I32(nv as i32),
+        Arg::I32(s.v_heads as i32),
         Arg::I32(s.k_dim as i32),
         Arg::I32(s.v_dim as i32),
         Arg::I32(s.grouped as i32),
         Arg::F32(q_scale),
-    ];
-    // SAFETY: arguments in `gdn_delta`'s order (`gdn_delta_chunked` takes the same); every
-    // buffer's shape checked above (f32 on this device), k_dim ≤ 256 (`supported`; ≤ 128 for the
-    // chunked kernel, checked by its caller), an output whenever `chunked`.
-    unsafe { launch(dev, name, cfg, &args) }?;
-    Ok(out)
+    ])
 }
 
 /// [`gdn_delta`] with readout over a prompt pass in the chunked form (Yang et al. 2024 §3.3; CPU
@@ -316,4 +340,190 @@ pub fn gdn_gated_norm(
     // [dv], f32 on this device; the kernel's block is the 128 threads it assumes.
     unsafe { launch(dev, "gdn_gated_norm", cfg, &args) }?;
     Ok(y)
+}
+
+/// One sequence's state of one Gated DeltaNet layer on the device: the conv window `conv: [kernel
+/// − 1, cd]` and the delta-rule state `ssm: [v_heads, v_dim, k_dim]` (f32, contiguous), as
+/// [`gdn_conv`] and [`gdn_delta`] take them.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnState<'a> {
+    pub conv: &'a Tensor,
+    pub ssm: &'a Tensor,
+}
+
+impl GdnState<'_> {
+    /// The two tensors' device addresses as a state table entry's last four words (conv low,
+    /// conv high, ssm low, ssm high), for [`GdnStates::in_buffer`].
+    ///
+    /// Errors: shapes other than `s`'s, not f32, not contiguous on a CUDA device.
+    pub fn address_words(&self, s: &GdnShape) -> Result<[u32; 4]> {
+        check_f32(self.conv, "conv state")?;
+        check_f32(self.ssm, "ssm state")?;
+        if self.conv.dims() != [s.kernel - 1, s.conv_dim()]
+            || self.ssm.dims() != [s.v_heads, s.v_dim, s.k_dim]
+            || !self.conv.is_contiguous()
+            || !self.ssm.is_contiguous()
+        {
+            bail!(
+                "gdn state: conv {:?}, ssm {:?} (contiguous) expected for {s:?}",
+                self.conv.dims(),
+                self.ssm.dims()
+            );
+        }
+        let (c, m) = (addr(self.conv)?, addr(self.ssm)?);
+        Ok([c as u32, (c >> 32) as u32, m as u32, (m >> 32) as u32])
+    }
+}
+
+/// A batched decode step's state table on the device, for [`gdn_conv_seqs`] and
+/// [`gdn_delta_seqs`]: u32 `[rows, 5]`, per row a position word (unused by these kernels: the
+/// layout of a [`super::RowTable`]'s rows, so one buffer holds every layer's table) then one
+/// sequence's [`GdnState::address_words`]. Row `i` of a pass over the table is one token of
+/// that sequence.
+#[derive(Debug)]
+pub struct GdnStates {
+    table: Tensor,
+    shape: GdnShape,
+}
+
+impl GdnStates {
+    /// A table the caller keeps on the device and rewrites before each launch (a captured CUDA
+    /// graph's: which sequences share a step changes, the launches stay).
+    ///
+    /// Errors: `table` not contiguous u32 `[rows, 5]` on a CUDA device, `shape` unsupported.
+    ///
+    /// # Safety
+    /// Every row of `table` must hold, when a launch over it runs, the [`GdnState::address_words`]
+    /// (checked against `shape`) of states alive until that launch completes, and no sequence's
+    /// state twice (the kernels write them).
+    pub unsafe fn in_buffer(table: Tensor, shape: GdnShape) -> Result<Self> {
+        if table.dtype() != candle_core::DType::U32
+            || table.dims2()?.1 != 5
+            || !table.is_contiguous()
+            || !table.device().is_cuda()
+            || !shape.supported()
+        {
+            bail!(
+                "gdn state table: expected contiguous u32 [rows, 5] on a CUDA device for a \
+                 supported shape, got {:?} {:?} ({shape:?})",
+                table.dtype(),
+                table.dims()
+            );
+        }
+        Ok(Self { table, shape })
+    }
+
+    /// The table's rows: the sequences of a pass over it.
+    pub fn rows(&self) -> usize {
+        self.table.dim(0).unwrap_or(0)
+    }
+
+    fn check(&self, s: &GdnShape, row: &Tensor) -> Result<usize> {
+        let t = check_shape(s, row)?;
+        if *s != self.shape || t != self.rows() {
+            bail!(
+                "gdn: {t} rows of {s:?} over a state table of {} rows of {:?}",
+                self.rows(),
+                self.shape
+            );
+        }
+        Ok(t)
+    }
+}
+
+/// [`gdn_conv`] over a batched decode step: `row: [n, rw]`, row `i` one token of the sequence
+/// whose conv window is `states`' row `i` (advanced by that token in place), `weight: [cd,
+/// kernel]` → `[n, cd]`. Each row's arithmetic is [`gdn_conv`]'s for one token (the same
+/// kernel), so it equals that sequence's own decode step bit for bit, in one launch for all.
+///
+/// Errors: shapes that disagree with `s` or with the table's shape and rows, not f32, not on one
+/// CUDA device.
+pub fn gdn_conv_seqs(
+    s: &GdnShape,
+    row: &Tensor,
+    states: &GdnStates,
+    weight: &Tensor,
+) -> Result<Tensor> {
+    let n = states.check(s, row)?;
+    let cd = s.conv_dim();
+    check_f32(weight, "conv weight")?;
+    if weight.dims() != [cd, s.kernel] {
+        bail!("gdn_conv_seqs: weight {:?}, expected [{cd}, {}]", weight.dims(), s.kernel);
+    }
+    let dev = cuda_device(row)?;
+    let out = alloc::<f32>(dev, (n, cd))?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let (row, weight) = (row.contiguous()?, weight.contiguous()?);
+    let args = [
+        Arg::Ptr(addr(&row)?),
+        Arg::I32(s.row_width() as i32),
+        Arg::Ptr(0),
+        Arg::Ptr(addr(&weight)?),
+        Arg::Ptr(addr(&out)?),
+        Arg::I32(1),
+        Arg::I32(cd as i32),
+        Arg::I32(s.kernel as i32),
+        Arg::Ptr(addr(&states.table)?),
+    ];
+    let cfg = LaunchConfig {
+        grid_dim: (cd.div_ceil(128) as u32, n as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: arguments in `gdn_conv`'s order; row [n, rw], weight [cd, K], out [n, cd] (checked
+    // above), f32 on this device; the table's n rows address live conv windows [K − 1, cd]
+    // (`GdnStates::in_buffer`'s contract).
+    unsafe { launch(dev, "gdn_conv", cfg, &args) }?;
+    Ok(out)
+}
+
+/// [`gdn_delta`] with readout over a batched decode step: `qkv: [n, cd]`, `row: [n, rw]`, row
+/// `i` one token of the sequence whose delta-rule state is `states`' row `i` (advanced in
+/// place) → `[n, v_heads · v_dim]`. Each row's arithmetic is [`gdn_delta`]'s for one token (the
+/// same kernel): that sequence's own decode step bit for bit, in one launch for all.
+///
+/// Errors: as [`gdn_conv_seqs`].
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_delta_seqs(
+    s: &GdnShape,
+    qkv: &Tensor,
+    row: &Tensor,
+    a_neg: &Tensor,
+    dt_bias: &Tensor,
+    states: &GdnStates,
+    q_scale: f32,
+) -> Result<Tensor> {
+    let n = states.check(s, row)?;
+    for (x, what) in [(qkv, "qkv"), (a_neg, "A"), (dt_bias, "dt_bias")] {
+        check_f32(x, what)?;
+    }
+    let nv = s.v_heads;
+    if qkv.dims() != [n, s.conv_dim()] || a_neg.dims() != [nv] || dt_bias.dims() != [nv] {
+        bail!(
+            "gdn_delta_seqs: qkv {:?}, A {:?}, dt_bias {:?} for {n} rows of {s:?}",
+            qkv.dims(),
+            a_neg.dims(),
+            dt_bias.dims()
+        );
+    }
+    let dev = cuda_device(row)?;
+    let out = alloc::<f32>(dev, (n, s.value_width()))?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let (qkv, row) = (qkv.contiguous()?, row.contiguous()?);
+    let cfg = LaunchConfig {
+        grid_dim: (nv as u32, s.v_dim.div_ceil(WARPS) as u32, n as u32),
+        block_dim: (32 * WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = delta_args(s, &qkv, &row, [a_neg, dt_bias], 0, addr(&out)?, 1, q_scale)?;
+    args.push(Arg::Ptr(addr(&states.table)?));
+    // SAFETY: arguments in `gdn_delta`'s order; qkv [n, cd], row [n, rw], A and dt_bias [nv],
+    // out [n, vw] (checked above), f32 on this device, k_dim ≤ 256 (`supported`); the table's n
+    // rows address live states [nv, dv, dk] (`GdnStates::in_buffer`'s contract).
+    unsafe { launch(dev, "gdn_delta", cfg, &args) }?;
+    Ok(out)
 }

@@ -17,7 +17,7 @@
 //! through a Gated DeltaNet layer reports it.
 
 use candle_core::{DType, Device, Tensor};
-use strata_kernels::cuda::{gdn_conv, gdn_delta, GdnShape};
+use strata_kernels::cuda::{gdn_conv, gdn_delta, GdnShape, GdnState, GdnStates};
 
 /// One layer's state on the device.
 #[derive(Debug)]
@@ -58,6 +58,35 @@ impl DeviceLinearState {
     fn bytes(&self) -> usize {
         4 * (self.conv.elem_count() + self.ssm.elem_count())
     }
+}
+
+/// Layer `layer`'s state table over `states` (one sequence each, in order; a batched pass's
+/// rows), uploaded to `device` in one copy, for `strata_kernels::cuda::gdn_conv_seqs` /
+/// `gdn_delta_seqs`. `None` when a sequence has no state for that layer. Errors: a state lost, the
+/// same state twice, the copy.
+///
+/// # Safety
+/// Every state must stay alive until the launches over the returned table complete (they are
+/// queued on the device's stream: dropping a state after them is stream-ordered).
+pub unsafe fn state_table(
+    states: &[&DeviceRecurrent],
+    layer: usize,
+    device: &Device,
+) -> candle_core::Result<Option<GdnStates>> {
+    let Some(first) = states.first() else { return Ok(None) };
+    let mut words = Vec::with_capacity(5 * states.len());
+    for d in states {
+        let Some([c_lo, c_hi, m_lo, m_hi]) = d.table_words(layer)? else { return Ok(None) };
+        if words.chunks_exact(5).any(|w: &[u32]| w[1..] == [c_lo, c_hi, m_lo, m_hi]) {
+            candle_core::bail!("a state table holds one sequence's state twice");
+        }
+        words.extend([0, c_lo, c_hi, m_lo, m_hi]);
+    }
+    let table = Tensor::from_vec(words, (states.len(), 5), device)?;
+    // SAFETY: every row holds `table_words` of a distinct live state of this model's shape
+    // (each `DeviceRecurrent` allocates its states with `first.shape`'s dimensions: one model),
+    // kept alive through the launches by the caller's contract.
+    unsafe { GdnStates::in_buffer(table, first.shape) }.map(Some)
 }
 
 /// One logged pass of one layer: what the replay needs.
@@ -143,6 +172,9 @@ impl DeviceSnapshot {
 pub struct DeviceRecurrent {
     shape: GdnShape,
     states: Vec<Option<DeviceLinearState>>,
+    /// Each state's address words (`GdnState::address_words`), taken once: the buffers never
+    /// move.
+    words: Vec<Option<[u32; 4]>>,
     checkpoint: Option<DeviceCheckpoint>,
     /// Why the state is no longer valid (a device operation failed).
     lost: Option<String>,
@@ -154,8 +186,33 @@ impl DeviceRecurrent {
         let states = recurrent
             .iter()
             .map(|&r| r.then(|| DeviceLinearState::zeros(&shape, device)).transpose())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let words = states
+            .iter()
+            .map(|s| {
+                s.as_ref()
+                    .map(|s| GdnState { conv: &s.conv, ssm: &s.ssm }.address_words(&shape))
+                    .transpose()
+            })
             .collect::<candle_core::Result<_>>()?;
-        Ok(Self { shape, states, checkpoint: None, lost: None })
+        Ok(Self { shape, states, words, checkpoint: None, lost: None })
+    }
+
+    /// Layer `layer`'s state as a batched step's state table entry
+    /// (`strata_kernels::cuda::GdnStates`): its conv window's and delta-rule state's address
+    /// words, kept from the start (the buffers are only written in place). `None` for a layer
+    /// without state. Errors when an earlier device operation lost the state.
+    pub fn table_words(&self, layer: usize) -> candle_core::Result<Option<[u32; 4]>> {
+        if let Some(why) = &self.lost {
+            candle_core::bail!("the recurrent state on the device was lost: {why}");
+        }
+        Ok(self.words.get(layer).copied().flatten())
+    }
+
+    /// Whether the state is valid (no device operation lost it) and no checkpoint logs passes:
+    /// a batched decode step over a state table may advance it.
+    pub fn steppable(&self) -> bool {
+        self.lost.is_none() && self.checkpoint_len().is_none()
     }
 
     pub fn shape(&self) -> &GdnShape {

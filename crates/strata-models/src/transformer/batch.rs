@@ -79,8 +79,13 @@ impl Transformer {
             (out.logits, out.greedy) = (logits, greedy);
             return Ok(vec![Ok(out)]);
         }
+        // A hybrid's batched steps keep the one-row kernels' bits (`gpu::rows_exact_scope`), in
+        // a captured step as op by op.
         #[cfg(feature = "cuda")]
-        if let Some(outs) = self.try_batch_graphed(seqs, &opts)? {
+        if let Some(outs) = match self.has_recurrent_layers() {
+            true => crate::gpu::rows_exact_scope(|| self.try_batch_graphed(seqs, &opts)),
+            false => self.try_batch_graphed(seqs, &opts),
+        }? {
             return Ok(outs);
         }
         let mut results: Vec<Option<Result<ForwardOutput>>> = Vec::with_capacity(seqs.len());
@@ -126,7 +131,7 @@ impl Transformer {
     /// Whether a pass mixing decode rows with prompt chunks runs as two passes by default: on a
     /// GPU with every expert resident (`cuda` build, unless `STRATA_GPU_SPLIT_MIXED=0`). There
     /// the decode rows then run as a batched decode step — on the decode kernels (captured as a
-    /// CUDA graph where the model has no recurrent layers), so each row is what a decode step
+    /// CUDA graph, `super::batch_graph`), so each row is what a decode step
     /// without the chunks computes — instead of as extra rows of the chunks' prompt kernels (f16
     /// tensor-core products, attention sequence by sequence), which made a running request's
     /// tokens depend on whether another request's prompt arrived beside them. Reading the weights twice costs
@@ -273,10 +278,25 @@ impl Transformer {
                 }
                 Mixer::GatedDeltaNet(g) => {
                     // The projections over every sequence's rows at once; the recurrence per
-                    // sequence over its own state.
+                    // sequence over its own state — the leading one-token sequences' (decode
+                    // rows) on the device in one launch per kernel over a state table.
                     let parts = g.project_in(&xn)?;
                     let mut outs = Vec::with_capacity(ranges.len());
-                    for (c, r) in caches.iter_mut().zip(&ranges) {
+                    #[cfg(feature = "cuda")]
+                    let first = match self.leading_state_table(g, &caches, &ranges, i)? {
+                        Some((n, states)) => {
+                            let rows = parts
+                                .iter()
+                                .map(|p| p.narrow(0, 0, n))
+                                .collect::<candle_core::Result<Vec<_>>>()?;
+                            outs.push(g.mix_seqs(&rows, &states)?);
+                            n
+                        }
+                        None => 0,
+                    };
+                    #[cfg(not(feature = "cuda"))]
+                    let first = 0;
+                    for (c, r) in caches.iter_mut().zip(&ranges).skip(first) {
                         let rows = parts
                             .iter()
                             .map(|p| p.narrow(0, r.start, r.len()))
@@ -370,6 +390,35 @@ impl Transformer {
             out.push(Ok(ForwardOutput { logits, greedy, hidden_states: states, routing }));
         }
         Ok(out)
+    }
+
+    /// The leading sequences of a pass through Gated DeltaNet layer `layer` that run one token
+    /// each with their state on the device (at least two; [`crate::gpu::GpuPath::GdnTables`]):
+    /// their count and layer `layer`'s state table over them (rows `0..count` of the pass).
+    #[cfg(feature = "cuda")]
+    fn leading_state_table(
+        &self,
+        g: &crate::gated_delta_net::GatedDeltaNet,
+        caches: &[&mut KvCache],
+        ranges: &[Range<usize>],
+        layer: usize,
+    ) -> Result<Option<(usize, strata_kernels::cuda::GdnStates)>> {
+        if !g.gpu_ready() || !crate::gpu::enabled(crate::gpu::GpuPath::GdnTables) {
+            return Ok(None);
+        }
+        let lead: Vec<&crate::recurrent::device::DeviceRecurrent> = caches
+            .iter()
+            .zip(ranges)
+            .map_while(|(c, r)| {
+                (r.len() == 1).then(|| c.recurrent_device().filter(|d| d.steppable())).flatten()
+            })
+            .collect();
+        if lead.len() < 2 {
+            return Ok(None);
+        }
+        // SAFETY: the states belong to this pass's caches, which outlive its launches.
+        let table = unsafe { crate::recurrent::device::state_table(&lead, layer, &self.device) }?;
+        Ok(table.map(|t| (lead.len(), t)))
     }
 
     /// Predicts MoE layer `j`'s experts for every row of `x: [rows, hidden]` (pre-gating: layer

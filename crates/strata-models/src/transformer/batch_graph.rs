@@ -6,9 +6,11 @@
 //! on an H100, slower at two sequences than one graph-replayed sequence).
 //!
 //! What changes between steps lives in device buffers written before each launch: the tokens,
-//! every layer's row table ([`strata_kernels::cuda::Rows`]: per row its position and its
-//! sequence's layer cache addresses — which sequences share a step does not matter to the graph)
-//! and a synthetic model's choice of experts. The bucket (positions up to 256·2ʲ − 1, as for one
+//! every layer's table — an attention layer's row table ([`strata_kernels::cuda::Rows`]: per row
+//! its position and its sequence's layer cache addresses), a hybrid's Gated DeltaNet layer's
+//! state table ([`strata_kernels::cuda::GdnStates`]: per row its sequence's conv window and
+//! delta-rule state, advanced by one launch of each kernel for all rows); which sequences share a
+//! step does not matter to the graph — and a synthetic model's choice of experts. The bucket (positions up to 256·2ʲ − 1, as for one
 //! sequence) holds the step's largest position: the attention kernels' split count is fixed at
 //! capture, chunks past a row's length add nothing. The graphs live in the model, shared by every
 //! sequence; a shape is captured the second time it comes (a batch size seen once runs op by
@@ -18,10 +20,16 @@
 //! Each row's launches are the op-by-op batched pass's (`forward_batch` over one-token
 //! sequences: the same kernels over the same rows), so the logits are the same bits.
 //!
+//! A hybrid's captured step keeps the one-row kernels for its dense products
+//! ([`crate::gpu::rows_exact_scope`], as its op-by-op batched passes), and the eager run before a
+//! capture is undone for the recurrent states (each sequence's copied and put back), since the
+//! graph's first launch repeats the step.
+//!
 //! Not taken (the op-by-op path runs instead): one sequence (its own graphs), more than
 //! [`GRAPH_ROWS_MAX`] sequences, a sequence with more than one token (prefill chunks, verify
 //! passes), caches of different capacities, hidden-state taps, a partial layer count, a batch
-//! mixing synthetic-routing and other sequences, `STRATA_GPU_BATCH_GRAPHS=0`, or anything
+//! mixing synthetic-routing and other sequences, a hybrid's sequence whose recurrent state is on
+//! the host, lost, or under a speculative checkpoint, `STRATA_GPU_BATCH_GRAPHS=0`, or anything
 //! [`Transformer::graph_decodable`] refuses. A capture that fails turns the path off for the model (logged once).
 
 use std::collections::{HashMap, HashSet};
@@ -32,8 +40,8 @@ use strata_kernels::cuda::{self as gpu, Rows};
 
 use super::batch::{slice_routing, BatchOptions, BatchSeq};
 use super::device_routing::synthetic_choices;
-use super::graph::{bucket, replay, Captured, PassKv, ReplayStats, GRAPH_ROWS_MAX};
-use super::{ForwardOutput, Transformer};
+use super::graph::{bucket, replay, Captured, LayerRows, PassKv, ReplayStats, GRAPH_ROWS_MAX};
+use super::{ForwardOutput, Mixer, Transformer};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 
@@ -80,18 +88,21 @@ impl Transformer {
         }
         let cap = seqs[0].cache.capacity();
         let synthetic = seqs.iter().filter(|s| s.cache.has_routing_history()).count();
+        // A hybrid's sequences keep their recurrent state on the device, where no speculative
+        // checkpoint logs its passes (as for one sequence, `super::graph`).
+        let hybrid = self.has_recurrent_layers();
         let plain = seqs.iter().all(|s| {
             s.tokens.len() == 1
                 && (s.tokens[0] as usize) < self.cfg.vocab_size
                 && s.cache.check_room(1).is_ok()
                 && s.cache.capacity() == cap
                 && s.cache.device_position().is_none()
+                && (!hybrid || s.cache.recurrent_device().is_some_and(|d| d.steppable()))
         });
         if !plain
             || (synthetic != 0 && synthetic != n)
             || !crate::gpu::enabled(crate::gpu::GpuPath::BatchGraphs)
             || !self.graph_decodable()
-            || self.has_recurrent_layers()
         {
             return Ok(None);
         }
@@ -121,22 +132,49 @@ impl Transformer {
             return Ok(None); // no MoE layer routes on the device: nothing was recorded
         }
         let ids = g.tokens.narrow(0, 0, n)?;
-        let like: &KvCache = seqs[0].cache;
-        let mut kv = PassKv::Rows { tables: &tables, like };
         if !captured {
             // Run the step (parameter uploads cached for the capture), capture the same
             // launches, then launch the new graph at once (as for one sequence: its memory
-            // exists only once it has run); the launch rewrites the same cache entries.
+            // exists only once it has run); the launch rewrites the same cache entries. A
+            // hybrid's recurrent states would advance twice: they are put back after the run
+            // (a copy of each sequence's; without the memory for the copies the path is off, as
+            // after a failed capture).
             let _htod = dev.enable_cuda_graph_htod_cache();
-            let eager = self.decode_body(&mut kv, &ids, false, chosen.clone())?;
-            match self.capture(dev, &mut kv, &ids, false, chosen) {
+            let before = match hybrid {
+                true => match seqs.iter().map(|s| s.cache.snapshot_recurrent()).collect() {
+                    Some(copies) => Some::<Vec<_>>(copies),
+                    None => {
+                        g.failed = true;
+                        eprintln!(
+                            "strata: no device memory to copy the recurrent states for a \
+                             batched step's capture: batched steps run op by op"
+                        );
+                        return Ok(None);
+                    }
+                },
+                false => None,
+            };
+            let eager = {
+                let mut kv = PassKv::Rows { tables: &tables, like: seqs[0].cache };
+                self.decode_body(&mut kv, &ids, false, chosen.clone())?
+            };
+            for (s, b) in seqs.iter_mut().zip(before.iter().flatten()) {
+                s.cache.restore_recurrent(b);
+            }
+            let mut kv = PassKv::Rows { tables: &tables, like: seqs[0].cache };
+            match self.capture(dev, &mut kv, &ids, false, chosen.clone()) {
                 Ok(c) => {
                     g.graphs.insert(key, c);
                 }
                 Err(e) => {
                     g.failed = true;
                     eprintln!("strata: CUDA graph capture of a batched step failed: {e}");
-                    let (logits, routing) = eager;
+                    // The eager run's outputs stand; a hybrid's states went back, so it runs
+                    // again (the same launches over the same inputs: the same bits).
+                    let (logits, routing) = match hybrid {
+                        true => self.decode_body(&mut kv, &ids, false, chosen)?,
+                        false => eager,
+                    };
                     let routing =
                         routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
                     return finish(seqs, &logits, routing.unwrap_or_default()).map(Some);
@@ -166,18 +204,29 @@ impl Transformer {
         })
     }
 
-    /// Writes every layer's row table for this step (one host-to-device copy) and returns views
-    /// of them, positions at most `max`, and the ms its three parts took (entries, copy, views).
+    /// Writes every layer's table for this step (one host-to-device copy) and returns views of
+    /// them: an attention layer's row table (positions at most `max`), a Gated DeltaNet layer's
+    /// state table; and the ms its three parts took (entries, copy, views).
     fn write_row_tables(
         &self,
         g: &BatchGraphs,
         seqs: &[BatchSeq<'_>],
         max: usize,
-    ) -> Result<(Vec<Rows>, [f64; 3])> {
+    ) -> Result<(Vec<LayerRows>, [f64; 3])> {
         let t = std::time::Instant::now();
         let n = seqs.len();
         let mut words = Vec::with_capacity(self.layers.len() * n * 5);
-        for layer in 0..self.layers.len() {
+        for (layer, l) in self.layers.iter().enumerate() {
+            if let Mixer::GatedDeltaNet(_) = l.mixer {
+                for s in seqs {
+                    let state = s.cache.recurrent_device().map(|d| d.table_words(layer));
+                    let Some(Some([c_lo, c_hi, m_lo, m_hi])) = state.transpose()? else {
+                        return Err(no_state(layer));
+                    };
+                    words.extend([s.cache.len() as u32, c_lo, c_hi, m_lo, m_hi]);
+                }
+                continue;
+            }
             let mut table = gpu::RowTable::default();
             for s in seqs {
                 let (k, v) = s.cache.layer_kv(layer)?;
@@ -192,10 +241,22 @@ impl Transformer {
         gpu::write_u32s(&g.tables, &words)?;
         let copy = t.elapsed().as_secs_f64() * 1e3 - entries;
         let mut out = Vec::with_capacity(self.layers.len());
-        for layer in 0..self.layers.len() {
+        for (layer, l) in self.layers.iter().enumerate() {
             let view = g.tables.narrow(0, layer * n * 5, n * 5)?.reshape((n, 5))?;
-            let (k, v) = seqs[0].cache.layer_kv(layer)?;
-            out.push(Rows::in_buffer(view, max, gpu::LayerKv { k, v })?);
+            out.push(match l.mixer {
+                Mixer::GatedDeltaNet(_) => {
+                    let d = seqs[0].cache.recurrent_device().ok_or_else(|| no_state(layer))?;
+                    // SAFETY: every row holds `DeviceRecurrent::table_words` of one of this
+                    // step's sequences (distinct caches), the address words of its live states
+                    // of the model's shape; the caches outlive the step, and each capture or
+                    // replay over the table comes after this step's rewrite of it.
+                    LayerRows::States(unsafe { gpu::GdnStates::in_buffer(view, *d.shape()) }?)
+                }
+                Mixer::Attention(_) => {
+                    let (k, v) = seqs[0].cache.layer_kv(layer)?;
+                    LayerRows::Kv(Rows::in_buffer(view, max, gpu::LayerKv { k, v })?)
+                }
+            });
         }
         let views = t.elapsed().as_secs_f64() * 1e3 - entries - copy;
         Ok((out, [entries, copy, views]))
@@ -218,6 +279,12 @@ impl Transformer {
         };
         self.write_choice(&mut g.chosen, &ids, tokens.len()).map(Some)
     }
+}
+
+fn no_state(layer: usize) -> ModelError {
+    ModelError::Candle(candle_core::Error::msg(format!(
+        "batched step: layer {layer}'s recurrent state is not on the device"
+    )))
 }
 
 /// Each sequence's result from a step's logits `[rows, vocab]` (on the device: greedy picks made

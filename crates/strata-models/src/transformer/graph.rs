@@ -135,10 +135,19 @@ pub(super) struct Captured {
 pub(super) enum PassKv<'a> {
     /// One sequence whose position lives on the device ([`KvCache::set_device_position`]).
     One(&'a mut KvCache),
-    /// A batch of sequences (`super::batch_graph`): each layer's row table on the device
+    /// A batch of sequences (`super::batch_graph`): each layer's table on the device
     /// (`tables[layer]`), and one of the batch's caches, whose layer caches have the shape of
     /// every cache in the tables.
-    Rows { tables: &'a [strata_kernels::cuda::Rows], like: &'a KvCache },
+    Rows { tables: &'a [LayerRows], like: &'a KvCache },
+}
+
+/// One layer's table of a batched step (`super::batch_graph`): per row (one token of each
+/// sequence) where that layer's state of the sequence lives.
+pub(super) enum LayerRows {
+    /// An attention layer: each row's position and KV cache.
+    Kv(strata_kernels::cuda::Rows),
+    /// A Gated DeltaNet layer: each row's conv window and delta-rule state.
+    States(strata_kernels::cuda::GdnStates),
 }
 
 impl std::fmt::Debug for Captured {
@@ -425,14 +434,22 @@ impl Transformer {
                     a.forward(&xn, i, cache, &self.rope)?
                 }
                 (Mixer::GatedDeltaNet(g), PassKv::One(cache)) => g.forward(&xn, i, cache)?,
-                (Mixer::GatedDeltaNet(_), PassKv::Rows { .. }) => {
-                    return Err(not_graphable("a batch through a recurrent layer"))
-                }
-                (Mixer::Attention(a), PassKv::Rows { tables, like }) => {
-                    let (k, v) = like.layer_kv(i)?;
-                    let cache = strata_kernels::cuda::LayerKv { k, v };
-                    a.forward_rows(&xn, &tables[i], cache, &self.rope)?
-                }
+                (Mixer::GatedDeltaNet(g), PassKv::Rows { tables, .. }) => match &tables[i] {
+                    LayerRows::States(states) => g.forward_seqs(&xn, states)?,
+                    LayerRows::Kv(_) => {
+                        return Err(not_graphable("a KV table for a recurrent layer"))
+                    }
+                },
+                (Mixer::Attention(a), PassKv::Rows { tables, like }) => match &tables[i] {
+                    LayerRows::Kv(rows) => {
+                        let (k, v) = like.layer_kv(i)?;
+                        let cache = strata_kernels::cuda::LayerKv { k, v };
+                        a.forward_rows(&xn, rows, cache, &self.rope)?
+                    }
+                    LayerRows::States(_) => {
+                        return Err(not_graphable("a state table for an attention layer"))
+                    }
+                },
             };
             // The residual add and the FFN norm: one launch on a GPU.
             let (sum, xn) =
