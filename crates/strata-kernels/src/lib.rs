@@ -35,6 +35,24 @@ pub use bytes::WeightBytes;
 pub use matrix::{isa, BlockFormat, Isa, QuantMatrix, QuantizedActs};
 pub use q4k_prefill::prefill_scope;
 
+/// Runs `f` with the thread-local `flag` set to `value`, and puts the value before back when it
+/// returns or unwinds — the scoped switches that choose kernels for the passes inside them
+/// ([`prefill_scope`], `strata_models::gpu::rows_exact_scope`).
+pub fn with_thread_flag<T: Copy + 'static, R>(
+    flag: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Restore<T: Copy + 'static>(&'static std::thread::LocalKey<std::cell::Cell<T>>, T);
+    impl<T: Copy + 'static> Drop for Restore<T> {
+        fn drop(&mut self) {
+            self.0.with(|c| c.set(self.1));
+        }
+    }
+    let _restore = Restore(flag, flag.with(|c| c.replace(value)));
+    f()
+}
+
 /// One MoE layer's experts addressed through a table on the GPU (the GPU expert tier's mapped
 /// experts, `strata-expert-store`'s `gpu_tier`): `addr` is the device address of `3 × experts`
 /// u64 device addresses — every expert's gate part, then every expert's up part, then every
@@ -80,4 +98,30 @@ pub(crate) fn prefetch(p: *const u8, bytes: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    thread_local! {
+        static FLAG: Cell<u32> = const { Cell::new(1) };
+    }
+
+    /// The flag holds the value inside the scope (nested scopes too) and its value before after
+    /// it — also when `f` panics.
+    #[test]
+    fn a_thread_flag_is_put_back_after_its_scope() {
+        let seen = super::with_thread_flag(&FLAG, 2, || {
+            let inner = super::with_thread_flag(&FLAG, 3, || FLAG.with(Cell::get));
+            (FLAG.with(Cell::get), inner)
+        });
+        assert_eq!(seen, (2, 3));
+        assert_eq!(FLAG.with(Cell::get), 1);
+        let unwound = std::panic::catch_unwind(|| {
+            super::with_thread_flag(&FLAG, 4, || panic!("inside the scope"))
+        });
+        assert!(unwound.is_err());
+        assert_eq!(FLAG.with(Cell::get), 1);
+    }
 }

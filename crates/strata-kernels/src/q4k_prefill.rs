@@ -49,14 +49,7 @@ thread_local! {
 /// is not `0`). Rows before `first` (decode tokens of a batch) keep the decode kernels. Products
 /// over another number of rows (the logits of selected rows, a draft model's pass) are unaffected.
 pub fn prefill_scope<R>(rows: usize, first: usize, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<(usize, usize)>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            SCOPE.with(|s| s.set(self.0));
-        }
-    }
-    let _restore = Restore(SCOPE.with(|s| s.replace(Some((rows, first)))));
-    f()
+    crate::with_thread_flag(&SCOPE, Some((rows, first)), f)
 }
 
 /// The first prompt-token row of a product over `m` rows made inside a [`prefill_scope`] of `m`

@@ -266,14 +266,7 @@ thread_local! {
 /// sequences batched with the tiles kept 557 of 620 greedy tokens of each decoded alone
 /// (`compare-devices --batch 16`), and every one without them (docs/performance.md).
 pub fn rows_exact_scope<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            ROWS_EXACT.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(ROWS_EXACT.with(|c| c.replace(true)));
-    f()
+    strata_kernels::with_thread_flag(&ROWS_EXACT, true, f)
 }
 
 /// Device → host reads the model's layers made during forward passes on a GPU, since the
