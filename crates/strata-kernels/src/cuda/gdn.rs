@@ -126,16 +126,8 @@ pub fn gdn_conv(
     }
     let row = row.contiguous()?;
     let weight = weight.map(Tensor::contiguous).transpose()?;
-    let mut args = vec![
-        Arg::Ptr(addr(&row)?),
-        Arg::I32(s.row_width() as i32),
-        Arg::Ptr(addr(conv_state)?),
-        Arg::Ptr(weight.as_ref().map_or(Ok(0), addr)?),
-        Arg::Ptr(out.as_ref().map_or(Ok(0), addr)?),
-        Arg::I32(t as i32),
-        Arg::I32(cd as i32),
-        Arg::I32(s.kernel as i32),
-    ];
+    let (w, o) = (weight.as_ref().map_or(Ok(0), addr)?, out.as_ref().map_or(Ok(0), addr)?);
+    let mut args = conv_args(s, &row, addr(conv_state)?, w, o, t)?;
     let blocks = cd.div_ceil(128) as u32;
     if out.is_some() && t > CONV_ROWS_MIN && gdn_chunked_enabled() {
         // Every output at once from the window as it was, then the window alone (`out` = 0).
@@ -156,6 +148,29 @@ pub fn gdn_conv(
     // [cd, K] and out [T, cd] when given (checked above), all f32 on this device.
     unsafe { launch(dev, "gdn_conv", cfg, &args) }?;
     Ok(out)
+}
+
+/// `gdn_conv`'s arguments up to `K` (the kernel's row table follows; `gdn_conv_rows` takes these
+/// alone): `row` as [`gdn_conv`] takes it, the conv window, weight and output addresses (0:
+/// none), `t` tokens.
+fn conv_args(
+    s: &GdnShape,
+    row: &Tensor,
+    conv_state: u64,
+    weight: u64,
+    out: u64,
+    t: usize,
+) -> Result<Vec<Arg>> {
+    Ok(vec![
+        Arg::Ptr(addr(row)?),
+        Arg::I32(s.row_width() as i32),
+        Arg::Ptr(conv_state),
+        Arg::Ptr(weight),
+        Arg::Ptr(out),
+        Arg::I32(t as i32),
+        Arg::I32(s.conv_dim() as i32),
+        Arg::I32(s.kernel as i32),
+    ])
 }
 
 /// The gated delta rule over a pass, per value head: `qkv: [T, cd]` (the conv's output: q, k, v),
@@ -456,17 +471,8 @@ pub fn gdn_conv_seqs(
         return Ok(out);
     }
     let (row, weight) = (row.contiguous()?, weight.contiguous()?);
-    let args = [
-        Arg::Ptr(addr(&row)?),
-        Arg::I32(s.row_width() as i32),
-        Arg::Ptr(0),
-        Arg::Ptr(addr(&weight)?),
-        Arg::Ptr(addr(&out)?),
-        Arg::I32(1),
-        Arg::I32(cd as i32),
-        Arg::I32(s.kernel as i32),
-        Arg::Ptr(addr(&states.table)?),
-    ];
+    let mut args = conv_args(s, &row, 0, addr(&weight)?, addr(&out)?, 1)?;
+    args.push(Arg::Ptr(addr(&states.table)?));
     let cfg = LaunchConfig {
         grid_dim: (cd.div_ceil(128) as u32, n as u32, 1),
         block_dim: (128, 1, 1),

@@ -76,14 +76,14 @@ pub unsafe fn state_table(
     let Some(first) = states.first() else { return Ok(None) };
     let mut words = Vec::with_capacity(5 * states.len());
     for d in states {
-        let Some([c_lo, c_hi, m_lo, m_hi]) = d.table_words(layer)? else { return Ok(None) };
-        if words.chunks_exact(5).any(|w: &[u32]| w[1..] == [c_lo, c_hi, m_lo, m_hi]) {
+        let Some(row) = d.table_row(layer, 0)? else { return Ok(None) };
+        if words.chunks_exact(5).any(|w: &[u32]| w[1..] == row[1..]) {
             candle_core::bail!("a state table holds one sequence's state twice");
         }
-        words.extend([0, c_lo, c_hi, m_lo, m_hi]);
+        words.extend(row);
     }
     let table = Tensor::from_vec(words, (states.len(), 5), device)?;
-    // SAFETY: every row holds `table_words` of a distinct live state of this model's shape
+    // SAFETY: every row holds `table_row` of a distinct live state of this model's shape
     // (each `DeviceRecurrent` allocates its states with `first.shape`'s dimensions: one model),
     // kept alive through the launches by the caller's contract.
     unsafe { GdnStates::in_buffer(table, first.shape) }.map(Some)
@@ -198,15 +198,16 @@ impl DeviceRecurrent {
         Ok(Self { shape, states, words, checkpoint: None, lost: None })
     }
 
-    /// Layer `layer`'s state as a batched step's state table entry
-    /// (`strata_kernels::cuda::GdnStates`): its conv window's and delta-rule state's address
-    /// words, kept from the start (the buffers are only written in place). `None` for a layer
-    /// without state. Errors when an earlier device operation lost the state.
-    pub fn table_words(&self, layer: usize) -> candle_core::Result<Option<[u32; 4]>> {
+    /// Layer `layer`'s state as a row of a batched step's state table
+    /// (`strata_kernels::cuda::GdnStates`): the position word `pos`, then its conv window's and
+    /// delta-rule state's address words, kept from the start (the buffers are only written in
+    /// place). `None` for a layer without state. Errors when an earlier device operation lost
+    /// the state.
+    pub fn table_row(&self, layer: usize, pos: u32) -> candle_core::Result<Option<[u32; 5]>> {
         if let Some(why) = &self.lost {
             candle_core::bail!("the recurrent state on the device was lost: {why}");
         }
-        Ok(self.words.get(layer).copied().flatten())
+        Ok(self.words.get(layer).copied().flatten().map(|[a, b, c, d]| [pos, a, b, c, d]))
     }
 
     /// Whether the state is valid (no device operation lost it) and no checkpoint logs passes:

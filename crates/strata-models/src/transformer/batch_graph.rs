@@ -219,11 +219,10 @@ impl Transformer {
         for (layer, l) in self.layers.iter().enumerate() {
             if let Mixer::GatedDeltaNet(_) = l.mixer {
                 for s in seqs {
-                    let state = s.cache.recurrent_device().map(|d| d.table_words(layer));
-                    let Some(Some([c_lo, c_hi, m_lo, m_hi])) = state.transpose()? else {
-                        return Err(no_state(layer));
-                    };
-                    words.extend([s.cache.len() as u32, c_lo, c_hi, m_lo, m_hi]);
+                    let pos = s.cache.len() as u32;
+                    let state = s.cache.recurrent_device().map(|d| d.table_row(layer, pos));
+                    let Some(Some(row)) = state.transpose()? else { return Err(no_state(layer)) };
+                    words.extend(row);
                 }
                 continue;
             }
@@ -246,7 +245,7 @@ impl Transformer {
             out.push(match l.mixer {
                 Mixer::GatedDeltaNet(_) => {
                     let d = seqs[0].cache.recurrent_device().ok_or_else(|| no_state(layer))?;
-                    // SAFETY: every row holds `DeviceRecurrent::table_words` of one of this
+                    // SAFETY: every row holds `DeviceRecurrent::table_row` of one of this
                     // step's sequences (distinct caches), the address words of its live states
                     // of the model's shape; the caches outlive the step, and each capture or
                     // replay over the table comes after this step's rewrite of it.
