@@ -86,11 +86,12 @@ pub struct ModelArgs {
     /// cpu), cpu, cuda, cuda:N.
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(strata_engine::device::DeviceChoice))]
     pub device: strata_engine::device::DeviceChoice,
-    /// Element type of the KV cache's keys and values: f32 or f16 (CUDA devices only: half the
-    /// cache's memory, each key and value rounded to nearest when written; decode attention
-    /// computes in f32, prompt passes attend on tensor cores — 3.1× faster 512-token passes
-    /// after 16k tokens on an H200; accuracy cost and speed in docs/performance.md). Default:
-    /// f16 on a CUDA device (as llama.cpp), f32 on the CPU. The memory plan counts the size.
+    /// Element type of the KV cache's keys and values: f32 or f16 (half the cache's memory, each
+    /// key and value rounded to nearest when written; attention computes in f32 — the CPU
+    /// kernels widen f16 as they load it; on CUDA prompt passes attend on tensor cores, 3.1×
+    /// faster 512-token passes after 16k tokens on an H200; accuracy cost and speed in
+    /// docs/performance.md). Default: f16 on a CUDA device (as llama.cpp), f32 on the CPU. The
+    /// memory plan counts the size.
     #[arg(long, value_parser = clap::value_parser!(strata_models::KvDtype))]
     pub kv_cache_dtype: Option<strata_models::KvDtype>,
     #[command(flatten)]
@@ -200,7 +201,6 @@ impl ModelArgs {
         let path = self.model_path()?;
         self.spec.kind()?; // flag errors before loading anything
         let device = strata_engine::device::open_device(self.device).map_err(anyhow::Error::msg)?;
-        self.kv_dtype(device.is_cuda()).check_device(&device).map_err(anyhow::Error::msg)?;
         let req = self.load_request(device.clone())?;
         let files = strata_formats::ModelFiles::open(&path)?;
         let plan = strata_engine::plan_for(&files, &path, &req)?;

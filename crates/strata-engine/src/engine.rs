@@ -88,7 +88,7 @@ pub struct LoadOptions {
     pub stream_experts: Option<StreamOptions>,
     /// Experts per token override (`--moe-top-k`, `STRATA_MOE_TOP_K`).
     pub moe_top_k: Option<usize>,
-    /// Element type of the KV caches (`--kv-cache-dtype`; f16 only on a CUDA device).
+    /// Element type of the KV caches (`--kv-cache-dtype`).
     pub kv_dtype: strata_models::KvDtype,
 }
 
@@ -122,8 +122,6 @@ impl Engine {
     ) -> Result<Self> {
         // Architecture and dimensions first: the most fundamental error is reported.
         let cfg = files.config()?;
-        // An f16 KV cache on the CPU: refused before any weight is read.
-        opts.kv_dtype.check_device(&opts.device).map_err(candle_core::Error::msg)?;
         let tokenizer = files.tokenizer()?;
         let chat_template = files.chat_template(&tokenizer)?;
         let mut resident_weight_bytes = files.total_tensor_bytes();
@@ -139,7 +137,7 @@ impl Engine {
         let mut model =
             Transformer::load_with_experts(files, &opts.device, opts.ctx_size, experts, progress)?;
         model.set_moe_top_k(opts.moe_top_k);
-        model.set_kv_dtype(opts.kv_dtype)?;
+        model.set_kv_dtype(opts.kv_dtype);
         if let Some(so) = &opts.stream_experts {
             model.set_prefetch(so.prefetch);
         }

@@ -123,6 +123,22 @@ fn batched_greedy_tokens_equal_each_request_alone() {
     batched_equals(&engine, cfg, &reqs, &want);
 }
 
+/// The same with f16 KV caches (`--kv-cache-dtype f16`): batched rows read the f16 keys and
+/// values as a sequence alone does, so its tokens are the same.
+#[test]
+fn batched_greedy_tokens_equal_alone_with_an_f16_kv_cache() {
+    let mut opts = strata_engine::LoadOptions::new(1024, candle_core::Device::Cpu);
+    opts.kv_dtype = strata_models::KvDtype::F16;
+    let engine = Arc::new(Engine::load(&common::smollm2_path(), &opts, &mut |_, _| {}).unwrap());
+    let prompts = smollm2_prompts(&engine);
+    let reqs: Vec<GenerateRequest> =
+        prompts.iter().take(4).enumerate().map(|(i, p)| greedy(p.clone(), 10 + 2 * i)).collect();
+    let want: Vec<Vec<u32>> = reqs.iter().map(|r| alone(&engine, r)).collect();
+    let mut cfg = BatchConfig::new(3, 1024);
+    cfg.prefill_chunk = 128;
+    batched_equals(&engine, cfg, &reqs, &want);
+}
+
 /// Runs `reqs` through a batcher of `cfg` until idle: they shared passes up to `cfg.slots`
 /// sequences, and each request's tokens are `want`'s.
 fn batched_equals(

@@ -1,10 +1,21 @@
 //! `llama-perplexity -c 512` on `tests/fixtures/smollm2-oracle/ppl.txt` gives 14.8775 (llama.cpp b4748);
-//! ours must land within 1%, and the running PPL after each chunk must track llama.cpp's.
+//! ours must land within 1%, and the running PPL after each chunk must track llama.cpp's — with
+//! an f32 KV cache (the CPU's default) and with an f16 one (`--kv-cache-dtype f16`, llama.cpp's
+//! default, which that figure was measured with).
 
 mod common;
 
 #[test]
 fn perplexity_within_one_percent_of_llama_cpp() {
+    perplexity_matches(strata_models::KvDtype::F32);
+}
+
+#[test]
+fn perplexity_with_an_f16_kv_cache_within_one_percent_of_llama_cpp() {
+    perplexity_matches(strata_models::KvDtype::F16);
+}
+
+fn perplexity_matches(kv_dtype: strata_models::KvDtype) {
     let (text, res) = (common::oracle("ppl.txt"), common::oracle("ppl_result.json"));
     let res: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(res).unwrap()).unwrap();
@@ -15,7 +26,10 @@ fn perplexity_within_one_percent_of_llama_cpp() {
         .iter()
         .map(|v| v.as_f64().unwrap())
         .collect();
-    let engine = common::load_smollm2(512);
+    let mut opts = strata_engine::LoadOptions::new(512, candle_core::Device::Cpu);
+    opts.kv_dtype = kv_dtype;
+    let engine = strata_engine::Engine::load(&common::smollm2_path(), &opts, &mut |_, _| {})
+        .expect("load SmolLM2");
     let tokens = engine.text_prompt(&std::fs::read_to_string(text).unwrap()).unwrap();
     assert_eq!(
         tokens.len(),
@@ -29,7 +43,8 @@ fn perplexity_within_one_percent_of_llama_cpp() {
     let worst_chunk =
         r.running.iter().zip(&running).map(|(a, b)| (a / b - 1.0).abs()).fold(0.0, f64::max);
     eprintln!(
-        "PPL {:.4} ± {:.4} (llama.cpp {want}); largest running-PPL deviation {:.3}%; {:.0} s",
+        "{kv_dtype} KV cache: PPL {:.4} ± {:.4} (llama.cpp {want}); largest running-PPL \
+         deviation {:.3}%; {:.0} s",
         r.ppl,
         r.ppl_stderr,
         worst_chunk * 100.0,

@@ -3,12 +3,45 @@
 //! batched path: `softmax(q·Kᵀ·scale)·V` per head with grouped-query sharing (query head `h`
 //! reads kv head `h / (n_heads / n_kv_heads)`).
 
-/// Shapes of one layer's KV cache storage: `[n_kv_heads, capacity, head_dim]` f32, row-major.
+mod group;
+
+use group::{attend_group, Group};
+
+/// Shapes of one layer's KV cache storage: `[n_kv_heads, capacity, head_dim]`, row-major.
 #[derive(Debug, Clone, Copy)]
 pub struct KvLayout {
     pub n_kv_heads: usize,
     pub capacity: usize,
     pub head_dim: usize,
+}
+
+/// One layer's key and value storage, `[n_kv_heads, capacity, head_dim]` each ([`KvLayout`]):
+/// f32, or f16 (IEEE half, `--kv-cache-dtype f16`: half the bytes; the kernels widen each element
+/// to f32 as they load it, exactly, so an f16 cache computes as an f32 cache holding the same
+/// rounded values).
+#[derive(Debug, Clone, Copy)]
+pub enum KvStorage<'a> {
+    F32 { k: &'a [f32], v: &'a [f32] },
+    F16 { k: &'a [half::f16], v: &'a [half::f16] },
+}
+
+/// An element type of [`KvStorage`].
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
 }
 
 /// Attention of `seq` consecutive query rows `q: [seq, n_heads, head_dim]` (decode: `seq = 1`)
@@ -26,17 +59,16 @@ pub fn attend_tokens(
     scale: f32,
     out: &mut [f32],
 ) {
-    attend_sequences(&[SeqAttend { q, k, v, kv, seq, first_len }], n_heads, scale, out);
+    let cache = KvStorage::F32 { k, v };
+    attend_sequences(&[SeqAttend { q, cache, kv, seq, first_len }], n_heads, scale, out);
 }
 
 /// One sequence's short pass in [`attend_sequences`]: query rows `q: [seq, n_heads, head_dim]`
-/// over its own cache storage `k`/`v` (layout `kv`); row `i` attends positions
-/// `0..first_len + i`.
+/// over its own cache storage (layout `kv`); row `i` attends positions `0..first_len + i`.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqAttend<'a> {
     pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub cache: KvStorage<'a>,
     pub kv: KvLayout,
     pub seq: usize,
     pub first_len: usize,
@@ -89,8 +121,7 @@ pub fn attend_sequences(seqs: &[SeqAttend<'_>], n_heads: usize, scale: f32, out:
         let oh = unsafe { std::slice::from_raw_parts_mut(p.0.add(o), chunk * hd) };
         let args = Group {
             q: &s.q[qo..qo + chunk * hd],
-            k: s.k,
-            v: s.v,
+            cache: s.cache,
             kv: s.kv,
             g: kv_head(s.kv, n_heads, h0),
             len: s.first_len + r,
@@ -120,174 +151,6 @@ thread_local! {
 /// Grouped-query sharing: query head `h` reads kv head `h / (n_heads / n_kv_heads)`.
 fn kv_head(kv: KvLayout, n_heads: usize, h: usize) -> usize {
     h / (n_heads / kv.n_kv_heads)
-}
-
-/// Query heads sharing kv head `g`, attending positions `0..len`.
-struct Group<'a> {
-    /// `[heads, head_dim]`.
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    kv: KvLayout,
-    g: usize,
-    len: usize,
-    scale: f32,
-}
-
-/// [`attend_group_generic`] compiled for AVX2 where the CPU has it (the same operations in the
-/// same order, on wider registers: results are bit-identical).
-fn attend_group(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::isa() >= crate::Isa::Avx2 {
-            // SAFETY: the CPU has AVX2 (checked by isa()).
-            return unsafe { attend_group_avx2(a, oh, scores) };
-        }
-    }
-    attend_group_generic::<false>(a, oh, scores)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn attend_group_avx2(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
-    attend_group_generic::<true>(a, oh, scores)
-}
-
-/// Each head: `softmax(q·Kᵀ·scale)·V` over positions `0..len` of kv head `g`, every K and V row
-/// read once for all heads of the group. A head's arithmetic is the same as attending it alone.
-/// `AVX2`: called from an AVX2 function (the four-position dot products in AVX2 registers; the
-/// same operations in the same order as [`dot`]).
-#[inline(always)]
-fn attend_group_generic<const AVX2: bool>(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
-    let hd = a.kv.head_dim;
-    let (heads, len) = (a.q.len() / hd, a.len);
-    // Scores, then each head's 1 / Σ exp in the same reused buffer (no allocation per unit).
-    scores.resize(heads * len + heads, 0.0);
-    let (scores, inv) = scores.split_at_mut(heads * len);
-    let base = a.g * a.kv.capacity * hd;
-    let krow = |j: usize| &a.k[base + j * hd..base + (j + 1) * hd];
-    // Four positions at a time: four independent dot products in flight (each one's arithmetic
-    // that of `dot`).
-    let mut j = 0;
-    while j + 4 <= len {
-        let ks = [krow(j), krow(j + 1), krow(j + 2), krow(j + 3)];
-        for h in 0..heads {
-            let d = dot4::<AVX2>(&a.q[h * hd..(h + 1) * hd], ks);
-            for (i, d) in d.into_iter().enumerate() {
-                scores[h * len + j + i] = d * a.scale;
-            }
-        }
-        j += 4;
-    }
-    for j in j..len {
-        for h in 0..heads {
-            scores[h * len + j] = dot(&a.q[h * hd..(h + 1) * hd], krow(j)) * a.scale;
-        }
-    }
-    for (h, s) in scores.chunks_exact_mut(len).enumerate() {
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0f64;
-        for x in s.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x as f64;
-        }
-        inv[h] = (1.0 / sum) as f32;
-    }
-    // out[h][d] = Σ_j w[h][j] · v[j][d], summed in position order: a block of V_BLOCK columns
-    // of one head stays in registers over all positions.
-    for h in 0..heads {
-        let w = &scores[h * len..(h + 1) * len];
-        let mut d0 = 0;
-        while d0 < hd {
-            let n = V_BLOCK.min(hd - d0);
-            let o = &mut oh[h * hd + d0..h * hd + d0 + n];
-            if n == V_BLOCK {
-                let mut acc = [0f32; V_BLOCK];
-                for (jj, &s) in w.iter().enumerate() {
-                    let wj = s * inv[h];
-                    let vr = &a.v[base + jj * hd + d0..base + jj * hd + d0 + V_BLOCK];
-                    for i in 0..V_BLOCK {
-                        acc[i] += wj * vr[i];
-                    }
-                }
-                o.copy_from_slice(&acc);
-            } else {
-                o.fill(0.0);
-                for (jj, &s) in w.iter().enumerate() {
-                    let wj = s * inv[h];
-                    let vr = &a.v[base + jj * hd + d0..base + jj * hd + d0 + n];
-                    for (o, &x) in o.iter_mut().zip(vr) {
-                        *o += wj * x;
-                    }
-                }
-            }
-            d0 += n;
-        }
-    }
-}
-
-/// Columns of one head's output kept in registers over all positions.
-const V_BLOCK: usize = 64;
-
-/// Four dot products of `a` with `bs`, each with the arithmetic of [`dot`] (same lanes, same
-/// order): independent chains for the CPU to overlap. `AVX2`: the caller runs with AVX2.
-#[inline(always)]
-fn dot4<const AVX2: bool>(a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
-    #[cfg(target_arch = "x86_64")]
-    if AVX2 {
-        // SAFETY: AVX2 callers only (`attend_group_avx2`).
-        return unsafe { dot4_avx2(a, bs) };
-    }
-    bs.map(|b| dot(a, b))
-}
-
-/// [`dot4`] on AVX2 registers: lane `i` of each accumulator sums `x[8c + i] · y[8c + i]` over
-/// chunks `c` in order (a multiply, then an add: no FMA, as in [`dot`]), then the eight lanes in
-/// order, then the tail.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot4_avx2(a: &[f32], bs: [&[f32]; 4]) -> [f32; 4] {
-    use std::arch::x86_64::*;
-    let full = a.len() / 8 * 8;
-    for b in &bs {
-        assert!(b.len() >= a.len());
-    }
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for c in (0..full).step_by(8) {
-        let x = _mm256_loadu_ps(a.as_ptr().add(c));
-        for (acc, b) in acc.iter_mut().zip(&bs) {
-            *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, _mm256_loadu_ps(b.as_ptr().add(c))));
-        }
-    }
-    let mut out = [0f32; 4];
-    for ((o, acc), b) in out.iter_mut().zip(acc).zip(&bs) {
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        let mut s: f32 = lanes.iter().sum();
-        for (x, y) in a[full..].iter().zip(&b[full..]) {
-            s += x * y;
-        }
-        *o = s;
-    }
-    out
-}
-
-/// Dot product with 8 independent accumulators (lets the compiler use SIMD lanes).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
 }
 
 #[cfg(test)]
@@ -341,8 +204,20 @@ mod tests {
         let rows = nh * 16;
         // Sequence 0: one decode row at 40 positions; sequence 1: three rows from 5 positions.
         let batch = [
-            SeqAttend { q: &q[..rows], k: &k0, v: &v0, kv, seq: 1, first_len: 40 },
-            SeqAttend { q: &q[rows..], k: &k1, v: &v1, kv, seq: 3, first_len: 5 },
+            SeqAttend {
+                q: &q[..rows],
+                cache: KvStorage::F32 { k: &k0, v: &v0 },
+                kv,
+                seq: 1,
+                first_len: 40,
+            },
+            SeqAttend {
+                q: &q[rows..],
+                cache: KvStorage::F32 { k: &k1, v: &v1 },
+                kv,
+                seq: 3,
+                first_len: 5,
+            },
         ];
         let mut all = vec![0f32; 4 * rows];
         attend_sequences(&batch, nh, 0.3, &mut all);
@@ -353,28 +228,6 @@ mod tests {
         let alone: Vec<f32> = a.into_iter().chain(b).collect();
         assert!(all.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits()));
         assert!(all.iter().any(|x| *x != 0.0));
-    }
-
-    /// The AVX2 build of a group's attention (four-position dot products in registers) equals
-    /// the generic one bit for bit, head dimensions with and without a tail of under 8.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx2_group_equals_generic() {
-        assert!(crate::isa() >= crate::Isa::Avx2, "this test needs an AVX2 CPU");
-        let f = |i: usize| ((i as f32) * 0.173).cos();
-        for (hd, len) in [(64, 37), (12, 9), (80, 130), (64, 3)] {
-            let kv = KvLayout { n_kv_heads: 2, capacity: 160, head_dim: hd };
-            let k: Vec<f32> = (0..2 * 160 * hd).map(|i| f(i + 3)).collect();
-            let v: Vec<f32> = (0..2 * 160 * hd).map(|i| f(i + 40_000)).collect();
-            let q: Vec<f32> = (0..3 * hd).map(|i| f(i + 777)).collect();
-            let g = Group { q: &q, k: &k, v: &v, kv, g: 1, len, scale: 0.2 };
-            let (mut a, mut b) = (vec![0f32; 3 * hd], vec![0f32; 3 * hd]);
-            let mut scores = Vec::new();
-            attend_group_generic::<false>(&g, &mut a, &mut scores);
-            // SAFETY: the CPU has AVX2 (checked above).
-            unsafe { attend_group_avx2(&g, &mut b, &mut scores) };
-            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "hd {hd}");
-        }
     }
 
     #[test]

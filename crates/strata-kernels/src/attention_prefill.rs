@@ -12,7 +12,7 @@
 //! Not bit-identical to [`crate::attention::attend_tokens`] (another summation order); passes
 //! that must equal decoding token by token (speculative verification) use that one.
 
-use crate::attention::KvLayout;
+use crate::attention::{KvLayout, KvStorage};
 
 /// Query rows (tokens) per unit times the query heads per kv head is about this many matrix rows.
 const UNIT_ROWS: usize = 128;
@@ -20,7 +20,8 @@ const UNIT_ROWS: usize = 128;
 const KEY_TILE: usize = 256;
 
 /// Attention of `seq` consecutive query rows `q: [seq, n_heads, head_dim]` over the cache storage
-/// `k`/`v` (`[n_kv_heads, capacity, head_dim]`): row `i` attends positions `0..first_len + i`.
+/// `cache` (keys and values `[n_kv_heads, capacity, head_dim]`; an f16 cache's tiles are widened
+/// to f32 before their products): row `i` attends positions `0..first_len + i`.
 /// Output `out: [seq, n_heads, head_dim]`. Query head `h` reads kv head
 /// `h / (n_heads / n_kv_heads)`.
 ///
@@ -30,8 +31,7 @@ const KEY_TILE: usize = 256;
 #[allow(clippy::too_many_arguments)]
 pub fn attend_prefill(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    cache: KvStorage<'_>,
     kv: KvLayout,
     n_heads: usize,
     seq: usize,
@@ -45,12 +45,16 @@ pub fn attend_prefill(
     assert!(n_heads.is_multiple_of(kv.n_kv_heads), "query heads not a multiple of kv heads");
     assert!(first_len >= 1 && first_len + seq - 1 <= kv.capacity, "attending past the cache");
     let block_len = kv.n_kv_heads * kv.capacity * hd;
-    assert!(k.len() >= block_len && v.len() >= block_len, "cache storage too short");
+    let (k_len, v_len) = match cache {
+        KvStorage::F32 { k, v } => (k.len(), v.len()),
+        KvStorage::F16 { k, v } => (k.len(), v.len()),
+    };
+    assert!(k_len >= block_len && v_len >= block_len, "cache storage too short");
     let n_rep = n_heads / kv.n_kv_heads;
     let block = UNIT_ROWS.div_ceil(n_rep).clamp(1, seq.max(1));
     let blocks = seq.div_ceil(block);
     let ptr = crate::SendPtr(out.as_mut_ptr());
-    let args = Args { q, k, v, kv, n_heads, first_len, scale };
+    let args = Args { q, cache, kv, n_heads, first_len, scale };
     // Later blocks attend more keys: hand them out first so that the shared cursor balances.
     let units = blocks * kv.n_kv_heads;
     let unit = |u: usize, s: &mut Scratch| {
@@ -67,8 +71,7 @@ pub fn attend_prefill(
 
 struct Args<'a> {
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    cache: KvStorage<'a>,
     kv: KvLayout,
     n_heads: usize,
     first_len: usize,
@@ -87,6 +90,27 @@ struct Scratch {
     /// Running max and sum per row.
     max: Vec<f32>,
     sum: Vec<f32>,
+    /// An f16 cache's key and value tile widened to f32, `[KEY_TILE, head_dim]` each.
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Rows `j0..j0 + n` of kv head `g`'s keys and values as f32: pointers into an f32 cache, or
+/// into `s`'s tiles after widening an f16 cache's rows.
+fn tile(a: &Args<'_>, g: usize, j0: usize, n: usize, s: &mut Scratch) -> (*const f32, *const f32) {
+    let hd = a.kv.head_dim;
+    let at = (g * a.kv.capacity + j0) * hd..(g * a.kv.capacity + j0 + n) * hd;
+    match a.cache {
+        KvStorage::F32 { k, v } => (k[at.clone()].as_ptr(), v[at].as_ptr()),
+        KvStorage::F16 { k, v } => {
+            use half::slice::HalfFloatSliceExt;
+            s.k.resize(at.len(), 0.0);
+            s.v.resize(at.len(), 0.0);
+            k[at.clone()].convert_to_f32_slice(&mut s.k);
+            v[at].convert_to_f32_slice(&mut s.v);
+            (s.k.as_ptr(), s.v.as_ptr())
+        }
+    }
 }
 
 thread_local! {
@@ -117,16 +141,15 @@ fn attend_unit(
     s.sum.clear();
     s.sum.resize(m, 0.0);
     s.s.resize(m * KEY_TILE, 0.0);
-    let base = g * a.kv.capacity * hd;
     // Row r (token tokens.start + r / n_rep) attends keys 0..first_len + token.
     let len_of = |r: usize| a.first_len + tokens.start + r / n_rep;
     let end = len_of(m - 1);
     for j0 in (0..end).step_by(KEY_TILE) {
         let n = KEY_TILE.min(end - j0);
+        let (k, v) = tile(a, g, j0, n, s);
         // SAFETY: S [m, n] (row stride KEY_TILE) = Q [m, hd] · K[j0..j0+n]ᵀ, every index in bounds
         // (K rows j0..j0+n < capacity were checked by the caller).
         unsafe {
-            let k = a.k.as_ptr().add(base + j0 * hd);
             product(
                 (m, n, hd),
                 (s.s.as_mut_ptr(), KEY_TILE, false),
@@ -155,7 +178,6 @@ fn attend_unit(
         }
         // SAFETY: O [m, hd] += P [m, n] (row stride KEY_TILE) · V[j0..j0+n] [n, hd], in bounds.
         unsafe {
-            let v = a.v.as_ptr().add(base + j0 * hd);
             product((m, hd, n), (s.o.as_mut_ptr(), hd, true), (s.s.as_ptr(), KEY_TILE), (v, 1, hd));
         }
     }
@@ -269,10 +291,45 @@ mod tests {
             let v: Vec<f32> = (0..nkv * kv.capacity * hd).map(|i| f(i + 9000)).collect();
             let q: Vec<f32> = (0..seq * nh * hd).map(|i| f(i + 333)).collect();
             let mut got = vec![0f32; seq * nh * hd];
-            attend_prefill(&q, &k, &v, kv, nh, seq, first, scale, &mut got);
+            attend_prefill(
+                &q,
+                KvStorage::F32 { k: &k, v: &v },
+                kv,
+                nh,
+                seq,
+                first,
+                scale,
+                &mut got,
+            );
             let want = reference(&q, &k, &v, kv, nh, seq, first, scale);
             let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(worst < 2e-5, "nkv {nkv} nh {nh} seq {seq} first {first}: {worst}");
+            // An f16 cache: the same bits as an f32 cache holding its rounded values.
+            let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (
+                k.iter().map(|&x| half::f16::from_f32(x)).collect(),
+                v.iter().map(|&x| half::f16::from_f32(x)).collect(),
+            );
+            let (kr, vr): (Vec<f32>, Vec<f32>) = (
+                k16.iter().map(|x| x.to_f32()).collect(),
+                v16.iter().map(|x| x.to_f32()).collect(),
+            );
+            let (mut a16, mut a32) = (vec![0f32; got.len()], vec![0f32; got.len()]);
+            let f16 = KvStorage::F16 { k: &k16, v: &v16 };
+            attend_prefill(&q, f16, kv, nh, seq, first, scale, &mut a16);
+            attend_prefill(
+                &q,
+                KvStorage::F32 { k: &kr, v: &vr },
+                kv,
+                nh,
+                seq,
+                first,
+                scale,
+                &mut a32,
+            );
+            assert!(
+                a16.iter().zip(&a32).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "f16, seq {seq}"
+            );
         }
     }
 }

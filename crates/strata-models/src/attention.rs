@@ -239,8 +239,8 @@ impl Attention {
         let v = heads(v, nkv, &None)?;
         let q = rope.apply(&q, pos)?;
         let k = rope.apply(&k, pos)?;
-        let (k_all, v_all) = cache.append(layer, &k, &v)?;
         if q.device().is_cpu() {
+            cache.write(layer, &k, &v)?;
             // Prefill straight over the cache storage: the blocked causal kernel, no seq × seq
             // tensors. (Up to EXACT_ROWS_MAX rows took `attend_short_cpu` above: one query row at
             // a time over its causal prefix with the decode kernel, so the logits of a short
@@ -259,6 +259,7 @@ impl Attention {
                 .ok_or_else(|| candle_core::Error::Msg("the KV cache is not on the CPU".into()))?;
             return Ok(Tensor::from_vec(out, (seq, nh * hd), q.device())?);
         }
+        let (k_all, v_all) = cache.append(layer, &k, &v)?;
         // Group the query heads that share a kv head: [1, nkv, n_rep·seq, hd].
         let n_rep = nh / nkv;
         let q = q.reshape((1, nkv, n_rep * seq, hd))?;

@@ -1,5 +1,5 @@
 //! Per-sequence state: a preallocated KV cache (`[1, n_kv_heads, capacity, head_dim]` per
-//! full-attention layer for K and V, f32 or — on a GPU — f16 ([`KvDtype`]), written in place)
+//! full-attention layer for K and V, f32 or f16 ([`KvDtype`]), written in place)
 //! and, for hybrid models, the recurrent state of
 //! the Gated DeltaNet layers ([`RecurrentCache`]). Rolling back (speculative decoding) moves the KV
 //! length and restores the recurrent state from its checkpoint; storage is never reallocated.
@@ -13,8 +13,9 @@ use crate::synthetic_routing::RoutingHistory;
 
 /// Element type of the KV cache's keys and values (`--kv-cache-dtype`; vLLM's
 /// `--kv-cache-dtype`, llama.cpp's `-ctk`/`-ctv`). Attention computes in f32 either way; `F16`
-/// rounds each key and value to nearest when it is written and halves the cache's bytes. Only
-/// on a CUDA device (the CPU kernels read f32).
+/// rounds each key and value to nearest when it is written and halves the cache's bytes (the
+/// CPU kernels widen it back to f32 as they load it; CUDA's decode attention likewise, its
+/// prompt passes attend on f16 tensor cores).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvDtype {
     #[default]
@@ -33,21 +34,6 @@ impl KvDtype {
     /// Bytes per key or value element.
     pub fn bytes(self) -> usize {
         self.dtype().size_in_bytes()
-    }
-
-    /// Whether caches of this type can live on `device`: f16 needs a CUDA device (the CPU
-    /// attention reads f32). The one check behind the CLI's, the engine's and
-    /// [`KvCache::with_dtype`]'s refusals.
-    ///
-    /// Errors: the message to show, naming the flag.
-    pub fn check_device(self, device: &Device) -> std::result::Result<(), String> {
-        if self != KvDtype::F32 && device.is_cpu() {
-            return Err(format!(
-                "--kv-cache-dtype {self} needs --device cuda (the CPU attention reads f32 keys \
-                 and values)"
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -152,6 +138,25 @@ fn tensor_bytes(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
 }
 
+/// A layer's key and value storage on the host (from `start` offsets `ko`, `vo`) as the CPU
+/// kernels take it. Errors: an element type other than f32 or f16.
+fn cpu_storage<'a>(
+    k: &'a candle_core::CpuStorage,
+    ko: usize,
+    v: &'a candle_core::CpuStorage,
+    vo: usize,
+) -> candle_core::Result<strata_kernels::attention::KvStorage<'a>> {
+    use candle_core::backend::BackendStorage;
+    use strata_kernels::attention::KvStorage;
+    Ok(match k.dtype() {
+        DType::F16 => KvStorage::F16 {
+            k: &k.as_slice::<half::f16>()?[ko..],
+            v: &v.as_slice::<half::f16>()?[vo..],
+        },
+        _ => KvStorage::F32 { k: &k.as_slice::<f32>()?[ko..], v: &v.as_slice::<f32>()?[vo..] },
+    })
+}
+
 impl KvCache {
     /// Allocates `2 · attention_layers · kv_heads · capacity · head_dim · 4` bytes of f32 KV
     /// cache and [`ModelConfig::recurrent_state_bytes`] of recurrent state.
@@ -161,14 +166,13 @@ impl KvCache {
 
     /// [`Self::new`] with keys and values held as `dtype` (`dtype.bytes()` per element).
     ///
-    /// Errors: an f16 cache on the CPU; the allocation fails.
+    /// Errors: the allocation fails.
     pub fn with_dtype(
         cfg: &ModelConfig,
         capacity: usize,
         device: &Device,
         dtype: KvDtype,
     ) -> Result<Self> {
-        dtype.check_device(device).map_err(candle_core::Error::msg)?;
         let mk =
             || Tensor::zeros((1, cfg.num_kv_heads, capacity, cfg.head_dim), dtype.dtype(), device);
         let (mut k, mut v, mut slot) = (Vec::new(), Vec::new(), Vec::with_capacity(cfg.num_layers));
@@ -319,14 +323,18 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let n = k.dim(2)?;
-        let layer = self.kv_slot(layer)?;
-        let dtype = self.k[layer].dtype();
-        self.k[layer].slice_set(&k.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
-        self.v[layer].slice_set(&v.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
-        let total = self.len + n;
+        self.write(layer, k, v)?;
+        let (s, total) = (self.kv_slot(layer)?, self.len + k.dim(2)?);
         let read = |t: &Tensor| t.narrow(2, 0, total)?.to_dtype(DType::F32);
-        Ok((read(&self.k[layer])?, read(&self.v[layer])?))
+        Ok((read(&self.k[s])?, read(&self.v[s])?))
+    }
+
+    /// [`Self::append`] without reading the cache back (the CPU kernels read its storage).
+    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> candle_core::Result<()> {
+        let s = self.kv_slot(layer)?;
+        let dtype = self.k[s].dtype();
+        self.k[s].slice_set(&k.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
+        self.v[s].slice_set(&v.to_dtype(dtype)?.contiguous()?, 2, self.len)
     }
 
     /// `layer`'s k and v device addresses as row table words
@@ -385,10 +393,10 @@ impl KvCache {
         let (candle_core::Storage::Cpu(kc), candle_core::Storage::Cpu(vc)) = (&*ks, &*vs) else {
             return Ok(None);
         };
-        let (k, v) = (&kc.as_slice::<f32>()?[ko..], &vc.as_slice::<f32>()?[vo..]);
+        let cache = cpu_storage(kc, ko, vc, vo)?;
         let mut out = vec![0f32; seq * n_heads * layout.head_dim];
         strata_kernels::attention_prefill::attend_prefill(
-            q, k, v, layout, n_heads, seq, first, scale, &mut out,
+            q, cache, layout, n_heads, seq, first, scale, &mut out,
         );
         Ok(Some(out))
     }
@@ -445,8 +453,7 @@ impl KvCache {
             rows += seq;
             items.push(SeqAttend {
                 q,
-                k: &kc.as_slice::<f32>()?[*ko..],
-                v: &vc.as_slice::<f32>()?[*vo..],
+                cache: cpu_storage(kc, *ko, vc, *vo)?,
                 kv: *kv,
                 seq,
                 first_len: *first,

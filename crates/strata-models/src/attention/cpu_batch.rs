@@ -52,7 +52,7 @@ impl Attention {
         let v = heads(v, nkv, &None)?;
         for p in parts.iter_mut() {
             let (start, n) = (p.rows.start, p.rows.len());
-            p.cache.append(layer, &k.narrow(2, start, n)?, &v.narrow(2, start, n)?)?;
+            p.cache.write(layer, &k.narrow(2, start, n)?, &v.narrow(2, start, n)?)?;
         }
         let qv = q.squeeze(0)?.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let width = nh * hd; // [rows, nh, hd] row-major
