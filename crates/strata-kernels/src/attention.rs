@@ -25,25 +25,6 @@ pub enum KvStorage<'a> {
     F16 { k: &'a [half::f16], v: &'a [half::f16] },
 }
 
-/// An element type of [`KvStorage`].
-pub trait KvElem: Copy + Send + Sync + 'static {
-    fn to_f32(self) -> f32;
-}
-
-impl KvElem for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl KvElem for half::f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
-    }
-}
-
 /// Attention of `seq` consecutive query rows `q: [seq, n_heads, head_dim]` (decode: `seq = 1`)
 /// over the cache storage `k`/`v`: row `i` attends positions `0..first_len + i` (causal). Output
 /// `out: [seq, n_heads, head_dim]`. A batch of one sequence ([`attend_sequences`]).

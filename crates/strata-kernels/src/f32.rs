@@ -65,15 +65,23 @@ fn select() -> fn(&[f32], &[f32]) -> f32 {
 
 /// The 16-lane partial sums reduced pairwise (lane i + lane i+8, then +4, +2, +1), and the tail.
 #[inline(always)]
-fn reduce(mut acc: [f32; LANES], tail: f32) -> f32 {
+fn reduce(acc: [f32; LANES], tail: f32) -> f32 {
+    pairwise(acc) + tail
+}
+
+/// 16 partial sums reduced pairwise: lane i + lane i+8, then +4, +2, +1 (this module's dot
+/// products, and the decode attention's scores and softmax sums, `crate::attention`).
+#[inline(always)]
+pub(crate) fn pairwise<T: Copy + std::ops::AddAssign>(mut acc: [T; LANES]) -> T {
     let mut n = LANES / 2;
     while n > 0 {
         for i in 0..n {
-            acc[i] += acc[i + n];
+            let x = acc[i + n];
+            acc[i] += x;
         }
         n /= 2;
     }
-    acc[0] + tail
+    acc[0]
 }
 
 /// Generic version (multiply then add: other CPUs have no guaranteed FMA).

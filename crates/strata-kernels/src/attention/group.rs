@@ -17,7 +17,9 @@
 //! accumulators with one transposing network of shuffles (the same pairwise tree per position);
 //! the AVX2 kernel keeps the sixteen lanes in two registers.
 
-use super::{KvElem, KvLayout, KvStorage};
+use super::{KvLayout, KvStorage};
+use crate::f32::pairwise;
+use crate::Isa;
 
 /// Lanes of a score's partial sums.
 const LANES: usize = 16;
@@ -34,51 +36,27 @@ pub(super) struct Group<'a> {
     pub scale: f32,
 }
 
-/// Which kernels run a group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Simd {
-    Generic,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Simd {
-    fn best() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            match crate::isa() {
-                crate::Isa::Avx512 => return Self::Avx512,
-                crate::Isa::Avx2 => return Self::Avx2,
-                crate::Isa::Scalar => {}
-            }
-        }
-        Self::Generic
-    }
-}
-
 /// The group's output `oh: [heads, head_dim]`; `scores`: a reused buffer (no allocation per
 /// unit once it has grown).
 pub(super) fn attend_group(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>) {
-    attend_group_with(a, oh, scores, Simd::best())
+    attend_group_with(a, oh, scores, crate::isa())
 }
 
-fn attend_group_with(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>, simd: Simd) {
+fn attend_group_with(a: &Group<'_>, oh: &mut [f32], scores: &mut Vec<f32>, isa: Isa) {
     match a.cache {
-        KvStorage::F32 { k, v } => attend_rows(a, k, v, oh, scores, simd),
-        KvStorage::F16 { k, v } => attend_rows(a, k, v, oh, scores, simd),
+        KvStorage::F32 { k, v } => attend_rows(a, k, v, oh, scores, isa),
+        KvStorage::F16 { k, v } => attend_rows(a, k, v, oh, scores, isa),
     }
 }
 
 /// [`attend_group_with`] over storage of element type `E`.
-fn attend_rows<E: Wide>(
+fn attend_rows<E: KvElem>(
     a: &Group<'_>,
     k: &[E],
     v: &[E],
     oh: &mut [f32],
     scores: &mut Vec<f32>,
-    simd: Simd,
+    isa: Isa,
 ) {
     let hd = a.kv.head_dim;
     let (heads, len) = (a.q.len() / hd, a.len);
@@ -87,33 +65,34 @@ fn attend_rows<E: Wide>(
     scores.resize(heads * len, 0.0);
     let base = a.g * a.kv.capacity * hd;
     let (k, v) = (&k[base..base + len * hd], &v[base..base + len * hd]);
-    match simd {
-        Simd::Generic => scores_generic(a.q, k, hd, a.scale, scores),
-        // SAFETY: `best` picks these only on CPUs with the features they enable.
+    // SAFETY (the x86 arms): `crate::isa()` names these only on CPUs with the features they
+    // enable (AVX2 with FMA and F16C; AVX-512 F besides).
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::scores_avx2(a.q, k, hd, a.scale, scores) },
+        Isa::Avx2 => unsafe { x86::scores_avx2(a.q, k, hd, a.scale, scores) },
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => unsafe { x86::scores_avx512(a.q, k, hd, a.scale, scores) },
+        Isa::Avx512 => unsafe { x86::scores_avx512(a.q, k, hd, a.scale, scores) },
+        _ => scores_generic(a.q, k, hd, a.scale, scores),
     }
-    match simd {
-        Simd::Generic => softmax_generic(scores, len),
-        // SAFETY: as above.
+    match isa {
         // (Not the hot part: the AVX2 kernel serves AVX-512 CPUs too.)
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 | Simd::Avx512 => unsafe { x86::softmax_avx2(scores, len) },
+        Isa::Avx2 | Isa::Avx512 => unsafe { x86::softmax_avx2(scores, len) },
+        _ => softmax_generic(scores, len),
     }
-    match simd {
-        Simd::Generic => values_generic(scores, v, hd, len, oh),
-        // SAFETY: as above.
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::values_avx2(scores, v, hd, len, oh) },
+        Isa::Avx2 => unsafe { x86::values_avx2(scores, v, hd, len, oh) },
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => unsafe { x86::values_avx512(scores, v, hd, len, oh) },
+        Isa::Avx512 => unsafe { x86::values_avx512(scores, v, hd, len, oh) },
+        _ => values_generic(scores, v, hd, len, oh),
     }
 }
 
-/// A cache element the vector kernels widen to f32 as they load it (exactly: an f16 is an f32).
-trait Wide: KvElem {
+/// An element type of [`KvStorage`], widened to f32 as the kernels load it (exactly: an f16 is
+/// an f32).
+trait KvElem: Copy {
+    fn to_f32(self) -> f32;
     /// Eight elements from `p` as f32 (AVX2 with F16C).
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
@@ -122,7 +101,11 @@ trait Wide: KvElem {
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
-impl Wide for f32 {
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
@@ -135,7 +118,11 @@ impl Wide for f32 {
     }
 }
 
-impl Wide for half::f16 {
+impl KvElem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const half::f16) -> std::arch::x86_64::__m256 {
@@ -148,19 +135,6 @@ impl Wide for half::f16 {
         use std::arch::x86_64::*;
         _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
-}
-
-/// The 16 partial sums reduced pairwise: lane i + lane i+8, then +4, +2, +1.
-#[inline(always)]
-fn tree(mut acc: [f32; LANES]) -> f32 {
-    let mut n = LANES / 2;
-    while n > 0 {
-        for i in 0..n {
-            acc[i] += acc[i + n];
-        }
-        n /= 2;
-    }
-    acc[0]
 }
 
 /// A head dimension's elements past its last full chunk of 16, after the tree.
@@ -184,7 +158,7 @@ fn scores_generic<E: KvElem>(q: &[f32], k: &[E], hd: usize, scale: f32, scores: 
                     acc[i] = qh[c + i].mul_add(kj[c + i].to_f32(), acc[i]);
                 }
             }
-            scores[h * len + j] = tail(qh, kj, tree(acc)) * scale;
+            scores[h * len + j] = tail(qh, kj, pairwise(acc)) * scale;
         }
     }
 }
@@ -230,7 +204,7 @@ fn softmax_generic(scores: &mut [f32], len: usize) {
                 lanes[j % LANES] += *x as f64;
             }
         }
-        let inv = sum_lanes(lanes, &row[full..]);
+        let inv = inv_sum(lanes, &row[full..]);
         for x in row.iter_mut() {
             *x *= inv;
         }
@@ -239,15 +213,8 @@ fn softmax_generic(scores: &mut [f32], len: usize) {
 
 /// `1 / Σ` in f32 of 16 f64 lanes reduced by the pairwise tree, then the tail added in order.
 #[inline(always)]
-fn sum_lanes(mut lanes: [f64; LANES], tail: &[f32]) -> f32 {
-    let mut n = LANES / 2;
-    while n > 0 {
-        for i in 0..n {
-            lanes[i] += lanes[i + n];
-        }
-        n /= 2;
-    }
-    let sum = tail.iter().fold(lanes[0], |s, &x| s + x as f64);
+fn inv_sum(lanes: [f64; LANES], tail: &[f32]) -> f32 {
+    let sum = tail.iter().fold(pairwise(lanes), |s, &x| s + x as f64);
     (1.0 / sum) as f32
 }
 
@@ -292,16 +259,10 @@ mod tests {
     #[test]
     fn kernels_equal_the_generic_one() {
         let f = |i: usize| ((i as f32) * 0.173).cos();
-        let mut kinds = vec![Simd::Generic];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if crate::isa() >= crate::Isa::Avx2 {
-                kinds.push(Simd::Avx2);
-            }
-            if crate::isa() >= crate::Isa::Avx512 {
-                kinds.push(Simd::Avx512);
-            }
-        }
+        let kinds: Vec<Isa> = [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|&i| i <= crate::isa())
+            .collect();
         let cases = [(64, 37, 3), (12, 9, 3), (80, 130, 2), (64, 3, 1), (128, 48, 4), (64, 16, 3)];
         for (hd, len, heads) in cases {
             let kv = KvLayout { n_kv_heads: 2, capacity: 160, head_dim: hd };
@@ -318,7 +279,7 @@ mod tests {
             );
             let mut want = vec![0f32; heads * hd];
             let mut scores = Vec::new();
-            attend_group_with(&g32, &mut want, &mut scores, Simd::Generic);
+            attend_group_with(&g32, &mut want, &mut scores, Isa::Scalar);
             for &kind in &kinds {
                 for (g, dtype) in [(&g32, "f32"), (&g16, "f16")] {
                     let mut got = vec![0f32; heads * hd];

@@ -1,8 +1,7 @@
 //! The group kernels on AVX2 (with FMA and F16C) and AVX-512: the operations of the generic
 //! code in `super`, in the same order, on vector registers.
 
-use super::{exp_neg, sum_lanes, tail, Wide, EXP_MIN, EXP_P, LANES, LN2_HI, LN2_LO, LOG2E};
-use crate::attention::KvElem;
+use super::{exp_neg, inv_sum, tail, KvElem, EXP_MIN, EXP_P, LANES, LN2_HI, LN2_LO, LOG2E};
 use std::arch::x86_64::*;
 
 /// The tree of [`super::tree`] over two registers holding lanes 0–7 and 8–15.
@@ -20,7 +19,7 @@ unsafe fn tree_256(lo: __m256, hi: __m256) -> f32 {
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn scores_avx2<E: Wide>(
+pub(super) unsafe fn scores_avx2<E: KvElem>(
     q: &[f32],
     k: &[E],
     hd: usize,
@@ -70,7 +69,7 @@ pub(super) unsafe fn scores_avx2<E: Wide>(
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn values_avx2<E: Wide>(
+pub(super) unsafe fn values_avx2<E: KvElem>(
     w: &[f32],
     v: &[E],
     hd: usize,
@@ -102,7 +101,7 @@ pub(super) unsafe fn values_avx2<E: Wide>(
 
 /// Columns `d0..d0 + 8N` of one head.
 #[inline(always)]
-unsafe fn block_avx2<E: Wide, const N: usize>(
+unsafe fn block_avx2<E: KvElem, const N: usize>(
     w: &[f32],
     v: &[E],
     hd: usize,
@@ -182,7 +181,7 @@ pub(super) unsafe fn softmax_avx2(scores: &mut [f32], len: usize) {
         for (i, a) in acc.into_iter().enumerate() {
             _mm256_storeu_pd(lanes.as_mut_ptr().add(4 * i), a);
         }
-        let inv = _mm256_set1_ps(sum_lanes(lanes, &row[full..]));
+        let inv = _mm256_set1_ps(inv_sum(lanes, &row[full..]));
         scale_row(row, inv);
     }
 }
@@ -252,7 +251,7 @@ unsafe fn add_lanes<const A: i32, const B: i32>(x: __m512, y: __m512) -> __m512 
 /// # Safety
 /// The CPU must have AVX-512 F, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(super) unsafe fn scores_avx512<E: Wide>(
+pub(super) unsafe fn scores_avx512<E: KvElem>(
     q: &[f32],
     k: &[E],
     hd: usize,
@@ -299,7 +298,7 @@ pub(super) unsafe fn scores_avx512<E: Wide>(
 /// # Safety
 /// The CPU must have AVX-512 F, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(super) unsafe fn values_avx512<E: Wide>(
+pub(super) unsafe fn values_avx512<E: KvElem>(
     w: &[f32],
     v: &[E],
     hd: usize,
@@ -339,7 +338,7 @@ pub(super) unsafe fn values_avx512<E: Wide>(
 /// Columns `d0..d0 + 16N` of heads `h0..h0 + H`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn block_512<E: Wide, const H: usize, const N: usize>(
+unsafe fn block_512<E: KvElem, const H: usize, const N: usize>(
     w: &[f32],
     v: &[E],
     hd: usize,
