@@ -40,17 +40,51 @@ pub fn matmul_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], m: usize, out:
 /// When the three slices' lengths differ.
 pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     assert!(g.len() == u.len() && g.len() == out.len(), "silu_mul: lengths differ");
-    const CHUNK: usize = 2048;
     let ptr = SendPtr(out.as_mut_ptr());
     let n = g.len();
-    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(CHUNK), |range| {
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(SILU_CHUNK), |range| {
         let p = ptr;
-        for i in range.start * CHUNK..(range.end * CHUNK).min(n) {
-            let silu = g[i] / (1.0 + (-g[i]).exp());
+        for i in range.start * SILU_CHUNK..(range.end * SILU_CHUNK).min(n) {
             // SAFETY: each index is written by exactly one task; out has n elements.
-            unsafe { *p.0.add(i) = silu * u[i] };
+            unsafe { *p.0.add(i) = silu_times(g[i], u[i]) };
         }
     });
+}
+
+/// [`silu_mul`] over a stacked gate/up product: `y: [m, 2·inter]`, each row its gate's `inter`
+/// values then its up's → `out: [m, inter]`, `out[t, i] = silu(y[t, i]) · y[t, inter + i]` —
+/// the same bits as [`silu_mul`] of the two halves, without copying them out first.
+///
+/// # Panics
+/// When `inter` is 0 or `y` is not `[m, 2·inter]` for `out: [m, inter]`.
+pub fn silu_mul_halves(y: &[f32], inter: usize, out: &mut [f32]) {
+    assert!(
+        inter > 0 && out.len().is_multiple_of(inter) && y.len() == 2 * out.len(),
+        "silu_mul_halves: y is not [m, 2·{inter}] for out of {} values",
+        out.len()
+    );
+    let ptr = SendPtr(out.as_mut_ptr());
+    let per_row = inter.div_ceil(SILU_CHUNK);
+    candle_core::utils::barrier_pool().execute_chunked(out.len() / inter * per_row, |range| {
+        let p = ptr;
+        for unit in range {
+            let (t, c) = (unit / per_row, unit % per_row);
+            let (g, u) = y[2 * t * inter..2 * (t + 1) * inter].split_at(inter);
+            for i in c * SILU_CHUNK..((c + 1) * SILU_CHUNK).min(inter) {
+                // SAFETY: each (t, i) is written by exactly one task; out has m·inter elements.
+                unsafe { *p.0.add(t * inter + i) = silu_times(g[i], u[i]) };
+            }
+        }
+    });
+}
+
+/// Elements per task of [`silu_mul`] and [`silu_mul_halves`].
+const SILU_CHUNK: usize = 2048;
+
+/// `silu(g) · u` as candle computes `silu(g) * u`: `g / (1 + e^(−g))`, then the product.
+#[inline(always)]
+fn silu_times(g: f32, u: f32) -> f32 {
+    (g / (1.0 + (-g).exp())) * u
 }
 
 fn select() -> fn(&[f32], &[f32]) -> f32 {
@@ -131,6 +165,24 @@ mod tests {
         );
         let want = (gt.silu().unwrap() * ut).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(out, want);
+    }
+
+    /// The stacked form gives the bits of [`silu_mul`] over each row's two halves, for widths
+    /// below, at and past one task's chunk.
+    #[test]
+    fn silu_mul_halves_equals_silu_mul_of_the_halves() {
+        for (m, inter) in [(1, 5), (3, 1536), (2, 2048), (4, 2500)] {
+            let y: Vec<f32> =
+                (0..m * 2 * inter).map(|i| (i as f32 * 0.37).sin() * 9.0 - 1.0).collect();
+            let mut got = vec![0f32; m * inter];
+            silu_mul_halves(&y, inter, &mut got);
+            for t in 0..m {
+                let (g, u) = y[2 * t * inter..2 * (t + 1) * inter].split_at(inter);
+                let mut want = vec![0f32; inter];
+                silu_mul(g, u, &mut want);
+                assert_eq!(&got[t * inter..(t + 1) * inter], want.as_slice(), "m {m}, row {t}");
+            }
+        }
     }
 
     #[test]

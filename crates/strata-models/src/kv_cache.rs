@@ -157,6 +157,64 @@ fn cpu_storage<'a>(
     })
 }
 
+/// [`KvCache::write_rows`]' in-place write of one of a layer's tensors `[1, heads, capacity,
+/// head_dim]`: `src: [n, heads, head_dim]` at positions `pos..pos + n`.
+struct RowsWrite<'a> {
+    src: &'a [f32],
+    n: usize,
+    pos: usize,
+}
+
+impl candle_core::InplaceOp1 for RowsWrite<'_> {
+    fn name(&self) -> &'static str {
+        "kv-write-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let (_, heads, capacity, hd) = layout.shape().dims4()?;
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("kv-write-rows: the cache is not contiguous");
+        };
+        if self.src.len() != self.n * heads * hd || self.pos + self.n > capacity {
+            candle_core::bail!(
+                "kv-write-rows: {} values for {} rows of {heads}×{hd} at {} (capacity {capacity})",
+                self.src.len(),
+                self.n,
+                self.pos
+            );
+        }
+        fn put<T: Copy>(
+            dst: &mut [T],
+            w: &RowsWrite<'_>,
+            (heads, capacity, hd): (usize, usize, usize),
+            conv: impl Fn(f32) -> T,
+        ) {
+            for i in 0..w.n {
+                for h in 0..heads {
+                    let from = &w.src[(i * heads + h) * hd..][..hd];
+                    let to = &mut dst[(h * capacity + w.pos + i) * hd..][..hd];
+                    for (d, &x) in to.iter_mut().zip(from) {
+                        *d = conv(x);
+                    }
+                }
+            }
+        }
+        let dims = (heads, capacity, hd);
+        match storage {
+            candle_core::CpuStorage::F32(d) => put(&mut d[start..], self, dims, |x| x),
+            candle_core::CpuStorage::F16(d) => {
+                put(&mut d[start..], self, dims, half::f16::from_f32)
+            }
+            _ => candle_core::bail!("kv-write-rows: a cache neither f32 nor f16"),
+        }
+        Ok(())
+    }
+}
+
 impl KvCache {
     /// Allocates `2 · attention_layers · kv_heads · capacity · head_dim · 4` bytes of f32 KV
     /// cache and [`ModelConfig::recurrent_state_bytes`] of recurrent state.
@@ -335,6 +393,27 @@ impl KvCache {
         let dtype = self.k[s].dtype();
         self.k[s].slice_set(&k.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
         self.v[s].slice_set(&v.to_dtype(dtype)?.contiguous()?, 2, self.len)
+    }
+
+    /// [`Self::write`] from host rows: `k, v: [n, n_kv_heads, head_dim]` (row-major f32, a CPU
+    /// batch's rows of this sequence) written at positions `len()..len() + n` of `layer`, each
+    /// value converted to the cache's element type as [`Self::write`] converts it (f16: rounded to
+    /// nearest) — without building `[1, heads, n, head_dim]` tensors first.
+    ///
+    /// Errors: the layer has no KV cache; the cache is not on the CPU; `k` or `v` is not
+    /// `n · n_kv_heads · head_dim` long; the rows pass the capacity.
+    pub fn write_rows(
+        &mut self,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+    ) -> candle_core::Result<()> {
+        let s = self.kv_slot(layer)?;
+        for (dst, src) in [(&self.k[s], k), (&self.v[s], v)] {
+            dst.inplace_op1(&RowsWrite { src, n, pos: self.len })?;
+        }
+        Ok(())
     }
 
     /// `layer`'s k and v device addresses as row table words
@@ -589,7 +668,35 @@ impl KvCache {
 
 #[cfg(test)]
 mod tests {
-    use super::KvDtype;
+    use super::{KvDtype, RowsWrite};
+    use candle_core::{DType, Device, Tensor};
+
+    /// `KvCache::write_rows`' in-place write of host rows `[n, heads, hd]` leaves a layer's
+    /// tensor with the bits `KvCache::write`'s `slice_set` of the same rows as `[1, heads, n, hd]`
+    /// (converted by `to_dtype`) leaves, f32 and f16, at a position past 0; rows past the
+    /// capacity or of the wrong length are refused.
+    #[test]
+    fn rows_written_in_place_equal_slice_set() {
+        let (heads, cap, hd, n, pos) = (3, 10, 8, 4, 5);
+        let rows: Vec<f32> =
+            (0..n * heads * hd).map(|i| ((i * 29 % 97) as f32 - 48.0) * 0.0137).collect();
+        for dtype in [DType::F32, DType::F16] {
+            let dev = Device::Cpu;
+            let got = Tensor::zeros((1, heads, cap, hd), dtype, &dev).unwrap();
+            got.inplace_op1(&RowsWrite { src: &rows, n, pos }).unwrap();
+            let want = Tensor::zeros((1, heads, cap, hd), dtype, &dev).unwrap();
+            let src = Tensor::from_vec(rows.clone(), (n, heads, hd), &dev).unwrap();
+            let src = src.transpose(0, 1).unwrap().unsqueeze(0).unwrap();
+            let src = src.to_dtype(dtype).unwrap().contiguous().unwrap();
+            want.slice_set(&src, 2, pos).unwrap();
+            let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            let (g, w) =
+                (bits(&got).to_vec1::<f32>().unwrap(), bits(&want).to_vec1::<f32>().unwrap());
+            assert_eq!(g, w, "{dtype:?}");
+            assert!(got.inplace_op1(&RowsWrite { src: &rows, n, pos: cap - n + 1 }).is_err());
+            assert!(got.inplace_op1(&RowsWrite { src: &rows[1..], n, pos }).is_err());
+        }
+    }
 
     #[test]
     fn kv_dtype_parses_what_it_prints_and_refuses_other_types() {

@@ -304,13 +304,29 @@ fn host_matmul(
 ) -> candle_core::Result<Tensor> {
     let mut dims = x.dims().to_vec();
     let m = x.elem_count() / dims.last().copied().unwrap_or(0).max(1);
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; m * rows];
-    f(&xs, m, &mut out);
+    with_host_f32(x, |xs| f(xs, m, &mut out))?;
     if let Some(l) = dims.last_mut() {
         *l = rows;
     }
     Tensor::from_vec(out, dims, x.device())
+}
+
+/// `f` over `x`'s elements in row-major order as one host slice: borrowed from the tensor's
+/// storage when `x` is a contiguous f32 CPU tensor (no copy: a decode step's activations), else
+/// a copy (converted to f32). The storage stays read-locked while `f` runs.
+///
+/// Errors: the copy fails (another dtype that does not convert).
+pub(crate) fn with_host_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    use candle_core::{DType, Storage};
+    if x.dtype() == DType::F32 {
+        let (storage, layout) = x.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+            return Ok(f(&cpu.as_slice::<f32>()?[start..end]));
+        }
+    }
+    let v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&v))
 }
 
 /// RMSNorm (Zhang & Sennrich 2019): `x / sqrt(mean(x²) + eps) * w` over the last dim.
@@ -350,6 +366,20 @@ impl RmsNorm {
         {
             return strata_kernels::cuda::add_rms_norm(x, h, &self.w, self.eps);
         }
+        if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 && x.shape() == h.shape() {
+            // One pass over host buffers: the sum (candle's f32 add), then its norm.
+            self.check_dim(x)?;
+            let mut sum = Vec::with_capacity(x.elem_count());
+            with_host_f32(x, |xs| {
+                with_host_f32(h, |hs| sum.extend(xs.iter().zip(hs).map(|(&a, &b)| a + b)))
+            })??;
+            let normed = self.norm_rows(&sum);
+            let dims = x.dims();
+            return Ok((
+                Tensor::from_vec(sum, dims, x.device())?,
+                Tensor::from_vec(normed, dims, x.device())?,
+            ));
+        }
         let sum = (x + h)?;
         let normed = self.forward(&sum)?;
         Ok((sum, normed))
@@ -362,20 +392,56 @@ impl RmsNorm {
         if !x.device().is_cpu() {
             return candle_nn::ops::rms_norm(&x.contiguous()?, &self.w, self.eps);
         }
-        let dims = x.dims().to_vec();
-        let n = *dims.last().unwrap_or(&1);
-        let mut v = x.flatten_all()?.to_vec1::<f32>()?;
-        let w = &self.w_host;
-        for row in v.chunks_exact_mut(n) {
-            let sum: f64 = row.iter().map(|&a| (a * a) as f64).sum();
-            let mean = (sum / n as f64) as f32;
-            let scale = 1.0f32 / (mean + self.eps).sqrt();
-            for (a, &g) in row.iter_mut().zip(w) {
-                *a = (*a * scale) * g;
-            }
-        }
-        Tensor::from_vec(v, dims, x.device())
+        self.check_dim(x)?;
+        let v = with_host_f32(x, |xs| self.norm_rows(xs))?;
+        Tensor::from_vec(v, x.dims(), x.device())
     }
+
+    fn check_dim(&self, x: &Tensor) -> candle_core::Result<()> {
+        let last = x.dims().last().copied().unwrap_or(0);
+        if last != self.w_host.len() {
+            candle_core::bail!(
+                "rms_norm: {:?} against a weight of {}",
+                x.dims(),
+                self.w_host.len()
+            );
+        }
+        Ok(())
+    }
+
+    /// The CPU norm of [`Self::forward`] over host rows `x: [.., dim]` (row-major) → a new buffer
+    /// of the same shape.
+    fn norm_rows(&self, x: &[f32]) -> Vec<f32> {
+        let w = &self.w_host;
+        let n = w.len().max(1);
+        let mut out = Vec::with_capacity(x.len());
+        for row in x.chunks_exact(n) {
+            let mean = (sum_squares_f64(row) / n as f64) as f32;
+            let scale = 1.0f32 / (mean + self.eps).sqrt();
+            out.extend(row.iter().zip(w).map(|(&a, &g)| (a * scale) * g));
+        }
+        out
+    }
+}
+
+/// `Σ a²` of a row: each square in f32, summed in f64 (ggml's `ggml_compute_forward_rms_norm_f32`
+/// precision) over eight lanes — element `i` into lane `i mod 8`, the lanes added pairwise, then
+/// the tail — instead of ggml's one serial chain (a vectorizable sum: the serial chain's latency
+/// was ~3% of a CPU batch step); the order differs from ggml's only below f64's rounding.
+fn sum_squares_f64(row: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += (x * x) as f64;
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for &x in tail {
+        s += (x * x) as f64;
+    }
+    s
 }
 
 /// Products `x: [n, in]` of several quantized projections of one format without biases (a

@@ -98,6 +98,9 @@ impl Mlp {
 
     /// `x: [seq, hidden] → [seq, hidden]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(y) = self.forward_host(x)? {
+            return Ok(y);
+        }
         let (g, u) = match &self.gate_up {
             GateUp::Fused { gate_up, inter } => {
                 let y = gate_up.forward(x)?;
@@ -123,5 +126,75 @@ impl Mlp {
         }
         let g = candle_nn::ops::silu(&g.contiguous()?)?;
         self.down.forward(&(g * u)?)
+    }
+
+    /// [`Self::forward`] on the CPU when gate/up are stacked and both products run on our
+    /// kernels: the input read in place, gate/up's `[seq, 2·inter]` product, SwiGLU from its two
+    /// halves and the down product in host buffers — the same kernels and arithmetic as the
+    /// tensor path (the same bits), without its copies of the halves and of each product's input.
+    /// `None`: another device or layout (the tensor path then).
+    fn forward_host(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let GateUp::Fused { gate_up, inter } = &self.gate_up else { return Ok(None) };
+        let (Some(gu), Some(down)) = (gate_up.kernel(), self.down.kernel()) else {
+            return Ok(None);
+        };
+        if !x.device().is_cpu() || x.dim(x.rank().saturating_sub(1))? != gu.cols() {
+            return Ok(None);
+        }
+        let m = x.elem_count() / gu.cols();
+        let mut y = vec![0f32; m * 2 * inter];
+        crate::layers::with_host_f32(x, |xs| gu.matmul(xs, m, &mut y))?;
+        let mut h = vec![0f32; m * inter];
+        strata_kernels::f32::silu_mul_halves(&y, *inter, &mut h);
+        drop(y);
+        let mut out = vec![0f32; m * down.rows()];
+        down.matmul(&h, m, &mut out);
+        let mut dims = x.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = down.rows();
+        }
+        Tensor::from_vec(out, dims, x.device()).map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{GateUp, Mlp};
+    use crate::layers::Linear;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    fn q4_1(rows: usize, cols: usize, seed: usize) -> Linear {
+        let v: Vec<f32> =
+            (0..rows * cols).map(|i| (((i * 31 + seed * 7) % 113) as f32 - 56.0) * 0.01).collect();
+        let t = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::Q4_1).unwrap();
+        Linear::from_shared(std::sync::Arc::new(q)).unwrap()
+    }
+
+    /// The CPU host path (gate/up into a buffer, SwiGLU from its halves, down) gives the bits of
+    /// the tensor ops it replaces: the stacked product, the narrowed halves' `silu_mul`, down.
+    #[test]
+    fn host_path_equals_the_tensor_ops() {
+        let (hidden, inter) = (64, 96);
+        let mlp = Mlp::new(q4_1(inter, hidden, 1), q4_1(inter, hidden, 2), q4_1(hidden, inter, 3))
+            .unwrap();
+        let GateUp::Fused { gate_up, inter: i } = &mlp.gate_up else {
+            panic!("Q4_1 gate and up are stacked on our kernels")
+        };
+        for m in [1, 3, 8] {
+            let x: Vec<f32> = (0..m * hidden).map(|j| (j as f32 * 0.77).sin()).collect();
+            let x = Tensor::from_vec(x, (m, hidden), &Device::Cpu).unwrap();
+            let got = mlp.forward_host(&x).unwrap().expect("the host path runs on the CPU");
+            let y = gate_up.forward(&x).unwrap();
+            let (g, u) = (y.narrow(1, 0, *i).unwrap(), y.narrow(1, *i, *i).unwrap());
+            let want = mlp.down.forward(&crate::experts::silu_mul(&g, &u).unwrap()).unwrap();
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(got.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap(), "{m} rows");
+            assert_eq!(
+                mlp.forward(&x).unwrap().to_vec2::<f32>().unwrap(),
+                got.to_vec2::<f32>().unwrap()
+            );
+        }
     }
 }

@@ -127,23 +127,30 @@ impl RotaryEmbedding {
         self.rotate(x, &self.cos.narrow(0, pos, seq)?, &self.sin.narrow(0, pos, seq)?)
     }
 
-    /// Rotates `x: [1, heads, rows, head_dim]` on the CPU, row `i` for position `positions[i]`
-    /// (the rows of several sequences in one call: a CPU batch's decode rows). Each row's result
-    /// equals [`Self::apply`] at that position, bit for bit: the same products and sums as
-    /// candle's `rope` / `rope_i`, in one serial loop over the few rows (candle's kernel spreads a
-    /// multi-row call over rayon's pool, whose wake-ups took ~10% of a CPU batch step beside our
-    /// own pool).
+    /// Rotates host rows `x: [rows, heads, head_dim]` (row-major f32) in place, row `i` for
+    /// position `positions[i]` (the rows of several sequences in one call: a CPU batch's decode
+    /// rows). Each row's result equals [`Self::apply`] at that position, bit for bit: the same
+    /// products and sums as candle's `rope` / `rope_i`, in one serial loop over the few rows
+    /// (candle's kernel spreads a multi-row call over rayon's pool, whose wake-ups took ~10% of a
+    /// CPU batch step beside our own pool).
     ///
-    /// Errors: a position past the tables, `x` not `[1, heads, positions.len(), head_dim]`, not
-    /// on the CPU.
-    pub fn apply_at(&self, x: &Tensor, positions: &[u32]) -> candle_core::Result<Tensor> {
-        let (b, heads, rows, hd) = x.dims4()?;
-        if rows != positions.len() || positions.iter().any(|&p| p as usize >= self.max_positions())
+    /// Errors: a position past the tables, `x` not `positions.len() · heads · head_dim` long,
+    /// `head_dim` below the rotary dimension, tables not on the CPU.
+    pub fn rotate_rows(
+        &self,
+        x: &mut [f32],
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+    ) -> candle_core::Result<()> {
+        if x.len() != positions.len() * heads * head_dim
+            || head_dim < self.rope_dim
+            || positions.iter().any(|&p| p as usize >= self.max_positions())
         {
             candle_core::bail!(
-                "rope: {} positions for {rows} rows of {:?}",
+                "rope: {} positions for {} values of {heads} heads × {head_dim}",
                 positions.len(),
-                x.dims()
+                x.len()
             );
         }
         let half = self.rope_dim / 2;
@@ -151,13 +158,12 @@ impl RotaryEmbedding {
         let (cg, sg) = (self.cos.storage_and_layout(), self.sin.storage_and_layout());
         let (candle_core::Storage::Cpu(cs), candle_core::Storage::Cpu(ss)) = (&*cg.0, &*sg.0)
         else {
-            candle_core::bail!("rope: apply_at runs on the CPU");
+            candle_core::bail!("rope: rotate_rows runs on the CPU");
         };
         let cos = &cs.as_slice::<f32>()?[cg.1.start_offset()..];
         let sin = &ss.as_slice::<f32>()?[sg.1.start_offset()..];
-        let mut v = x.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        for (i, x) in v.chunks_exact_mut(hd).take(b * heads * rows).enumerate() {
-            let p = positions[i % rows] as usize;
+        for (i, x) in x.chunks_exact_mut(head_dim).enumerate() {
+            let p = positions[i / heads] as usize;
             let (c, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
             for j in 0..half {
                 // candle's `rope_i` pairs (2j, 2j + 1), `rope` pairs (j, j + rope_dim / 2).
@@ -170,7 +176,7 @@ impl RotaryEmbedding {
                 x[z] = x0 * s[j] + x1 * c[j];
             }
         }
-        Tensor::from_vec(v, (b, heads, rows, hd), x.device())
+        Ok(())
     }
 
     /// `x: [1, heads, rows, head_dim]` with `cos`, `sin: [rows, rope_dim / 2]`.
@@ -193,10 +199,10 @@ impl RotaryEmbedding {
 mod tests {
     use super::*;
 
-    /// `apply_at` over rows at scattered positions equals `apply` of each row alone (candle's
+    /// `rotate_rows` over rows at scattered positions equals `apply` of each row alone (candle's
     /// kernels), bit for bit, for both pair layouts and a partial rotary dimension.
     #[test]
-    fn apply_at_equals_apply_per_row() {
+    fn rotate_rows_equals_apply_per_row() {
         let dev = Device::Cpu;
         for (style, rope_dim) in
             [(RopeStyle::Neox, 64), (RopeStyle::Interleaved, 64), (RopeStyle::Neox, 32)]
@@ -207,22 +213,25 @@ mod tests {
             let (heads, hd) = (3, 64);
             let positions = [0u32, 7, 300, 511, 42];
             let rows = positions.len();
+            // [rows, heads, hd]
             let vals: Vec<f32> =
                 (0..heads * rows * hd).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.031).collect();
-            let x = Tensor::from_vec(vals, (1, heads, rows, hd), &dev).unwrap();
-            let got = rope.apply_at(&x, &positions).unwrap();
+            let mut got = vals.clone();
+            rope.rotate_rows(&mut got, heads, hd, &positions).unwrap();
+            let x = Tensor::from_vec(vals, (rows, heads, hd), &dev).unwrap();
             for (r, &p) in positions.iter().enumerate() {
-                let one = x.narrow(2, r, 1).unwrap();
-                let want = rope.apply(&one, p as usize).unwrap();
-                let have = got.narrow(2, r, 1).unwrap();
-                let (w, h) = (
-                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                    have.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                let one = x.narrow(0, r, 1).unwrap(); // [1, heads, hd] = [1, heads, 1, hd]'s values
+                let want = rope.apply(&one.unsqueeze(2).unwrap(), p as usize).unwrap();
+                let w = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert_eq!(
+                    w,
+                    got[r * heads * hd..(r + 1) * heads * hd],
+                    "{style:?} {rope_dim}, row {r} at {p}"
                 );
-                assert_eq!(w, h, "{style:?} rope_dim {rope_dim}, row {r} at {p}");
             }
-            assert!(rope.apply_at(&x, &positions[..2]).is_err());
-            assert!(rope.apply_at(&x, &[0, 1, 2, 3, 512]).is_err());
+            let mut short = got.clone();
+            assert!(rope.rotate_rows(&mut short, heads, hd, &positions[..2]).is_err());
+            assert!(rope.rotate_rows(&mut short, heads, hd, &[0, 1, 2, 3, 512]).is_err());
         }
     }
 }

@@ -43,18 +43,21 @@ impl Attention {
             let len = p.cache.len();
             pos.extend((len..len + p.rows.len()).map(|i| i as u32));
         }
-        // [1, heads, rows, hd] for `RotaryEmbedding::apply_at` and the cache writes.
-        let heads = |t: &Tensor, n: usize, norm: &Option<_>| -> candle_core::Result<Tensor> {
-            self.split_heads(t, n, norm)?.transpose(0, 1)?.unsqueeze(0)?.contiguous()
+        // Host rows [rows, heads, hd] (row-major: each row's heads side by side), rotated in
+        // place, written to each cache and read by the kernel in that layout.
+        let heads = |t: &Tensor, n: usize, norm: &Option<_>| -> candle_core::Result<Vec<f32>> {
+            self.split_heads(t, n, norm)?.flatten_all()?.to_vec1::<f32>()
         };
-        let q = rope.apply_at(&heads(q, nh, &self.q_norm)?, &pos)?;
-        let k = rope.apply_at(&heads(k, nkv, &self.k_norm)?, &pos)?;
-        let v = heads(v, nkv, &None)?;
+        let mut qv = heads(q, nh, &self.q_norm)?;
+        let mut kv = heads(k, nkv, &self.k_norm)?;
+        let vv = heads(v, nkv, &None)?;
+        rope.rotate_rows(&mut qv, nh, hd, &pos)?;
+        rope.rotate_rows(&mut kv, nkv, hd, &pos)?;
+        let kw = nkv * hd;
         for p in parts.iter_mut() {
-            let (start, n) = (p.rows.start, p.rows.len());
-            p.cache.write(layer, &k.narrow(2, start, n)?, &v.narrow(2, start, n)?)?;
+            let r = p.rows.start * kw..p.rows.end * kw;
+            p.cache.write_rows(layer, &kv[r.clone()], &vv[r], p.rows.len())?;
         }
-        let qv = q.squeeze(0)?.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let width = nh * hd; // [rows, nh, hd] row-major
         let seqs: Vec<(&KvCache, &[f32], usize)> = parts
             .iter()
