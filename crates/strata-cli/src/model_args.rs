@@ -90,8 +90,8 @@ pub struct ModelArgs {
     /// key and value rounded to nearest when written; attention computes in f32 — the CPU
     /// kernels widen f16 as they load it; on CUDA prompt passes attend on tensor cores, 3.1×
     /// faster 512-token passes after 16k tokens on an H200; accuracy cost and speed in
-    /// docs/performance.md). Default: f16 on a CUDA device (as llama.cpp), f32 on the CPU. The
-    /// memory plan counts the size.
+    /// docs/performance.md). Default: f16 (as llama.cpp); `f32` keeps full precision at twice the
+    /// bytes. The memory plan counts the size.
     #[arg(long, value_parser = clap::value_parser!(strata_models::KvDtype))]
     pub kv_cache_dtype: Option<strata_models::KvDtype>,
     #[command(flatten)]
@@ -134,7 +134,7 @@ impl ModelArgs {
     /// The plan inputs and streaming settings these flags ask for, on `device`.
     pub fn load_request(&self, device: candle_core::Device) -> Result<LoadRequest> {
         let gpu = self.gpu_memory()?;
-        let kv_dtype = self.kv_dtype(device.is_cuda() || gpu.is_some());
+        let kv_dtype = self.kv_dtype();
         Ok(LoadRequest {
             ctx_size: self.ctx_size,
             prefill_chunk: self.prefill_chunk,
@@ -158,10 +158,9 @@ impl ModelArgs {
         })
     }
 
-    /// `--kv-cache-dtype`, else f16 on a CUDA device (`cuda`) and f32 on the CPU.
-    pub fn kv_dtype(&self, cuda: bool) -> strata_models::KvDtype {
-        use strata_models::KvDtype;
-        self.kv_cache_dtype.unwrap_or(if cuda { KvDtype::F16 } else { KvDtype::F32 })
+    /// `--kv-cache-dtype`, else f16 on every device (llama.cpp's default).
+    pub fn kv_dtype(&self) -> strata_models::KvDtype {
+        self.kv_cache_dtype.unwrap_or(strata_models::KvDtype::F16)
     }
 
     /// The memory plan for this model and these flags (reads metadata only).

@@ -2,7 +2,7 @@
 //! a pp and a tg test per depth, named as llama-bench names them, each timed after its context is
 //! in the cache; `--batch` with `--batch-prompt` adds a batched prompt pass and batched decoding;
 //! and `--kv-cache-dtype f16` runs on the CPU too. The KV
-//! cache's default element type follows the device: f16 on CUDA, f32 on the CPU (the plan shows it).
+//! cache's default element type is f16 on every device (the plan shows it).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -68,10 +68,10 @@ fn bench_depths_add_a_pp_and_a_tg_test_each_and_an_f16_kv_cache_runs_on_the_cpu(
     std::fs::remove_file(&model).ok();
 }
 
-/// Without `--kv-cache-dtype`, the plan for a CUDA device (simulated with `--vram`, so this runs
-/// without a GPU) counts an f16 KV cache — half the f32 bytes — and the plan for the CPU an f32 one.
+/// Without `--kv-cache-dtype`, the plans for a CUDA device (simulated with `--vram`, so this runs
+/// without a GPU) and for the CPU count an f16 KV cache — half the f32 bytes.
 #[test]
-fn the_kv_cache_defaults_to_f16_on_cuda_and_f32_on_the_cpu() {
+fn the_kv_cache_defaults_to_f16_on_cuda_and_on_the_cpu() {
     let model = tiny_moe("kv-default");
     let kv_bytes = |extra: &[&str]| -> u64 {
         let out = strata()
@@ -89,6 +89,8 @@ fn the_kv_cache_defaults_to_f16_on_cuda_and_f32_on_the_cpu() {
     assert!(f32_bytes > 0);
     assert_eq!(kv_bytes(&cuda), f32_bytes / 2, "CUDA default: f16");
     assert_eq!(kv_bytes(&cuda), kv_bytes(&[&cuda[..], &["--kv-cache-dtype", "f16"]].concat()));
-    assert_eq!(kv_bytes(&["--device", "cpu"]), f32_bytes, "CPU default: f32");
+    assert_eq!(kv_bytes(&["--device", "cpu"]), f32_bytes / 2, "CPU default: f16");
+    let cpu_f32 = kv_bytes(&["--device", "cpu", "--kv-cache-dtype", "f32"]);
+    assert_eq!(cpu_f32, f32_bytes, "f32 on the CPU when asked for");
     std::fs::remove_file(&model).ok();
 }

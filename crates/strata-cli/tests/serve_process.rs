@@ -395,7 +395,7 @@ fn serve_flags_are_checked_and_the_key_is_not_shown() {
 #[test]
 fn parallel_slots_that_do_not_fit_are_refused_by_the_plan() {
     let m = model().to_string_lossy().into_owned();
-    // SmolLM2: 46 KB of KV per token; 64 × 4096 tokens = 12 GB, 2 GB of RAM.
+    // SmolLM2: 23 KB of f16 KV per token (the default); 64 × 4096 tokens = 6 GB, 2 GB of RAM.
     let args = ["--model", &m, "--ctx-size", "4096", "--ram", "2GiB", "--parallel", "64"];
     let out = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["serve", "--port", &free_port().to_string()])
