@@ -187,11 +187,35 @@ impl QuantMatrix {
     /// take the prefill path ([`crate::q4k_prefill`]).
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         assert_eq!(out.len(), m * self.rows);
+        // SAFETY: out holds the m · rows elements that matmul_into writes.
+        unsafe { self.matmul_into(x, m, SendPtr(out.as_mut_ptr())) }
+    }
+
+    /// [`Self::matmul`] into a new `[m, rows]` buffer, not zeroed first: every element is written
+    /// once (each task writes all `m` tokens of its rows, and the tasks cover every row), so a
+    /// decode step's outputs skip the `memset` that `vec![0.0; n]` costs on the calling thread.
+    pub fn matmul_vec(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let n = m * self.rows;
+        let mut out: Vec<f32> = Vec::with_capacity(n);
+        // SAFETY: matmul_into writes all n elements (within the capacity) before the length is
+        // set; a panic in a task propagates before set_len, leaving an empty vector.
+        unsafe {
+            self.matmul_into(x, m, SendPtr(out.as_mut_ptr()));
+            out.set_len(n);
+        }
+        out
+    }
+
+    /// Writes `out[t · rows + r]` for every `t < m` and every row `r`.
+    ///
+    /// # Safety
+    /// `out` must be valid for `m · rows` writes, and no other thread may access them meanwhile.
+    unsafe fn matmul_into(&self, x: &[f32], m: usize, ptr: SendPtr) {
         let qx = self
             .quantize_parallel(x, m)
             .for_prefill(self, crate::q4k_prefill::first_prefill_row(m));
-        let ptr = SendPtr(out.as_mut_ptr());
         let unit = self.row_unit();
+        assert!(self.rows.is_multiple_of(unit), "{} rows in groups of {unit}", self.rows);
         // candle's persistent barrier pool: the calling thread works too, and its workers are the
         // ones candle's own ops use, so no second pool competes for the cores.
         candle_core::utils::barrier_pool().execute_chunked(self.rows / unit, |range| {
@@ -644,6 +668,26 @@ mod tests {
             }
         }
         (QuantMatrix::new(BlockFormat::Q8_0, data, rows, cols).unwrap(), dense)
+    }
+
+    /// `matmul_vec` (a buffer not zeroed first) gives `matmul`'s values into a buffer of NaNs,
+    /// for the file layout and the interleaved one, over tile-sized and odd token counts.
+    #[test]
+    fn matmul_vec_writes_every_output_as_matmul_does() {
+        let (w, _) = make_q4_1(48, 256);
+        let data = w.data.as_slice().to_vec();
+        let inter = QuantMatrix::interleaved(BlockFormat::Q4_1, data, 48, 256).unwrap();
+        for m in [1, 3, 8, 13] {
+            let x: Vec<f32> = (0..m * 256).map(|i| pseudo(i + 5)).collect();
+            for mat in [&w, &inter] {
+                let mut want = vec![f32::NAN; m * 48];
+                mat.matmul(&x, m, &mut want);
+                assert!(want.iter().all(|v| v.is_finite()), "matmul left an output unwritten");
+                let got = mat.matmul_vec(&x, m);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{m} tokens, interleaved {}", mat.interleaved);
+            }
+        }
     }
 
     #[test]

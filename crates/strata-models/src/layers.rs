@@ -245,7 +245,7 @@ impl Linear {
                 }
             }
             LinearWeight::Candle(_) => self.forward_candle(x, exact_rows)?,
-            LinearWeight::Kernel(w) => host_matmul(x, w.rows(), |xs, m, out| w.matmul(xs, m, out))?,
+            LinearWeight::Kernel(w) => host_matmul(x, w.rows(), |xs, m| w.matmul_vec(xs, m))?,
         };
         match &self.b {
             Some(b) => y.broadcast_add(b),
@@ -292,20 +292,23 @@ fn f32_matmul_short(t: &Tensor, x: &Tensor) -> candle_core::Result<Option<Tensor
         return Ok(None);
     };
     let w = &cpu.as_slice::<f32>()?[start..end];
-    host_matmul(x, rows, |xs, m, out| strata_kernels::f32::matmul_f32(w, rows, cols, xs, m, out))
-        .map(Some)
+    host_matmul(x, rows, |xs, m| {
+        let mut out = vec![0f32; m * rows];
+        strata_kernels::f32::matmul_f32(w, rows, cols, xs, m, &mut out);
+        out
+    })
+    .map(Some)
 }
 
-/// `x: [.., in] → [.., rows]` through a host kernel `f(x rows, row count m, out [m, rows])`.
+/// `x: [.., in] → [.., rows]` through a host kernel `f(x rows, row count m) → out [m, rows]`.
 fn host_matmul(
     x: &Tensor,
     rows: usize,
-    f: impl FnOnce(&[f32], usize, &mut [f32]),
+    f: impl FnOnce(&[f32], usize) -> Vec<f32>,
 ) -> candle_core::Result<Tensor> {
     let mut dims = x.dims().to_vec();
     let m = x.elem_count() / dims.last().copied().unwrap_or(0).max(1);
-    let mut out = vec![0f32; m * rows];
-    with_host_f32(x, |xs| f(xs, m, &mut out))?;
+    let out = with_host_f32(x, |xs| f(xs, m))?;
     if let Some(l) = dims.last_mut() {
         *l = rows;
     }

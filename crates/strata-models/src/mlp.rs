@@ -142,13 +142,11 @@ impl Mlp {
             return Ok(None);
         }
         let m = x.elem_count() / gu.cols();
-        let mut y = vec![0f32; m * 2 * inter];
-        crate::layers::with_host_f32(x, |xs| gu.matmul(xs, m, &mut y))?;
+        let y = crate::layers::with_host_f32(x, |xs| gu.matmul_vec(xs, m))?;
         let mut h = vec![0f32; m * inter];
         strata_kernels::f32::silu_mul_halves(&y, *inter, &mut h);
         drop(y);
-        let mut out = vec![0f32; m * down.rows()];
-        down.matmul(&h, m, &mut out);
+        let out = down.matmul_vec(&h, m);
         let mut dims = x.dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = down.rows();
