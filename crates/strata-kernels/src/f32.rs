@@ -78,6 +78,23 @@ pub fn silu_mul_halves(y: &[f32], inter: usize, out: &mut [f32]) {
     });
 }
 
+/// `Σ a²` of a row: each square in f32, summed in f64 (ggml's `ggml_compute_forward_rms_norm_f32`
+/// precision) over eight lanes — element `i` into lane `i mod 8`, the lanes reduced by
+/// [`pairwise`], then the tail in order — instead of ggml's one serial chain (a vectorizable sum:
+/// the chain's latency was ~3% of a CPU batch step); the order differs from ggml's only below
+/// f64's rounding. RMSNorm's sum on the CPU (`strata-models`).
+pub fn sum_squares_f64(row: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += (x * x) as f64;
+        }
+    }
+    tail.iter().fold(pairwise(acc), |s, &x| s + (x * x) as f64)
+}
+
 /// Elements per task of [`silu_mul`] and [`silu_mul_halves`].
 const SILU_CHUNK: usize = 2048;
 
@@ -103,11 +120,12 @@ fn reduce(acc: [f32; LANES], tail: f32) -> f32 {
     pairwise(acc) + tail
 }
 
-/// 16 partial sums reduced pairwise: lane i + lane i+8, then +4, +2, +1 (this module's dot
-/// products, and the decode attention's scores and softmax sums, `crate::attention`).
+/// `N` partial sums (a power of two) reduced pairwise: lane i + lane i+N/2, then +N/4, .., +1
+/// (this module's dot products and sums of squares, and the decode attention's scores and softmax
+/// sums, `crate::attention`).
 #[inline(always)]
-pub(crate) fn pairwise<T: Copy + std::ops::AddAssign>(mut acc: [T; LANES]) -> T {
-    let mut n = LANES / 2;
+pub(crate) fn pairwise<T: Copy + std::ops::AddAssign, const N: usize>(mut acc: [T; N]) -> T {
+    let mut n = N / 2;
     while n > 0 {
         for i in 0..n {
             let x = acc[i + n];
@@ -165,6 +183,18 @@ mod tests {
         );
         let want = (gt.silu().unwrap() * ut).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(out, want);
+    }
+
+    /// The eight-lane sum equals ggml's serial f64 chain over the f32 squares up to f64
+    /// rounding, for lengths with and without a tail.
+    #[test]
+    fn sum_squares_f64_matches_the_serial_chain() {
+        for n in [0, 5, 8, 576, 2051] {
+            let row: Vec<f32> = (0..n).map(|i| (i as f32 * 0.61).sin() * 7.0).collect();
+            let serial: f64 = row.iter().map(|&a| (a * a) as f64).sum();
+            let got = sum_squares_f64(&row);
+            assert!((got - serial).abs() <= 1e-12 * serial.max(1.0), "{n}: {got} vs {serial}");
+        }
     }
 
     /// The stacked form gives the bits of [`silu_mul`] over each row's two halves, for widths

@@ -419,32 +419,12 @@ impl RmsNorm {
         let n = w.len().max(1);
         let mut out = Vec::with_capacity(x.len());
         for row in x.chunks_exact(n) {
-            let mean = (sum_squares_f64(row) / n as f64) as f32;
+            let mean = (strata_kernels::f32::sum_squares_f64(row) / n as f64) as f32;
             let scale = 1.0f32 / (mean + self.eps).sqrt();
             out.extend(row.iter().zip(w).map(|(&a, &g)| (a * scale) * g));
         }
         out
     }
-}
-
-/// `Σ a²` of a row: each square in f32, summed in f64 (ggml's `ggml_compute_forward_rms_norm_f32`
-/// precision) over eight lanes — element `i` into lane `i mod 8`, the lanes added pairwise, then
-/// the tail — instead of ggml's one serial chain (a vectorizable sum: the serial chain's latency
-/// was ~3% of a CPU batch step); the order differs from ggml's only below f64's rounding.
-fn sum_squares_f64(row: &[f32]) -> f64 {
-    let mut acc = [0f64; 8];
-    let chunks = row.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += (x * x) as f64;
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-    for &x in tail {
-        s += (x * x) as f64;
-    }
-    s
 }
 
 /// Products `x: [n, in]` of several quantized projections of one format without biases (a
