@@ -32,7 +32,7 @@
 #     the kernel tests and `compare-devices --batch 2 / 4 / 16` on tiny-moe, tiny-hybrid and SmolLM2
 #     (batched = alone on the device, a sequence joining mid-way, batched
 #     steps captured as graphs and op by op; 8+ sequences over Q4_K dense layers within
-#     BATCH_TOL_MMA, exact with STRATA_GPU_DENSE_MMA=0; unless BENCH_ONLY), then `strata bench --batch
+#     BATCH_TOL_MMA, exact with STRATA_GPU_DENSE_MMA=0 STRATA_GPU_MOE_MMA=0; unless BENCH_ONLY), then `strata bench --batch
 #     2,4,8,16` (batched decode in the engine) with the opt-in grouped MoE kernels on and off
 #     (GROUPED, default "1 0 1"), batched steps op by op and captured (alternating), then
 #     1 vs CLIENTS (16) streaming clients through `strata serve --parallel CLIENTS`
@@ -79,6 +79,18 @@
 #     (default tiny-moe Q4_K, realistic routing) with the one-launch block copies and with
 #     STRATA_GPU_KV_SPAN=0; scripts/prefix_check.py's greedy requests (prefix hits) must give
 #     the same texts with both, and hit the cache.
+# 17. PART=moe-mma (instead of 2-16): the grouped int8 MoE kernel (`moe_q4k_mma`, `moe_mmq_q8`;
+#     issue 25) against the per-pair ones. The kernel tests whose names hold KTESTS (default "moe";
+#     empty: all);
+#     `compare-devices --batch 16` on tiny-moe Q4_K (local, realistic): the defaults within
+#     BATCH_TOL_MMA with equal greedy tokens, and STRATA_GPU_MOE_MMA_MIN=1 STRATA_GPU_DENSE_MMA=0
+#     (the grouped kernel for every pass, one token included; dense layers on the mat-vec) exact:
+#     a token's products do not depend on the tokens beside it. Then ncu's time of the MoE kernels
+#     (the last 24 launches of each kernel and grid: two 16-row steps) on a 12-layer cut of the
+#     synthetic 30B (realistic routing) for each of MMA_ENVS, and `strata bench -p 16 -n 64 -r 2
+#     --batch BATCHES` (default 1,16) on the full synthetic 30B in VRAM, MMA_ENVS alternating over
+#     ROUNDS (default 2). MMA_ENVS: space-separated variants, each a comma-separated list of
+#     assignments (default "STRATA_GPU_MOE_MMA=0 X=1": the per-pair kernels, then the defaults).
 set -uo pipefail
 OUT=${OUT:-/tmp/strata-out}
 mkdir -p "$OUT"
@@ -140,16 +152,17 @@ if [ "${PART:-}" = batch ]; then
     [ -f /tmp/tiny-bh.gguf ] || "$S" synth --preset tiny-hybrid --quant Q4_K --routing realistic --out /tmp/tiny-bh.gguf >/dev/null 2>&1
     for M in /tmp/tiny-bq-local.gguf /tmp/tiny-bq-realistic.gguf /tmp/tiny-bh.gguf models/SmolLM2-135M-Instruct.Q4_1.gguf; do
       [ -f "$M" ] || continue
-      # Batches of 8-16 sequences take the int8 tensor-core kernel for Q4_K dense layers
-      # (gpu::DENSE_MMA_ROWS_MIN): each row summed in another order than alone, then rounded to q8
-      # at the next layer, so their logits get the documented bound (BATCH_TOL_MMA) and equal
-      # greedy tokens; STRATA_GPU_DENSE_MMA=0 (the mat-vec for every row count) must be exact.
+      # Batches of 8-16 sequences take the int8 tensor-core kernels for Q4_K dense and MoE layers
+      # (gpu::DENSE_MMA_ROWS_MIN, gpu::MOE_MMA_ROWS_MIN): each row summed in another order than
+      # alone, then rounded to q8 at the next layer, so their logits get the documented bound
+      # (BATCH_TOL_MMA) and equal greedy tokens; with both off (the mat-vec and the per-pair MoE
+      # kernels for every row count: the mma value below is both switches) they must be exact.
       for v in "1 2 1" "1 4 1" "1 16 1" "0 4 1" "0 16 1" "1 16 0"; do
         set -- $v; bg=$1; b=$2; mma=$3
         # (a hybrid's batched passes keep the mat-vec whatever STRATA_GPU_DENSE_MMA: exact)
         tol=1e-5; [ "$b" -ge 8 ] && [ "$mma" = 1 ] && [ "$M" != /tmp/tiny-bh.gguf ] && tol=${BATCH_TOL_MMA:-2e-2}
-        echo "$(basename "$M") batch $b STRATA_GPU_BATCH_GRAPHS=$bg STRATA_GPU_DENSE_MMA=$mma (bound $tol):" | tee -a "$OUT/batch.md"
-        STRATA_GPU_DENSE_MMA=$mma STRATA_GPU_BATCH_GRAPHS=$bg STRATA_GPU_GRAPH_STATS=1 timeout 300 "$S" compare-devices -m "$M" \
+        echo "$(basename "$M") batch $b STRATA_GPU_BATCH_GRAPHS=$bg STRATA_GPU_DENSE_MMA=STRATA_GPU_MOE_MMA=$mma (bound $tol):" | tee -a "$OUT/batch.md"
+        STRATA_GPU_DENSE_MMA=$mma STRATA_GPU_MOE_MMA=$mma STRATA_GPU_BATCH_GRAPHS=$bg STRATA_GPU_GRAPH_STATS=1 timeout 300 "$S" compare-devices -m "$M" \
           --prompt "The quick brown fox jumps over the lazy dog. Once upon a time" -n 40 --batch $b --tolerance 1 \
           --batch-tolerance $tol > "$OUT/cmp-batch.log" 2>&1; echo "exit $?" | tee -a "$OUT/batch.md"
         grep -E '^\||captured|error' "$OUT/cmp-batch.log" | tail -6 | tee -a "$OUT/batch.md"
@@ -526,6 +539,58 @@ print(f"prefix hits {hits:.0f}, reused tokens {reused:.0f}; "
       f"against {[r['s'] for r in b['results']]}")
 print("PASS" if all(same) and len(same) == 5 and hits >= 3 else "FAIL")
 PY
+  exit 0
+fi
+if [ "${PART:-}" = moe-mma ]; then
+  D="$OUT/moe-mma"; mkdir -p "$D"
+  VARS=${MMA_ENVS:-STRATA_GPU_MOE_MMA=0 X=1}
+  if [ -z "${BENCH_ONLY:-}" ]; then
+    unxz_to dist/cuda-kernels-test.xz /tmp/cuda-kernels-test
+    /tmp/cuda-kernels-test --test-threads=1 ${KTESTS-moe} > "$D/kernels.txt" 2>&1; echo "kernel tests (${KTESTS-moe}) exit $?" | tee "$D/mma.md"
+    grep -E "^test |test result|panicked" "$D/kernels.txt" | tee -a "$D/mma.md"
+    for r in local realistic; do
+      M=/tmp/tiny-bq-$r.gguf
+      [ -f $M ] || "$S" synth --preset tiny-moe --quant Q4_K --routing $r --out $M >/dev/null 2>&1
+      for v in "X=1 ${BATCH_TOL_MMA:-2e-2}" "STRATA_GPU_MOE_MMA_MIN=1,STRATA_GPU_DENSE_MMA=0 1e-5"; do
+        set -- $v
+        echo "tiny-moe $r: batch 16, $1 (bound $2):" | tee -a "$D/mma.md"
+        env ${1//,/ } timeout 300 "$S" compare-devices -m $M --prompt "The quick brown fox jumps over the lazy dog. Once upon a time" \
+          -n 40 --batch 16 --tolerance 1 --batch-tolerance "$2" > "$D/cmp.log" 2>&1; echo "exit $?" | tee -a "$D/mma.md"
+        grep -E '^\||error' "$D/cmp.log" | tail -3 | tee -a "$D/mma.md"
+      done
+    done
+  fi
+  MC=/tmp/moe-mma-cut.gguf; M30=/tmp/q3-30b-realistic.gguf
+  [ -f $MC ] || "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --layers 12 --out $MC > /dev/null 2>&1
+  for v in $VARS; do
+    STRATA_GPU_GRAPHS=0 STRATA_GPU_BATCH_GRAPHS=0 STRATA_GPU_PDL=0 timeout 200 env ${v//,/ } /usr/local/cuda/bin/ncu \
+      --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv \
+      -k "regex:${KERNELS:-^(moe_|quantize_q8)}" \
+      "$S" bench -m $MC --device cuda --stream-experts off -p 1 -n 3 -r 1 --batch 16 > "$D/ncu.csv" 2>/dev/null
+    echo "## ncu, $v: µs per launch, the last 24 launches of each kernel and grid (two 16-row steps)" | tee -a "$D/mma.md"
+    python3 - "$D/ncu.csv" <<'PY' | tee -a "$D/mma.md"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows: print("no rows"); sys.exit()
+h = rows[0]; k, u, v = h.index("Kernel Name"), h.index("Metric Unit"), h.index("Metric Value")
+gi = h.index("Grid Size") if "Grid Size" in h else None
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+t = collections.defaultdict(list)
+for r in rows[1:]:
+    t[(r[k].split("(")[0], r[gi] if gi is not None else "")].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
+for (n, g), x in sorted(t.items()):
+    x = x[-24:]
+    print(f"| {n} | grid {g} | {len(x)} | {sum(x) / len(x):.1f} |")
+PY
+  done
+  [ -f $M30 ] || "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out $M30 > /dev/null 2>&1
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for v in $VARS; do
+      echo "## $v round $r: $(env ${v//,/ } timeout 150 "$S" bench -m $M30 --device cuda --stream-experts off \
+        -p 16 -n 64 -r 2 --batch "${BATCHES:-1,16}" 2>&1 | grep -E '^\| [^-]' | grep tg \
+        | awk -F'|' '{printf "%s %s;", $4, $5}')" | tee -a "$D/mma.md"
+    done
+  done
   exit 0
 fi
 if [ "${PART:-}" = ptx-variants ]; then

@@ -21,8 +21,9 @@
 //                   moe_rows_q4k_grouped_nb*: batches grouped by expert (a row dequantized once).
 //  moe_tc_sort, q4k_mm_tc (moe_tc.cuh): prompt passes' Q4_K products on tensor cores, MoE pairs
 //                   grouped by expert on the device.
-//  q4k_mm_q8 (moe_mma.cuh): decode / batched / verify passes' MoE products on int8 tensor cores
-//                   over q8 inputs, pairs grouped by expert (each expert read once per pass).
+//  q4k_mm3_q8, moe_mmq_q8 (moe_mma.cuh): batched / verify passes' dense and MoE products on int8
+//                   tensor cores over q8 inputs, MoE pairs grouped by expert (each selected
+//                   expert read once per pass).
 //  attn_prefill_f16_hd*, attn_decode_tc_f16_hd* (attn_tc.cuh): attention over an f16 KV cache
 //                   on tensor cores (FlashAttention-2) — prompt passes, and decode / verify /
 //                   batched passes split over positions (merged by attn_combine).

@@ -1,8 +1,8 @@
 // Q4_K products of a few rows over q8 activations on int8 tensor cores (mma.m16n8k32), for
-// decode steps, batched steps and verify passes: a MoE layer's (token, slot) pairs grouped by
-// expert (moe_tc_sort with tiles of MMA_TN pairs), so that each selected expert's weights are
-// read once for all of the pass's tokens routed to it instead of once per pair. Included by
-// decode.cu after moe_tc.cuh and mv_q8.cuh.
+// batched steps and verify passes: dense matrices over tiles of MMA_TN consecutive rows, and a MoE
+// layer's (token, slot) pairs grouped by expert (moe_tc_sort with tiles of MMA_TN pairs), so that
+// each selected expert's weights are read once for all of the pass's tokens routed to it instead
+// of once per pair. Included by decode.cu after moe_tc.cuh and mv_q8.cuh.
 //
 // The arithmetic is llama.cpp's MMQ for Q4_K × Q8_1 (ggml-cuda mmq.cuh, `vec_dot_q4_K_q8_1_mma`):
 // a sub-block of 32 weights is one k-step of the instruction — its 4-bit quants (0..15) times the
@@ -12,9 +12,9 @@
 // and sub-blocks in the same order whatever the tile's other pairs, so a pair's result does not
 // depend on which pairs share its pass (tested: a token alone = the same token in a batch).
 //
-//  q4k_mm_q8   out[p, r] = W_e[r, :] · x[s(p), :] for the pairs p of a tile (s(p) = p / k when
-//              per_token, else p); or, order null, a dense product out = x · Wᵀ over tiles of
-//              MMA_TN consecutive rows. With w2 (SwiGLU's up beside gate) out = silu(gate · x) ·
+//  q4k_mm3_q8  out_m = x · W_mᵀ for up to three dense matrices sharing x (a layer's q, k, v).
+//  moe_mmq_q8  out[p, r] = W_e[r, :] · x[s(p), :] for the pairs p of a tile (s(p) = p / k when
+//              per_token, else p); with w2 (SwiGLU's up beside gate) out = silu(gate · x) ·
 //              (up · x).
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k32", .s8): lane = 4·g + t; A (16×32,
@@ -23,8 +23,8 @@
 // c0, c1 row g, pairs 2t, 2t + 1; c2, c3 row g + 8.
 
 #define MMA_TN 8                 // pairs per tile (the instruction's n)
-#define MMA_WARPS 4              // warps per block: the same 16 weight rows, super-blocks split
-#define MMA_ROWS 16              // weight rows per block
+#define MMA_WARPS 4              // warps per dense block: the same 16 weight rows, super-blocks split
+#define MMA_ROWS 16              // weight rows per dense block (per warp in moe_mmq_q8)
 
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                              uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -88,67 +88,50 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
 }
 
-// xq [*, K] int8, xd [*, K / 32] f32 (quantize_q8); w (and w2) [E, R, K] Q4_K (K a multiple of
-// 256); order [P], tiles, ntiles from moe_tc_sort (tiles of MMA_TN), or all three null for a dense
-// product over [R, K] (tile x = rows MMA_TN·x ..); out [P, R] f32; indirect: w and w2 are tables of
-// E expert addresses (expert_weights). grid (max_tiles, ceil(R / MMA_ROWS)), 32·MMA_WARPS threads.
-// The block's 16 weight rows (of each matrix) are copied to shared memory MMA_SB super-blocks at a
-// time (cp.async: every byte of a round in flight at once), then warp w takes super-blocks w,
-// w + MMA_WARPS, .. of the round, and the warps' sums are added in warp order (a fixed order: the
-// same whatever the tile's pairs). `rb`: the block's 16-row group of W (blockIdx.y for q4k_mm_q8).
-__device__ __forceinline__ void q4k_mm_q8_block(
-    const int8_t* __restrict__ xq, const float* __restrict__ xd, const uint8_t* __restrict__ w,
-    const uint8_t* __restrict__ w2, const uint32_t* __restrict__ order,
-    const uint32_t* __restrict__ tiles, const uint32_t* __restrict__ ntiles,
-    float* __restrict__ out, int P, int R, int K, int k, int per_token, int indirect, int rb) {
-    __shared__ __align__(16) uint8_t wsm[2][MMA_ROWS][MMA_PITCH];
-    __shared__ float part[MMA_WARPS - 1][8][WARP];
-    int e = 0, start, count;
-    if (order) {
-        const uint32_t* tl = tiles + 3 * (size_t)blockIdx.x;  // inside the table even past ntiles
-        const uint32_t nt = *ntiles, te = tl[0], ts = tl[1], tc = tl[2];
-        if (blockIdx.x >= nt) return;
-        e = (int)te;
-        start = (int)ts;
-        count = (int)tc;
-    } else {
-        start = blockIdx.x * MMA_TN;
-        if (start >= P) return;
-        count = min(MMA_TN, P - start);
-    }
+// xq [*, K] int8, xd [*, K / 32] f32 (quantize_q8); w [R, K] Q4_K (K a multiple of 256); out
+// [P, R] f32 = x · Wᵀ over tiles of MMA_TN consecutive rows (tile x = rows MMA_TN·x ..). Block
+// (x, rb) takes tile x and the 16-row group rb of W, 32·MMA_WARPS threads. The block's 16 weight
+// rows are copied to shared memory MMA_SB super-blocks at a time (cp.async: every byte of a round in
+// flight at once), then warp w takes super-blocks w, w + MMA_WARPS, .. of the round, and the warps'
+// sums are added in warp order (a fixed order: the same whatever the tile's rows).
+__device__ __forceinline__ void q4k_mm_q8_block(const int8_t* __restrict__ xq,
+                                                const float* __restrict__ xd,
+                                                const uint8_t* __restrict__ w,
+                                                float* __restrict__ out, int P, int R, int K,
+                                                int rb) {
+    __shared__ __align__(16) uint8_t wsm[MMA_ROWS][MMA_PITCH];
+    __shared__ float part[MMA_WARPS - 1][4][WARP];
+    const int start = blockIdx.x * MMA_TN;
+    if (start >= P) return;
+    const int count = min(MMA_TN, P - start);
     const int r0 = rb * MMA_ROWS;
     if (r0 >= R) return;  // the whole block
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane >> 2, t = lane & 3;
-    const int mats = w2 ? 2 : 1, nb = K / 256;
-    const size_t row_bytes = (size_t)nb * Q4K_BYTES, stride = (size_t)R * row_bytes;
-    const uint8_t* base[2] = {expert_weights(w, indirect, e, stride),
-                              w2 ? expert_weights(w2, indirect, e, stride) : nullptr};
-    // Issues round sb0's copies: MMA_SB (or fewer) super-blocks of 16 rows of each matrix.
+    const int nb = K / 256;
+    const size_t row_bytes = (size_t)nb * Q4K_BYTES;
+    // Issues round sb0's copies: MMA_SB (or fewer) super-blocks of the 16 rows.
     auto stage = [&](int sb0) {
         const int nsb = min(MMA_SB, nb - sb0), per_row = nsb * (Q4K_BYTES / 16);
-        for (int idx = tid; idx < mats * MMA_ROWS * per_row; idx += 32 * MMA_WARPS) {
-            const int m = idx / (MMA_ROWS * per_row), rem = idx % (MMA_ROWS * per_row);
-            const int r = rem / per_row, c = rem % per_row;
-            const uint8_t* src = base[m] + (size_t)min(r0 + r, R - 1) * row_bytes +
+        for (int idx = tid; idx < MMA_ROWS * per_row; idx += 32 * MMA_WARPS) {
+            const int r = idx / per_row, c = idx % per_row;
+            const uint8_t* src = w + (size_t)min(r0 + r, R - 1) * row_bytes +
                                  (size_t)sb0 * Q4K_BYTES + 16 * c;
-            cp_async16(&wsm[m][r][16 * c], src);
+            cp_async16(&wsm[r][16 * c], src);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
     stage(0);
-    auto pair_at = [&](int slot) { return order ? (int)order[start + slot] : start + slot; };
-    auto src_of = [&](int p) { return per_token ? p / k : p; };
-    // B: pair slot g's inputs; C: pair slots 2t, 2t + 1 (-1: past the tile, never written).
-    const int8_t* xg = g < count ? xq + (size_t)src_of(pair_at(g)) * K : nullptr;
+    // B: row slot g's inputs; C: row slots 2t, 2t + 1 (-1: past the tile, never written).
+    const int8_t* xg = g < count ? xq + (size_t)(start + g) * K : nullptr;
     int dst[2];
     const float* dxp[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int slot = 2 * t + h;
-        dst[h] = slot < count ? pair_at(slot) : -1;
-        dxp[h] = slot < count ? xd + (size_t)src_of(dst[h]) * (K / 32) : nullptr;
+        dst[h] = slot < count ? start + slot : -1;
+        dxp[h] = slot < count ? xd + (size_t)dst[h] * (K / 32) : nullptr;
     }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int sb0 = 0; sb0 < nb; sb0 += MMA_SB) {
         if (sb0 > 0) {
             __syncthreads();  // every warp is done with the previous round
@@ -163,7 +146,7 @@ __device__ __forceinline__ void q4k_mm_q8_block(
             for (int j = 0; j < 8; j++) {
                 // Sub-block j holds positions 32j .. 32j + 31 of the super-block.
                 bq[j] = xg ? *(const uint2*)(xg + sb * 256 + 32 * j + 8 * t) : make_uint2(0u, 0u);
-                // Σq of pair g's sub-block (exact), then those of pairs 2t and 2t + 1.
+                // Σq of row g's sub-block (exact), then those of rows 2t and 2t + 1.
                 int s = __dp4a((int)bq[j].y, 0x01010101, __dp4a((int)bq[j].x, 0x01010101, 0));
                 s += __shfl_xor_sync(0xffffffffu, s, 1);
                 s += __shfl_xor_sync(0xffffffffu, s, 2);
@@ -176,34 +159,26 @@ __device__ __forceinline__ void q4k_mm_q8_block(
                 }
             }
             const int o = (sb - sb0) * Q4K_BYTES;
-            q4k_mma_superblock(&wsm[0][g][o], &wsm[0][g + 8][o], bq, dx, sx, t, acc);
-            if (w2) q4k_mma_superblock(&wsm[1][g][o], &wsm[1][g + 8][o], bq, dx, sx, t, acc2);
+            q4k_mma_superblock(&wsm[g][o], &wsm[g + 8][o], bq, dx, sx, t, acc);
         }
     }
     // The warps' sums, added in warp order by warp 0.
     if (warp > 0) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            part[warp - 1][i][lane] = acc[i];
-            part[warp - 1][4 + i][lane] = acc2[i];
-        }
+        for (int i = 0; i < 4; i++) part[warp - 1][i][lane] = acc[i];
     }
     __syncthreads();
     if (warp > 0) return;
 #pragma unroll
     for (int v = 0; v < MMA_WARPS - 1; v++) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            acc[i] = __fadd_rn(acc[i], part[v][i][lane]);
-            acc2[i] = __fadd_rn(acc2[i], part[v][4 + i][lane]);
-        }
+        for (int i = 0; i < 4; i++) acc[i] = __fadd_rn(acc[i], part[v][i][lane]);
     }
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int h = i & 1, r = r0 + g + (i < 2 ? 0 : 8);
         if (dst[h] < 0 || r >= R) continue;
-        const float v = w2 ? acc[i] / (1.f + expf(-acc[i])) * acc2[i] : acc[i];
-        out[(size_t)dst[h] * R + r] = v;
+        out[(size_t)dst[h] * R + r] = acc[i];
     }
 }
 
@@ -216,24 +191,11 @@ __device__ __forceinline__ void mma_dense_prefetch(const uint8_t* w, int R, int 
     l2_prefetch(w + r0 * row_bytes, (uint32_t)(min(MMA_ROWS, R - r0) * row_bytes), threadIdx.x, WARP);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
-    q4k_mm_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
-              const uint8_t* __restrict__ w, const uint8_t* __restrict__ w2,
-              const uint32_t* __restrict__ order, const uint32_t* __restrict__ tiles,
-              const uint32_t* __restrict__ ntiles, float* __restrict__ out, int P, int R, int K,
-              int k, int per_token, int indirect) {
-    PDL_LAUNCH();
-    if (!order) mma_dense_prefetch(w, R, K, blockIdx.y);
-    PDL_WAIT();
-    q4k_mm_q8_block(xq, xd, w, w2, order, tiles, ntiles, out, P, R, K, k, per_token, indirect,
-                    blockIdx.y);
-}
-
 // Up to three dense products over the same inputs in one launch (a layer's q, k and v):
 // out_m = x · W_mᵀ for W_m [R_m, K] Q4_K (w1, w2 null / R = 0 when absent), out_m [P, R_m].
 // grid (ceil(P / MMA_TN), Σ ceil(R_m / MMA_ROWS)): blockIdx.y walks W0's row groups, then W1's,
-// then W2's; each block runs as q4k_mm_q8's dense block over its matrix, so every output equals
-// that matrix's own q4k_mm_q8 launch bit for bit.
+// then W2's; each block runs q4k_mm_q8_block over its matrix, so every output equals that
+// matrix's own launch (R1 = R2 = 0) bit for bit.
 extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
     q4k_mm3_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
                const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
@@ -258,5 +220,197 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
     }
     mma_dense_prefetch(w, R, K, rb);
     PDL_WAIT();
-    q4k_mm_q8_block(xq, xd, w, nullptr, nullptr, nullptr, nullptr, out, P, R, K, 1, 0, 0, rb);
+    q4k_mm_q8_block(xq, xd, w, out, P, R, K, rb);
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_mmq_q8: the MoE products of a grouped pass (pairs sorted by expert by moe_tc_sort, tiles of
+// MMA_TN pairs of one expert), each selected expert's rows read once for all of its pairs, with
+// every weight fragment loaded straight into registers — no shared-memory staging of weights, no
+// split of K between warps — and the next super-block's loads in flight while the current one is
+// multiplied. The tile's inputs (its pairs' q8 values and scales) are copied to shared memory once
+// per block when `staged` (the host gives MMQ_SMEM bytes), else read from global memory.
+// Warp w of block (x, y) takes 16 weight rows of tile x over all of K: without w2, rows
+// 16·(MMQ_WARPS·y + w) ..; with w2, warps 0 and 1 take gate's rows 32·y + 16·w .. and warps 2 and 3
+// the same rows of up, whose warps then apply SwiGLU to gate's sums (through shared memory).
+//
+// Per 32-weight sub-block j: one mma over the quants (the exact Σq·x of 16 rows × 8 pairs) and one
+// over the sub-block's 6-bit min broadcast to all 32 k (A = min_j(row) in every byte), which gives
+// min_j · Σx exactly in int32 — the min term without the pairs' sums (q4k_mm_q8_block takes Σx from
+// dp4a and shuffles). Then sq += dx_j · (scale_j · Σq·x) and sm += dx_j · (min_j · Σx) (the integer
+// products are exact and below 2^24 — |scale · Σq·x| ≤ 63 · 32 · 15 · 127 — so their conversion to
+// f32 is exact), and per super-block acc += d · sq − dmin · sm: ggml's d·scale·q − dmin·min
+// regrouped, as in q4k_mm_q8_block. A (pair, row)'s sum runs over the super-blocks and sub-blocks
+// in one order whatever the tile's other pairs, so a pair's result does not depend on which pairs
+// share its pass (tested).
+//
+// Measured on the H200 (docs/performance.md, thirty-third session), 16-token step of the synthetic
+// 30B: gate/up 53.4 µs and down 28.6 µs against the per-pair kernels' 67.1 and 47.3. Tried there
+// and slower: loads two super-blocks ahead (100 registers: 77 µs), weights loaded without L1
+// allocation (63 µs), the warp's rows or the super-block after next prefetched into L2 (62, 57 µs),
+// inputs from global memory instead of shared (60 µs), the first super-block's loads issued before
+// the inputs' staging (53.1 against 52.4 µs).
+#define MMQ_WARPS 4
+
+// Dynamic shared memory of a staged block for K-value rows: MMA_TN q8 rows (pitch K + 32 bytes:
+// pair g's 8-byte pieces at g·(K + 32) + 8t fall on distinct banks) and their MMA_TN · K / 32 f32
+// scales.
+#define MMQ_PITCH(K) ((K) + 32)
+#define MMQ_SMEM(K) (MMA_TN * MMQ_PITCH(K) + MMA_TN * ((K) / 32) * 4)
+
+// One super-block of rows g and g + 8 of a warp's 16 (headers and quants; thread t's 8-byte pieces
+// 32c + 8t of each 32-byte chunk c, the fragment order of q4k_mma_superblock).
+struct MmqSb {
+    uint4 ha, hb;
+    uint2 qa[4], qb[4];
+};
+
+__device__ __forceinline__ MmqSb mmq_load(const uint8_t* __restrict__ ra,
+                                          const uint8_t* __restrict__ rb, int t) {
+    MmqSb s;
+    s.ha = __ldg((const uint4*)ra);
+    s.hb = __ldg((const uint4*)rb);
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        s.qa[c] = __ldg((const uint2*)(ra + 16 + 32 * c + 8 * t));
+        s.qb[c] = __ldg((const uint2*)(rb + 16 + 32 * c + 8 * t));
+    }
+    return s;
+}
+
+// A Q4_K header's 8 scales (sc[0]: sub-blocks 0..3, sc[1]: 4..7, a byte each) and 8 mins (mn),
+// ggml's get_scale_min_k4 on whole words (q4k_head_scale_min one sub-block at a time).
+__device__ __forceinline__ void mmq_scales(const uint4& h, uint32_t (&sc)[2], uint32_t (&mn)[2]) {
+    sc[0] = h.y & 0x3F3F3F3Fu;
+    mn[0] = h.z & 0x3F3F3F3Fu;
+    sc[1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+    mn[1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+}
+
+// xq [*, K] int8, xd [*, K / 32] f32 (quantize_q8); w (and w2) [E, R, K] Q4_K (K a multiple of
+// 256), or with `indirect` tables of E expert addresses; order [P], tiles, ntiles from moe_tc_sort
+// (tiles of MMA_TN); out [P, R] f32 (with w2: silu(gate · x) · (up · x)). grid (max_tiles,
+// ceil(R / 32) with w2, else ceil(R / 64)), 32·MMQ_WARPS threads, MMQ_SMEM(K) bytes of dynamic
+// shared memory when staged (else none).
+extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)
+    moe_mmq_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+               const uint8_t* __restrict__ w, const uint8_t* __restrict__ w2,
+               const uint32_t* __restrict__ order, const uint32_t* __restrict__ tiles,
+               const uint32_t* __restrict__ ntiles, float* __restrict__ out, int P, int R, int K,
+               int k, int per_token, int indirect, int staged) {
+    PDL_ENTER();
+    extern __shared__ __align__(16) uint8_t mmq_smem[];
+    __shared__ float gate_part[2][4][WARP];
+    if (blockIdx.x >= *ntiles) return;  // the whole block
+    const uint32_t* tl = tiles + 3 * (size_t)blockIdx.x;
+    const int e = (int)tl[0], start = (int)tl[1], count = (int)tl[2];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const bool glu = w2 != nullptr;
+    const int group = glu ? 2 * blockIdx.y + (warp & 1) : MMQ_WARPS * blockIdx.y + warp;
+    const int r0 = 16 * group;
+    auto src_of = [&](int slot) {
+        const int p = (int)order[start + slot];
+        return per_token ? p / k : p;
+    };
+    int8_t* xs = (int8_t*)mmq_smem;                          // [MMA_TN][MMQ_PITCH(K)]
+    float* xds = (float*)(mmq_smem + MMA_TN * MMQ_PITCH(K));  // [MMA_TN][K / 32]
+    if (staged) {
+        const int per = K / 16, dper = K / 128;  // 16-byte pieces of a row and of its scales
+        for (int idx = threadIdx.x; idx < count * per; idx += blockDim.x) {
+            const int sl = idx / per, c = idx % per;
+            cp_async16(xs + sl * MMQ_PITCH(K) + 16 * c, xq + (size_t)src_of(sl) * K + 16 * c);
+        }
+        for (int idx = threadIdx.x; idx < count * dper; idx += blockDim.x) {
+            const int sl = idx / dper, c = idx % dper;
+            cp_async16(xds + sl * (K / 32) + 4 * c, xd + (size_t)src_of(sl) * (K / 32) + 4 * c);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+    }
+    if (!glu && r0 >= R) return;  // the warp (no block barrier after this without w2)
+    const int nb = K / 256;
+    const size_t row_bytes = (size_t)nb * Q4K_BYTES;
+    const uint8_t* base = expert_weights(glu && warp >= 2 ? w2 : w, indirect, e, (size_t)R * row_bytes);
+    const uint8_t* ra = base + (size_t)min(r0 + g, R - 1) * row_bytes;
+    const uint8_t* rb = base + (size_t)min(r0 + g + 8, R - 1) * row_bytes;
+    // B: pair slot g's inputs; C: pair slots 2t, 2t + 1 (dst -1: past the tile, never written).
+    const int8_t* xg = nullptr;
+    if (g < count) xg = staged ? xs + g * MMQ_PITCH(K) : xq + (size_t)src_of(g) * K;
+    int dst[2];
+    const float* dxp[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int slot = 2 * t + h;
+        dst[h] = slot < count ? (int)order[start + slot] : -1;
+        dxp[h] = slot >= count ? nullptr
+                 : staged      ? xds + slot * (K / 32)
+                               : xd + (size_t)src_of(slot) * (K / 32);
+    }
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const bool live = r0 < R;
+    MmqSb cur = mmq_load(ra, rb, t);
+#pragma unroll 1
+    for (int sb = 0; live && sb < nb; sb++) {
+        // The next super-block's loads in flight during this one's products (the last one loads
+        // itself again: L1 hits, no branch).
+        const size_t on = (size_t)min(sb + 1, nb - 1) * Q4K_BYTES;
+        const MmqSb nxt = mmq_load(ra + on, rb + on, t);
+        uint32_t sca[2], mna[2], scb[2], mnb[2];
+        mmq_scales(cur.ha, sca, mna);
+        mmq_scales(cur.hb, scb, mnb);
+        float sq[4] = {0.f, 0.f, 0.f, 0.f}, sm[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+#pragma unroll
+            for (int hi = 0; hi < 2; hi++) {
+                const int j = 2 * c + hi, sh = 4 * hi, wd = j >> 2, by = j & 3;
+                const uint2 bq = xg ? *(const uint2*)(xg + sb * 256 + 32 * j + 8 * t) : make_uint2(0u, 0u);
+                float dx[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) dx[h] = dxp[h] ? dxp[h][sb * 8 + j] : 0.f;
+                int ci[4] = {0, 0, 0, 0}, cm[4] = {0, 0, 0, 0};
+                mma_s8_16832(ci, (cur.qa[c].x >> sh) & 0x0F0F0F0Fu, (cur.qb[c].x >> sh) & 0x0F0F0F0Fu,
+                             (cur.qa[c].y >> sh) & 0x0F0F0F0Fu, (cur.qb[c].y >> sh) & 0x0F0F0F0Fu,
+                             bq.x, bq.y);
+                // min_j of row g (a) and of row g + 8 (b) in every byte of A.
+                const uint32_t ma = __byte_perm(mna[wd], 0u, 0x1111u * by);
+                const uint32_t mb = __byte_perm(mnb[wd], 0u, 0x1111u * by);
+                mma_s8_16832(cm, ma, mb, ma, mb, bq.x, bq.y);
+                const int s_a = (int)((sca[wd] >> (8 * by)) & 0xFFu);
+                const int s_b = (int)((scb[wd] >> (8 * by)) & 0xFFu);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int h = i & 1, s = i < 2 ? s_a : s_b;
+                    sq[i] = fmaf(dx[h], (float)(s * ci[i]), sq[i]);
+                    sm[i] = fmaf(dx[h], (float)cm[i], sm[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t hx = i < 2 ? cur.ha.x : cur.hb.x;
+            acc[i] += fmaf(half_lo(hx), sq[i], -half_hi(hx) * sm[i]);
+        }
+        cur = nxt;
+    }
+    if (glu) {
+        if (warp < 2) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) gate_part[warp][i][lane] = acc[i];
+        }
+        __syncthreads();
+        if (warp < 2) return;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int h = i & 1, r = r0 + g + (i < 2 ? 0 : 8);
+        if (dst[h] < 0 || r >= R) continue;
+        float v = acc[i];
+        if (glu) {
+            const float gs = gate_part[warp - 2][i][lane];
+            v = gs / (1.f + expf(-gs)) * acc[i];
+        }
+        out[(size_t)dst[h] * R + r] = v;
+    }
 }

@@ -126,8 +126,8 @@ impl FusedExperts {
             return None;
         }
         let (experts, inter, hidden) = self.gate.shape().dims3().ok()?;
-        // A few tokens (decode, batched steps, verify passes) on int8 tensor cores, each selected
-        // expert read once for all of its tokens (opt-in: slower than `moe_q4k` measured).
+        // Batched steps and verify passes of 8–16 tokens on int8 tensor cores, each selected
+        // expert read once for all of its tokens (`gpu::moe_mma_rows`).
         if crate::gpu::moe_mma_rows(seq) && experts <= MOE_GROUPED_MAX_EXPERTS {
             return Some(
                 x.contiguous().and_then(|x| k::moe_q4k_mma(&x, g, u, d, ids, weights, None)),

@@ -59,8 +59,7 @@ pub enum GpuPath {
     /// Our Q4_K MoE kernel on int8 tensor cores for passes of up to
     /// `strata_kernels::cuda::MOE_MMA_ROWS_MAX` tokens (`moe_q4k_mma`: pairs grouped by expert,
     /// each expert read once per pass), over q8 activations; the row counts it takes:
-    /// `moe_mma_rows`. Off unless asked for (`STRATA_GPU_MOE_MMA=1`): slower than `moe_q4k`'s
-    /// per-pair kernels for 1–16 tokens on the H200 (docs/performance.md).
+    /// `moe_mma_rows` (by default batched steps of [`MOE_MMA_ROWS_MIN`]–16 sequences).
     MoeMma,
     /// Dense Q4_K products of a few rows (batched decode steps, verify passes) on int8 tensor
     /// cores (`matmul_q4k_mma`); the row counts it takes: `dense_mma_rows`.
@@ -211,13 +210,17 @@ pub fn enabled(path: GpuPath) -> bool {
         GpuPath::GdnTables => (&GDN_TABLES, "STRATA_GPU_GDN_TABLES"),
     };
     *cell.get_or_init(|| match (path, std::env::var(var)) {
-        (GpuPath::MoeGrouped | GpuPath::MoeMma, v) => v.is_ok_and(|v| v == "1"),
+        (GpuPath::MoeGrouped, v) => v.is_ok_and(|v| v == "1"),
         (_, v) => !v.is_ok_and(|v| v == "0"),
     })
 }
 
-/// Fewest tokens a pass has for its MoE layers to take [`GpuPath::MoeMma`] (when asked for).
-pub const MOE_MMA_ROWS_MIN: usize = 1;
+/// Fewest tokens a pass has for its MoE layers to take [`GpuPath::MoeMma`] by default: a batched
+/// step of 8–16 sequences reads the union of its tokens' experts once (H200, the synthetic 30B
+/// with realistic routing: 16 sequences' MoE kernels 82 against 114 µs a layer;
+/// docs/performance.md, thirty-third session). Such a pass then sums each token's expert products
+/// in another order than a one-token step's per-pair kernels do (as [`DENSE_MMA_ROWS_MIN`]).
+pub const MOE_MMA_ROWS_MIN: usize = 8;
 
 /// Fewest rows a dense Q4_K product has to take [`GpuPath::DenseMma`] by default: batched
 /// steps of 8–16 sequences ran faster on it, 2–4 slower than on the mat-vec kernel (H200, the
@@ -236,12 +239,15 @@ fn mma_rows(rows: usize, cell: &OnceLock<usize>, var: &str, default_min: usize) 
 }
 
 /// Whether a MoE layer's pass of `rows` tokens runs on the int8 tensor-core kernel:
-/// [`GpuPath::MoeMma`] on, q8 activations on, and `rows` from `STRATA_GPU_MOE_MMA_MIN` (unset:
-/// [`MOE_MMA_ROWS_MIN`]) up to `strata_kernels::cuda::MOE_MMA_ROWS_MAX`.
+/// [`GpuPath::MoeMma`] on (`STRATA_GPU_MOE_MMA=0` turns it off), q8 activations on, not inside
+/// [`rows_exact_scope`], and `rows` from `STRATA_GPU_MOE_MMA_MIN` (unset: [`MOE_MMA_ROWS_MIN`]) up
+/// to `strata_kernels::cuda::MOE_MMA_ROWS_MAX`.
 #[cfg(feature = "cuda")]
 pub fn moe_mma_rows(rows: usize) -> bool {
     static MIN: OnceLock<usize> = OnceLock::new();
-    enabled(GpuPath::MoeMma) && mma_rows(rows, &MIN, "STRATA_GPU_MOE_MMA_MIN", MOE_MMA_ROWS_MIN)
+    enabled(GpuPath::MoeMma)
+        && !ROWS_EXACT.with(std::cell::Cell::get)
+        && mma_rows(rows, &MIN, "STRATA_GPU_MOE_MMA_MIN", MOE_MMA_ROWS_MIN)
 }
 
 /// Whether a dense Q4_K product of `rows` rows runs on the int8 tensor-core kernel:
@@ -261,7 +267,8 @@ thread_local! {
 
 /// Runs `f` (a batched pass of a model with recurrent layers) with the dense products of 8–16
 /// rows on the mat-vec kernel instead of the int8 tensor-core tiles ([`dense_mma_rows`] false on
-/// this thread), so that each row is a one-row step's bits. A Gated DeltaNet state carries a
+/// this thread), and its MoE layers on the per-pair kernels ([`moe_mma_rows`] false), so that each
+/// row is a one-row step's bits. A Gated DeltaNet state carries a
 /// difference in the last bits on to every later token of its sequence: on tiny-hybrid Q4_K, 16
 /// sequences batched with the tiles kept 557 of 620 greedy tokens of each decoded alone
 /// (`compare-devices --batch 16`), and every one without them (docs/performance.md).

@@ -1,8 +1,8 @@
-//! Q4_K products of a few rows (decode steps, batched steps, verify passes) on int8 tensor cores
-//! (`q4k_mm_q8`, cuda/moe_mma.cuh): dense matrices ([`matmul_q4k_mma`], the default for batched
-//! steps of 8–16 sequences) and the routed-expert part of a MoE block ([`moe_q4k_mma`], opt-in):
-//! the pass's (token, slot) pairs grouped by expert on the device, each selected expert's weights
-//! read once for all of its pairs.
+//! Q4_K products of a few rows (batched steps, verify passes) on int8 tensor cores
+//! (cuda/moe_mma.cuh): dense matrices ([`matmul_q4k_mma`], `q4k_mm3_q8`) and the routed-expert part
+//! of a MoE block ([`moe_q4k_mma`], `moe_mmq_q8`): the pass's (token, slot) pairs grouped by expert
+//! on the device, each selected expert's weights read once for all of its pairs. Both are the
+//! defaults for batched steps of 8–16 sequences.
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::CudaDevice;
@@ -15,12 +15,22 @@ use super::{
     moe_weight_args, Activations, Arg, ExpertTable, GroupedShape, MoeDims, SortedPairs,
 };
 
-/// Pairs a tile of `q4k_mm_q8` takes (`MMA_TN` in moe_mma.cuh: the instruction's n).
+/// Pairs (or rows) a tile takes (`MMA_TN` in moe_mma.cuh: the instruction's n).
 const MMA_TN: usize = 8;
-/// Weight rows a block of `q4k_mm_q8` takes (`MMA_ROWS`; its 4 warps split the super-blocks).
+/// Weight rows of a `q4k_mm3_q8` block (`MMA_ROWS`; its 4 warps split the super-blocks), and of
+/// one warp of `moe_mmq_q8`.
 const MMA_ROWS: usize = 16;
-/// Threads of a block (`32 · MMA_WARPS`).
+/// Threads of a block (`32 · MMA_WARPS`, `32 · MMQ_WARPS`).
 const MMA_THREADS: u32 = 128;
+/// Dynamic shared memory a `moe_mmq_q8` block may take without the kernel's opt-in: CUDA's default
+/// limit of 48 KiB a block, less the kernel's 1 KiB of static shared memory.
+const SMEM_DEFAULT_MAX: usize = 47 * 1024;
+
+/// Bytes of `moe_mmq_q8`'s staged inputs for `cols`-value rows (`MMQ_SMEM` in moe_mma.cuh): a
+/// tile's q8 rows at a pitch of `cols + 32` bytes and their f32 scales, one per 32 values.
+fn mmq_smem_bytes(cols: usize) -> usize {
+    MMA_TN * (cols + 32) + MMA_TN * (cols / 32) * 4
+}
 
 /// Tokens a pass may have for [`moe_q4k_mma`] (the decode kernels' [`super::MOE_ROWS_MAX`]: longer
 /// passes take the f16 tensor-core kernels, [`super::moe_q4k_tc`]).
@@ -32,17 +42,18 @@ pub const MOE_MMA_ROWS_MAX: usize = super::MOE_ROWS_MAX;
 /// down(silu(gate · x) ⊙ (up · x))` of expert `ids[t, j]`, no residual.
 ///
 /// Six launches: `x` rounded to q8 ([`super::quantize_q8`], or the twin its producer wrote),
-/// the pairs sorted by expert into tiles of 8 (`moe_tc_sort`), `q4k_mm_q8` over gate and up
-/// (SwiGLU applied in the kernel), the activations rounded to q8, `q4k_mm_q8` over down, and
+/// the pairs sorted by expert into tiles of 8 (`moe_tc_sort`), `moe_mmq_q8` over gate and up
+/// (SwiGLU applied in the kernel), the activations rounded to q8, `moe_mmq_q8` over down, and
 /// [`moe_combine`]. The arithmetic is llama.cpp's MMQ for Q4_K × Q8_1 (ggml-cuda mmq.cuh): a
 /// 32-weight sub-block's integer dot product on the tensor cores (`mma.m16n8k32.s8`), scaled per
 /// sub-block — the q8 kernels' values ([`super::moe_q4k_as`] with [`Activations::Q8`]) up to
 /// summation order. A token's result does not depend on the other tokens of the pass (tested, bit
-/// for bit): a batched step or a verify pass gives each token what it gets alone.
+/// for bit): a batched step or a verify pass gives each token what it gets alone — but not the
+/// bits a one-token pass gets from the per-pair kernels (another summation order).
 ///
-/// Measured slower than [`super::moe_q4k_as`]'s per-pair kernels for 1–16 tokens (H200, the
-/// synthetic 30B: a 16-sequence step's 128 pairs fall on ~73 experts, 1.75 per 8-pair tile;
-/// docs/performance.md), so the models take it only when asked (`STRATA_GPU_MOE_MMA=1`).
+/// H200, the synthetic 30B, a 16-sequence step (128 pairs on ~73 experts): gate/up 53.4 and down
+/// 28.6 µs a layer against the per-pair kernels' 67.1 and 47.3 (docs/performance.md, thirty-third
+/// session); the models take it for passes of `gpu::MOE_MMA_ROWS_MIN`–16 tokens.
 ///
 /// `ids` must be below `E` (as a router's are): a pair with another id is never computed and its
 /// output is undefined. With `table`, experts are read at the addresses it holds (the GPU expert
@@ -76,7 +87,7 @@ pub fn moe_q4k_mma(
     moe_combine(&y.reshape((n, k, h))?, &weights.contiguous()?)
 }
 
-/// One product of `q4k_mm_q8`: the weights' device addresses (tensors or tables), their shape,
+/// One product of `moe_mmq_q8`: the weights' device addresses (tensors or tables), their shape,
 /// and how pairs map to input rows.
 struct MmaLaunch {
     w: u64,
@@ -113,16 +124,24 @@ fn mm_q8(
     ]);
     args.extend(i32s(&[pairs, l.rows, l.cols, l.k, l.per_token as usize]));
     args.push(Arg::I32(l.indirect));
+    // The tile's inputs in shared memory unless they would pass CUDA's default limit (then each
+    // warp reads them from global memory: the same values).
+    let smem = mmq_smem_bytes(l.cols);
+    let staged = smem <= SMEM_DEFAULT_MAX;
+    args.push(Arg::I32(staged as i32));
+    // A block's warps take 16 rows each: four row groups of one matrix, or (with w2) two groups
+    // of gate and the same two of up.
+    let rows_per_block = if l.w2 != 0 { 2 * MMA_ROWS } else { 4 * MMA_ROWS };
     let cfg = LaunchConfig {
-        grid_dim: (sorted.max_tiles as u32, l.rows.div_ceil(MMA_ROWS) as u32, 1),
+        grid_dim: (sorted.max_tiles as u32, l.rows.div_ceil(rows_per_block) as u32, 1),
         block_dim: (MMA_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: if staged { smem as u32 } else { 0 },
     };
-    // SAFETY: arguments in `q4k_mm_q8`'s order; the caller checked that the weights are Q4_K
+    // SAFETY: arguments in `moe_mmq_q8`'s order; the caller checked that the weights are Q4_K
     // [E, rows, cols] (or a table of E such experts), that `src` holds a `cols`-value row per
     // token (per_token) or per pair, that `out` holds [pairs, rows], and `sorted` came from
     // `moe_tc_sort` over ids < E with tiles of MMA_TN.
-    unsafe { launch(dev, "q4k_mm_q8", cfg, &args) }
+    unsafe { launch(dev, "moe_mmq_q8", cfg, &args) }
 }
 
 /// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`) for a few rows
