@@ -249,7 +249,8 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 // and slower: loads two super-blocks ahead (100 registers: 77 µs), weights loaded without L1
 // allocation (63 µs), the warp's rows or the super-block after next prefetched into L2 (62, 57 µs),
 // inputs from global memory instead of shared (60 µs), the first super-block's loads issued before
-// the inputs' staging (53.1 against 52.4 µs).
+// the inputs' staging (53.1 against 52.4 µs), each warp's weights copied into shared memory with
+// cp.async one or two super-blocks ahead (85 / 96 registers: 56.9 / 55.5 against 53.3 µs).
 #define MMQ_WARPS 4
 
 // Dynamic shared memory of a staged block for K-value rows: MMA_TN q8 rows (pitch K + 32 bytes:
