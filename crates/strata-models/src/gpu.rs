@@ -217,7 +217,8 @@ pub fn enabled(path: GpuPath) -> bool {
 
 /// Fewest tokens a pass has for its MoE layers to take [`GpuPath::MoeMma`] by default: a batched
 /// step of 8–16 sequences reads the union of its tokens' experts once (H200, the synthetic 30B
-/// with realistic routing: 16 sequences' MoE kernels 82 against 114 µs a layer;
+/// with realistic routing: 16 sequences' MoE kernels 87 µs a layer with the pairs' sort and
+/// combine, against 114 µs;
 /// docs/performance.md, thirty-third session). Such a pass then sums each token's expert products
 /// in another order than a one-token step's per-pair kernels do (as [`DENSE_MMA_ROWS_MIN`]).
 pub const MOE_MMA_ROWS_MIN: usize = 8;
