@@ -256,19 +256,22 @@ variant_envs() {
     *) envs=(X=1) ;;
   esac
 }
-# ncu_table CSV [LAST]: per-kernel launches, mean µs and share from an ncu `--metrics
+# ncu_table CSV [LAST] [grid]: per-kernel launches, mean µs and share from an ncu `--metrics
 # gpu__time_duration.sum --csv` output, and the total per layer (over attention launches); with
-# LAST, over each kernel's last LAST launches only.
+# LAST, over each kernel's last LAST launches only; with `grid`, per kernel and grid size (one
+# kernel launched for different products, e.g. gate/up and down).
 ncu_table() {
-  python3 - "$1" "${2:-0}" <<'PY'
+  python3 - "$1" "${2:-0}" "${3:-}" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows: print("no rows"); sys.exit()
 hdr = rows[0]; k, u, v = hdr.index("Kernel Name"), hdr.index("Metric Unit"), hdr.index("Metric Value")
+gi = hdr.index("Grid Size") if sys.argv[3] == "grid" and "Grid Size" in hdr else None
 scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 t = collections.defaultdict(list)
 for r in rows[1:]:
-    t[r[k].split("(")[0][:70]].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
+    name = r[k].split("(")[0][:70] + (f" grid {r[gi]}" if gi is not None else "")
+    t[name].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
 last = int(sys.argv[2])
 if last:
     t = {n: x[-last:] for n, x in t.items()}
@@ -567,21 +570,8 @@ if [ "${PART:-}" = moe-mma ]; then
       --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv \
       -k "regex:${KERNELS:-^(moe_|quantize_q8)}" \
       "$S" bench -m $MC --device cuda --stream-experts off -p 1 -n 3 -r 1 --batch 16 > "$D/ncu.csv" 2>/dev/null
-    echo "## ncu, $v: µs per launch, the last 24 launches of each kernel and grid (two 16-row steps)" | tee -a "$D/mma.md"
-    python3 - "$D/ncu.csv" <<'PY' | tee -a "$D/mma.md"
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-if not rows: print("no rows"); sys.exit()
-h = rows[0]; k, u, v = h.index("Kernel Name"), h.index("Metric Unit"), h.index("Metric Value")
-gi = h.index("Grid Size") if "Grid Size" in h else None
-scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-t = collections.defaultdict(list)
-for r in rows[1:]:
-    t[(r[k].split("(")[0], r[gi] if gi is not None else "")].append(float(r[v].replace(",", "")) * scale.get(r[u], 1.0))
-for (n, g), x in sorted(t.items()):
-    x = x[-24:]
-    print(f"| {n} | grid {g} | {len(x)} | {sum(x) / len(x):.1f} |")
-PY
+    echo "## ncu, $v: the last 24 launches of each kernel and grid (two 16-row steps)" | tee -a "$D/mma.md"
+    ncu_table "$D/ncu.csv" 24 grid | tee -a "$D/mma.md"
   done
   [ -f $M30 ] || "$S" synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out $M30 > /dev/null 2>&1
   for r in $(seq 1 "${ROUNDS:-2}"); do

@@ -229,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 // every weight fragment loaded straight into registers — no shared-memory staging of weights, no
 // split of K between warps — and the next super-block's loads in flight while the current one is
 // multiplied. The tile's inputs (its pairs' q8 values and scales) are copied to shared memory once
-// per block when `staged` (the host gives MMQ_SMEM bytes), else read from global memory.
+// per block when `staged` (the host gives the dynamic shared memory), else read from global memory.
 // Warp w of block (x, y) takes 16 weight rows of tile x over all of K: without w2, rows
 // 16·(MMQ_WARPS·y + w) ..; with w2, warps 0 and 1 take gate's rows 32·y + 16·w .. and warps 2 and 3
 // the same rows of up, whose warps then apply SwiGLU to gate's sums (through shared memory).
@@ -253,11 +253,10 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 // cp.async one or two super-blocks ahead (85 / 96 registers: 56.9 / 55.5 against 53.3 µs).
 #define MMQ_WARPS 4
 
-// Dynamic shared memory of a staged block for K-value rows: MMA_TN q8 rows (pitch K + 32 bytes:
-// pair g's 8-byte pieces at g·(K + 32) + 8t fall on distinct banks) and their MMA_TN · K / 32 f32
-// scales.
+// Dynamic shared memory of a staged block for K-value rows (its size: the host's
+// `mmq_smem_bytes`, src/cuda/moe_mma.rs): MMA_TN q8 rows at a pitch of K + 32 bytes (pair g's
+// 8-byte pieces at g·(K + 32) + 8t fall on distinct banks), then their MMA_TN · K / 32 f32 scales.
 #define MMQ_PITCH(K) ((K) + 32)
-#define MMQ_SMEM(K) (MMA_TN * MMQ_PITCH(K) + MMA_TN * ((K) / 32) * 4)
 
 // One super-block of rows g and g + 8 of a warp's 16 (headers and quants; thread t's 8-byte pieces
 // 32c + 8t of each 32-byte chunk c, the fragment order of q4k_mma_superblock).
@@ -291,7 +290,7 @@ __device__ __forceinline__ void mmq_scales(const uint4& h, uint32_t (&sc)[2], ui
 // xq [*, K] int8, xd [*, K / 32] f32 (quantize_q8); w (and w2) [E, R, K] Q4_K (K a multiple of
 // 256), or with `indirect` tables of E expert addresses; order [P], tiles, ntiles from moe_tc_sort
 // (tiles of MMA_TN); out [P, R] f32 (with w2: silu(gate · x) · (up · x)). grid (max_tiles,
-// ceil(R / 32) with w2, else ceil(R / 64)), 32·MMQ_WARPS threads, MMQ_SMEM(K) bytes of dynamic
+// ceil(R / 32) with w2, else ceil(R / 64)), 32·MMQ_WARPS threads, the staged inputs' dynamic
 // shared memory when staged (else none).
 extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)
     moe_mmq_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,

@@ -218,9 +218,9 @@ pub fn enabled(path: GpuPath) -> bool {
 /// Fewest tokens a pass has for its MoE layers to take [`GpuPath::MoeMma`] by default: a batched
 /// step of 8–16 sequences reads the union of its tokens' experts once (H200, the synthetic 30B
 /// with realistic routing: 16 sequences' MoE kernels 87 µs a layer with the pairs' sort and
-/// combine, against 114 µs;
-/// docs/performance.md, thirty-third session). Such a pass then sums each token's expert products
-/// in another order than a one-token step's per-pair kernels do (as [`DENSE_MMA_ROWS_MIN`]).
+/// combine, against 114 µs; docs/performance.md, thirty-third session). Such a pass then sums each
+/// token's expert products in another order than a one-token step's per-pair kernels do (as
+/// [`DENSE_MMA_ROWS_MIN`]).
 pub const MOE_MMA_ROWS_MIN: usize = 8;
 
 /// Fewest rows a dense Q4_K product has to take [`GpuPath::DenseMma`] by default: batched
@@ -269,8 +269,8 @@ thread_local! {
 /// Runs `f` (a batched pass of a model with recurrent layers) with the dense products of 8–16
 /// rows on the mat-vec kernel instead of the int8 tensor-core tiles ([`dense_mma_rows`] false on
 /// this thread), and its MoE layers on the per-pair kernels ([`moe_mma_rows`] false), so that each
-/// row is a one-row step's bits. A Gated DeltaNet state carries a
-/// difference in the last bits on to every later token of its sequence: on tiny-hybrid Q4_K, 16
+/// row is a one-row step's bits. A Gated DeltaNet state carries a difference in the last bits on
+/// to every later token of its sequence: on tiny-hybrid Q4_K, 16
 /// sequences batched with the tiles kept 557 of 620 greedy tokens of each decoded alone
 /// (`compare-devices --batch 16`), and every one without them (docs/performance.md).
 pub fn rows_exact_scope<R>(f: impl FnOnce() -> R) -> R {

@@ -26,8 +26,9 @@ const MMA_THREADS: u32 = 128;
 /// limit of 48 KiB a block, less the kernel's 1 KiB of static shared memory.
 const SMEM_DEFAULT_MAX: usize = 47 * 1024;
 
-/// Bytes of `moe_mmq_q8`'s staged inputs for `cols`-value rows (`MMQ_SMEM` in moe_mma.cuh): a
-/// tile's q8 rows at a pitch of `cols + 32` bytes and their f32 scales, one per 32 values.
+/// Bytes of `moe_mmq_q8`'s staged inputs for `cols`-value rows (the layout moe_mma.cuh reads,
+/// `MMQ_PITCH`): a tile's q8 rows at a pitch of `cols + 32` bytes and their f32 scales, one per 32
+/// values.
 fn mmq_smem_bytes(cols: usize) -> usize {
     MMA_TN * (cols + 32) + MMA_TN * (cols / 32) * 4
 }
