@@ -367,19 +367,23 @@ fn huge_prompts_under_load_keep_health_fast_and_memory_returns() {
     );
 }
 
-/// `--parallel 0` is refused by the argument parser; `serve --help` never prints the API key.
+/// `--parallel 0` and `--batch-tokens` other than `auto` or a positive count are refused by the
+/// argument parser; `serve --help` never prints the API key.
 #[test]
 fn serve_flags_are_checked_and_the_key_is_not_shown() {
-    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["serve", "--parallel", "0"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--parallel"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for (flag, value) in [("--parallel", "0"), ("--batch-tokens", "0"), ("--batch-tokens", "many")]
+    {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["serve", flag, value])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(flag),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["serve", "--help"])
         .env("STRATA_API_KEY", "hunter2-secret")

@@ -456,9 +456,10 @@ fn the_warm_up_leaves_an_idle_batch_and_an_empty_prefix_cache() {
     let mut cfg = BatchConfig::new(2, 512);
     cfg.prefix_cache_bytes = 64 << 20;
     let mut b = Batcher::new(engine.clone(), cfg).unwrap();
-    let (ms, prefix_hit) = b.warm_up().unwrap();
-    assert!(ms > 0.0);
-    assert!(prefix_hit, "the second warm-up request runs on the first's prefix");
+    let w = b.warm_up().unwrap();
+    assert!(w.ms > 0.0);
+    assert!(w.prefix_hit, "the second warm-up request runs on the first's prefix");
+    assert_eq!(w.batch_sizes, 0, "no batched graphs on the CPU");
     assert!(!b.has_work());
     assert_eq!(b.free_slots(), 2);
     let st = b.prefix_stats().unwrap();

@@ -23,8 +23,7 @@
 // c0, c1 row g, pairs 2t, 2t + 1; c2, c3 row g + 8.
 
 #define MMA_TN 8                 // pairs per tile (the instruction's n)
-#define MMA_WARPS 4              // warps per dense block: the same 16 weight rows, super-blocks split
-#define MMA_ROWS 16              // weight rows per dense block (per warp in moe_mmq_q8)
+#define MMA_ROWS 16              // weight rows per dense block and per warp of moe_mmq_q8
 
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                              uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -40,187 +39,9 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], uint32_t a0, uint32_t 
 // a thread's A words for a row are one 8-byte piece of the quants (qs bytes 32c + 8t ..: sub-block
 // 2c in the low nibbles, 2c + 1 in the high ones) and its B words one 8-byte piece of the inputs.
 
-// One matrix's share of a warp's super-block from shared memory: rows g and g + 8 of the block's
-// 16 (ra, rb: their super-block's 144 bytes), over the 8 sub-blocks' B fragments bq and input
-// scales dx / sx (pairs 2t, 2t + 1: dx[h][j] the q8 scale, sx[h][j] = dx·Σq of sub-block j).
-// acc: c0..c3 as C.
-__device__ __forceinline__ void q4k_mma_superblock(const uint8_t* ra, const uint8_t* rb,
-                                                   const uint2 (&bq)[8], const float (&dx)[2][8],
-                                                   const float (&sx)[2][8], int t,
-                                                   float (&acc)[4]) {
-    const uint4 ha = *(const uint4*)ra, hb = *(const uint4*)rb;
-    float sq[4] = {0.f, 0.f, 0.f, 0.f}, sm[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int c = 0; c < 4; c++) {
-        const uint2 qa = *(const uint2*)(ra + 16 + 32 * c + 8 * t);
-        const uint2 qb = *(const uint2*)(rb + 16 + 32 * c + 8 * t);
-#pragma unroll
-        for (int hi = 0; hi < 2; hi++) {
-            const int j = 2 * c + hi, sh = 4 * hi;
-            int ci[4] = {0, 0, 0, 0};
-            mma_s8_16832(ci, (qa.x >> sh) & 0x0F0F0F0Fu, (qb.x >> sh) & 0x0F0F0F0Fu,
-                         (qa.y >> sh) & 0x0F0F0F0Fu, (qb.y >> sh) & 0x0F0F0F0Fu, bq[j].x, bq[j].y);
-            float s_a, m_a, s_b, m_b;
-            q4k_head_scale_min(ha, j, s_a, m_a);
-            q4k_head_scale_min(hb, j, s_b, m_b);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int h = i & 1;
-                const float s = i < 2 ? s_a : s_b, m = i < 2 ? m_a : m_b;
-                sq[i] = __fadd_rn(sq[i], __fmul_rn(s, __fmul_rn(dx[h][j], (float)ci[i])));
-                sm[i] = __fadd_rn(sm[i], __fmul_rn(m, sx[h][j]));
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t hx = i < 2 ? ha.x : hb.x;
-        acc[i] = __fadd_rn(acc[i], __fsub_rn(__fmul_rn(half_lo(hx), sq[i]),
-                                             __fmul_rn(half_hi(hx), sm[i])));
-    }
-}
-
-#define MMA_SB 8                              // super-blocks staged per round
-#define MMA_PITCH (MMA_SB * Q4K_BYTES + 32)   // a staged row's bytes (padded off the banks)
-
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-
-// xq [*, K] int8, xd [*, K / 32] f32 (quantize_q8); w [R, K] Q4_K (K a multiple of 256); out
-// [P, R] f32 = x · Wᵀ over tiles of MMA_TN consecutive rows (tile x = rows MMA_TN·x ..). Block
-// (x, rb) takes tile x and the 16-row group rb of W, 32·MMA_WARPS threads. The block's 16 weight
-// rows are copied to shared memory MMA_SB super-blocks at a time (cp.async: every byte of a round in
-// flight at once), then warp w takes super-blocks w, w + MMA_WARPS, .. of the round, and the warps'
-// sums are added in warp order (a fixed order: the same whatever the tile's rows).
-__device__ __forceinline__ void q4k_mm_q8_block(const int8_t* __restrict__ xq,
-                                                const float* __restrict__ xd,
-                                                const uint8_t* __restrict__ w,
-                                                float* __restrict__ out, int P, int R, int K,
-                                                int rb) {
-    __shared__ __align__(16) uint8_t wsm[MMA_ROWS][MMA_PITCH];
-    __shared__ float part[MMA_WARPS - 1][4][WARP];
-    const int start = blockIdx.x * MMA_TN;
-    if (start >= P) return;
-    const int count = min(MMA_TN, P - start);
-    const int r0 = rb * MMA_ROWS;
-    if (r0 >= R) return;  // the whole block
-    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, g = lane >> 2, t = lane & 3;
-    const int nb = K / 256;
-    const size_t row_bytes = (size_t)nb * Q4K_BYTES;
-    // Issues round sb0's copies: MMA_SB (or fewer) super-blocks of the 16 rows.
-    auto stage = [&](int sb0) {
-        const int nsb = min(MMA_SB, nb - sb0), per_row = nsb * (Q4K_BYTES / 16);
-        for (int idx = tid; idx < MMA_ROWS * per_row; idx += 32 * MMA_WARPS) {
-            const int r = idx / per_row, c = idx % per_row;
-            const uint8_t* src = w + (size_t)min(r0 + r, R - 1) * row_bytes +
-                                 (size_t)sb0 * Q4K_BYTES + 16 * c;
-            cp_async16(&wsm[r][16 * c], src);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-    stage(0);
-    // B: row slot g's inputs; C: row slots 2t, 2t + 1 (-1: past the tile, never written).
-    const int8_t* xg = g < count ? xq + (size_t)(start + g) * K : nullptr;
-    int dst[2];
-    const float* dxp[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int slot = 2 * t + h;
-        dst[h] = slot < count ? start + slot : -1;
-        dxp[h] = slot < count ? xd + (size_t)dst[h] * (K / 32) : nullptr;
-    }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int sb0 = 0; sb0 < nb; sb0 += MMA_SB) {
-        if (sb0 > 0) {
-            __syncthreads();  // every warp is done with the previous round
-            stage(sb0);
-        }
-        asm volatile("cp.async.wait_all;" ::: "memory");
-        __syncthreads();
-        for (int sb = sb0 + warp; sb < min(nb, sb0 + MMA_SB); sb += MMA_WARPS) {
-            uint2 bq[8];
-            float dx[2][8], sx[2][8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                // Sub-block j holds positions 32j .. 32j + 31 of the super-block.
-                bq[j] = xg ? *(const uint2*)(xg + sb * 256 + 32 * j + 8 * t) : make_uint2(0u, 0u);
-                // Σq of row g's sub-block (exact), then those of rows 2t and 2t + 1.
-                int s = __dp4a((int)bq[j].y, 0x01010101, __dp4a((int)bq[j].x, 0x01010101, 0));
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
-                const int s0 = __shfl_sync(0xffffffffu, s, 8 * t);
-                const int s1 = __shfl_sync(0xffffffffu, s, 8 * t + 4);
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    dx[h][j] = dxp[h] ? dxp[h][sb * 8 + j] : 0.f;
-                    sx[h][j] = __fmul_rn(dx[h][j], (float)(h ? s1 : s0));
-                }
-            }
-            const int o = (sb - sb0) * Q4K_BYTES;
-            q4k_mma_superblock(&wsm[g][o], &wsm[g + 8][o], bq, dx, sx, t, acc);
-        }
-    }
-    // The warps' sums, added in warp order by warp 0.
-    if (warp > 0) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) part[warp - 1][i][lane] = acc[i];
-    }
-    __syncthreads();
-    if (warp > 0) return;
-#pragma unroll
-    for (int v = 0; v < MMA_WARPS - 1; v++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[i] = __fadd_rn(acc[i], part[v][i][lane]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int h = i & 1, r = r0 + g + (i < 2 ? 0 : 8);
-        if (dst[h] < 0 || r >= R) continue;
-        out[(size_t)dst[h] * R + r] = acc[i];
-    }
-}
-
-// A dense block's 16 weight rows (group rb of W [R, K] Q4_K) into L2 before the PDL wait (the
-// weights are constant, so they may be fetched while the previous kernel still runs); warp 0.
-__device__ __forceinline__ void mma_dense_prefetch(const uint8_t* w, int R, int K, int rb) {
-    const int r0 = rb * MMA_ROWS;
-    if (threadIdx.x >= WARP || r0 >= R) return;
-    const size_t row_bytes = (size_t)(K / 256) * Q4K_BYTES;
-    l2_prefetch(w + r0 * row_bytes, (uint32_t)(min(MMA_ROWS, R - r0) * row_bytes), threadIdx.x, WARP);
-}
-
-// Up to three dense products over the same inputs in one launch (a layer's q, k and v):
-// out_m = x · W_mᵀ for W_m [R_m, K] Q4_K (w1, w2 null / R = 0 when absent), out_m [P, R_m].
-// grid (ceil(P / MMA_TN), Σ ceil(R_m / MMA_ROWS)): blockIdx.y walks W0's row groups, then W1's,
-// then W2's; each block runs q4k_mm_q8_block over its matrix, so every output equals that
-// matrix's own launch (R1 = R2 = 0) bit for bit.
-extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
-    q4k_mm3_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
-               const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
-               const uint8_t* __restrict__ w2, float* __restrict__ out0, float* __restrict__ out1,
-               float* __restrict__ out2, int P, int R0, int R1, int R2, int K) {
-    PDL_LAUNCH();
-    const int g0 = (R0 + MMA_ROWS - 1) / MMA_ROWS, g1 = (R1 + MMA_ROWS - 1) / MMA_ROWS;
-    int rb = blockIdx.y;
-    const uint8_t* w = w0;
-    float* out = out0;
-    int R = R0;
-    if (rb >= g0 + g1) {
-        rb -= g0 + g1;
-        w = w2;
-        out = out2;
-        R = R2;
-    } else if (rb >= g0) {
-        rb -= g0;
-        w = w1;
-        out = out1;
-        R = R1;
-    }
-    mma_dense_prefetch(w, R, K, rb);
-    PDL_WAIT();
-    q4k_mm_q8_block(xq, xd, w, out, P, R, K, rb);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -236,13 +57,12 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 //
 // Per 32-weight sub-block j: one mma over the quants (the exact Σq·x of 16 rows × 8 pairs) and one
 // over the sub-block's 6-bit min broadcast to all 32 k (A = min_j(row) in every byte), which gives
-// min_j · Σx exactly in int32 — the min term without the pairs' sums (q4k_mm_q8_block takes Σx from
-// dp4a and shuffles). Then sq += dx_j · (scale_j · Σq·x) and sm += dx_j · (min_j · Σx) (the integer
-// products are exact and below 2^24 — |scale · Σq·x| ≤ 63 · 32 · 15 · 127 — so their conversion to
-// f32 is exact), and per super-block acc += d · sq − dmin · sm: ggml's d·scale·q − dmin·min
-// regrouped, as in q4k_mm_q8_block. A (pair, row)'s sum runs over the super-blocks and sub-blocks
-// in one order whatever the tile's other pairs, so a pair's result does not depend on which pairs
-// share its pass (tested).
+// min_j · Σx exactly in int32 — the min term without the pairs' sums. Then sq += dx_j · (scale_j ·
+// Σq·x) and sm += dx_j · (min_j · Σx) (the integer products are exact and below 2^24 — |scale ·
+// Σq·x| ≤ 63 · 32 · 15 · 127 — so their conversion to f32 is exact), and per super-block acc +=
+// d · sq − dmin · sm: ggml's d·scale·q − dmin·min regrouped (mmq_superblock, which the dense block
+// shares). A (pair, row)'s sum runs over the super-blocks and sub-blocks in one order whatever the
+// tile's other pairs, so a pair's result does not depend on which pairs share its pass (tested).
 //
 // Measured on the H200 (docs/performance.md, thirty-third session), 16-token step of the synthetic
 // 30B: gate/up 53.4 µs and down 28.6 µs against the per-pair kernels' 67.1 and 47.3. Tried there
@@ -259,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)
 #define MMQ_PITCH(K) ((K) + 32)
 
 // One super-block of rows g and g + 8 of a warp's 16 (headers and quants; thread t's 8-byte pieces
-// 32c + 8t of each 32-byte chunk c, the fragment order of q4k_mma_superblock).
+// 32c + 8t of each 32-byte chunk c, the fragment order above).
 struct MmqSb {
     uint4 ha, hb;
     uint2 qa[4], qb[4];
@@ -285,6 +105,64 @@ __device__ __forceinline__ void mmq_scales(const uint4& h, uint32_t (&sc)[2], ui
     mn[0] = h.z & 0x3F3F3F3Fu;
     sc[1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
     mn[1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+}
+
+// One super-block's products for NT tiles of MMA_TN pairs: rows g and g + 8 of the warp's 16 (cur,
+// each A fragment shared by the tiles) times tile n's pair slot g's inputs (xg[n], null past the
+// tile: zeros) with the scales of its pair slots 2t, 2t + 1 (dxp[n][h], null past the tile);
+// acc[n] (c0..c3 as C) += d · sq − dmin · sm. Tile n's sums do not depend on the other tiles.
+template <int NT>
+__device__ __forceinline__ void mmq_superblock(const MmqSb& cur, const int8_t* const (&xg)[NT],
+                                               const float* const (&dxp)[NT][2], int sb, int t,
+                                               float (&acc)[NT][4]) {
+    uint32_t sca[2], mna[2], scb[2], mnb[2];
+    mmq_scales(cur.ha, sca, mna);
+    mmq_scales(cur.hb, scb, mnb);
+    float sq[NT][4], sm[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) sq[n][i] = sm[n][i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            const int j = 2 * c + hi, sh = 4 * hi, wd = j >> 2, by = j & 3;
+            const uint32_t a0 = (cur.qa[c].x >> sh) & 0x0F0F0F0Fu;
+            const uint32_t a1 = (cur.qb[c].x >> sh) & 0x0F0F0F0Fu;
+            const uint32_t a2 = (cur.qa[c].y >> sh) & 0x0F0F0F0Fu;
+            const uint32_t a3 = (cur.qb[c].y >> sh) & 0x0F0F0F0Fu;
+            // min_j of row g (a) and of row g + 8 (b) in every byte of A.
+            const uint32_t ma = __byte_perm(mna[wd], 0u, 0x1111u * by);
+            const uint32_t mb = __byte_perm(mnb[wd], 0u, 0x1111u * by);
+            const int s_a = (int)((sca[wd] >> (8 * by)) & 0xFFu);
+            const int s_b = (int)((scb[wd] >> (8 * by)) & 0xFFu);
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                const uint2 bq = xg[n] ? *(const uint2*)(xg[n] + sb * 256 + 32 * j + 8 * t)
+                                       : make_uint2(0u, 0u);
+                float dx[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) dx[h] = dxp[n][h] ? dxp[n][h][sb * 8 + j] : 0.f;
+                int ci[4] = {0, 0, 0, 0}, cm[4] = {0, 0, 0, 0};
+                mma_s8_16832(ci, a0, a1, a2, a3, bq.x, bq.y);
+                mma_s8_16832(cm, ma, mb, ma, mb, bq.x, bq.y);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int h = i & 1, s = i < 2 ? s_a : s_b;
+                    sq[n][i] = fmaf(dx[h], (float)(s * ci[i]), sq[n][i]);
+                    sm[n][i] = fmaf(dx[h], (float)cm[i], sm[n][i]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t hx = i < 2 ? cur.ha.x : cur.hb.x;
+            acc[n][i] += fmaf(half_lo(hx), sq[n][i], -half_hi(hx) * sm[n][i]);
+        }
 }
 
 // xq [*, K] int8, xd [*, K / 32] f32 (quantize_q8); w (and w2) [E, R, K] Q4_K (K a multiple of
@@ -347,7 +225,9 @@ extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)
                  : staged      ? xds + slot * (K / 32)
                                : xd + (size_t)src_of(slot) * (K / 32);
     }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    const int8_t* const xg1[1] = {xg};
+    const float* const dxp1[1][2] = {{dxp[0], dxp[1]}};
     const bool live = r0 < R;
     MmqSb cur = mmq_load(ra, rb, t);
 #pragma unroll 1
@@ -356,48 +236,13 @@ extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)
         // itself again: L1 hits, no branch).
         const size_t on = (size_t)min(sb + 1, nb - 1) * Q4K_BYTES;
         const MmqSb nxt = mmq_load(ra + on, rb + on, t);
-        uint32_t sca[2], mna[2], scb[2], mnb[2];
-        mmq_scales(cur.ha, sca, mna);
-        mmq_scales(cur.hb, scb, mnb);
-        float sq[4] = {0.f, 0.f, 0.f, 0.f}, sm[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-#pragma unroll
-            for (int hi = 0; hi < 2; hi++) {
-                const int j = 2 * c + hi, sh = 4 * hi, wd = j >> 2, by = j & 3;
-                const uint2 bq = xg ? *(const uint2*)(xg + sb * 256 + 32 * j + 8 * t) : make_uint2(0u, 0u);
-                float dx[2];
-#pragma unroll
-                for (int h = 0; h < 2; h++) dx[h] = dxp[h] ? dxp[h][sb * 8 + j] : 0.f;
-                int ci[4] = {0, 0, 0, 0}, cm[4] = {0, 0, 0, 0};
-                mma_s8_16832(ci, (cur.qa[c].x >> sh) & 0x0F0F0F0Fu, (cur.qb[c].x >> sh) & 0x0F0F0F0Fu,
-                             (cur.qa[c].y >> sh) & 0x0F0F0F0Fu, (cur.qb[c].y >> sh) & 0x0F0F0F0Fu,
-                             bq.x, bq.y);
-                // min_j of row g (a) and of row g + 8 (b) in every byte of A.
-                const uint32_t ma = __byte_perm(mna[wd], 0u, 0x1111u * by);
-                const uint32_t mb = __byte_perm(mnb[wd], 0u, 0x1111u * by);
-                mma_s8_16832(cm, ma, mb, ma, mb, bq.x, bq.y);
-                const int s_a = (int)((sca[wd] >> (8 * by)) & 0xFFu);
-                const int s_b = (int)((scb[wd] >> (8 * by)) & 0xFFu);
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int h = i & 1, s = i < 2 ? s_a : s_b;
-                    sq[i] = fmaf(dx[h], (float)(s * ci[i]), sq[i]);
-                    sm[i] = fmaf(dx[h], (float)cm[i], sm[i]);
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint32_t hx = i < 2 ? cur.ha.x : cur.hb.x;
-            acc[i] += fmaf(half_lo(hx), sq[i], -half_hi(hx) * sm[i]);
-        }
+        mmq_superblock<1>(cur, xg1, dxp1, sb, t, acc);
         cur = nxt;
     }
     if (glu) {
         if (warp < 2) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) gate_part[warp][i][lane] = acc[i];
+            for (int i = 0; i < 4; i++) gate_part[warp][i][lane] = acc[0][i];
         }
         __syncthreads();
         if (warp < 2) return;
@@ -406,11 +251,160 @@ extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)
     for (int i = 0; i < 4; i++) {
         const int h = i & 1, r = r0 + g + (i < 2 ? 0 : 8);
         if (dst[h] < 0 || r >= R) continue;
-        float v = acc[i];
+        float v = acc[0][i];
         if (glu) {
             const float gs = gate_part[warp - 2][i][lane];
-            v = gs / (1.f + expf(-gs)) * acc[i];
+            v = gs / (1.f + expf(-gs)) * acc[0][i];
         }
         out[(size_t)dst[h] * R + r] = v;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense products of a few rows (q4k_mm3_q8): the arithmetic of moe_mmq_q8 (mmq_load,
+// mmq_superblock) over one matrix. Block (x, rb) takes the 16 weight rows of group rb and the
+// pass's rows 16·x .. (two tiles of MMA_TN: each weight fragment loaded once into registers serves
+// both); its warps split K — warp w takes super-blocks w, w + nw, .. (nw = blockDim.x / 32, up to
+// MMQD_WARPS_MAX; the host gives two super-blocks a warp), loading the next one into registers
+// while the current one is multiplied — and their sums are added in warp order through shared
+// memory. A row's sum thus runs over the
+// super-blocks and sub-blocks in one order whatever the other rows of the pass (tested: a row alone
+// = the same row in a pass).
+//
+// The block this replaced (twentieth to thirty-third sessions) staged its 16 rows in shared memory
+// with cp.async, waited for every byte before its first product, took Σx of each sub-block with
+// dp4a and shuffles, and ran each tile of 8 rows in its own block (each weight read twice for 16).
+#define MMQD_WARPS_MAX 8
+
+// A dense block's warp: super-blocks warp, warp + nw, .. of rows ra / rb8 (g and g + 8) for NT
+// tiles, the next super-block's loads in flight during this one's products (the last one loads
+// itself again: L1 hits, no branch).
+template <int NT>
+__device__ __forceinline__ void mmqd_warp(const uint8_t* ra, const uint8_t* rb8,
+                                          const int8_t* const (&xg)[NT],
+                                          const float* const (&dxp)[NT][2], int warp, int nw,
+                                          int nb, int t, float (&acc)[NT][4]) {
+    MmqSb cur = mmq_load(ra + (size_t)warp * Q4K_BYTES, rb8 + (size_t)warp * Q4K_BYTES, t);
+#pragma unroll 1
+    for (int sb = warp; sb < nb; sb += nw) {
+        const size_t on = (size_t)(sb + nw < nb ? sb + nw : sb) * Q4K_BYTES;
+        const MmqSb nxt = mmq_load(ra + on, rb8 + on, t);
+        mmq_superblock<NT>(cur, xg, dxp, sb, t, acc);
+        cur = nxt;
+    }
+}
+
+// xq [*, K] int8, xd [*, K / 32] f32 (quantize_q8); w [R, K] Q4_K (K a multiple of 256); out [P, R]
+// f32 = x · Wᵀ for rows 16·blockIdx.x .. of x, weight rows 16·rb ..
+__device__ __forceinline__ void q4k_mm_q8_block(const int8_t* __restrict__ xq,
+                                                const float* __restrict__ xd,
+                                                const uint8_t* __restrict__ w,
+                                                float* __restrict__ out, int P, int R, int K,
+                                                int rb) {
+    __shared__ float part[MMQD_WARPS_MAX - 1][2][4][WARP];
+    const int start = blockIdx.x * 2 * MMA_TN;
+    if (start >= P) return;
+    const int count = min(2 * MMA_TN, P - start);
+    const int r0 = rb * MMA_ROWS;
+    if (r0 >= R) return;  // the whole block
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const int nw = min((int)(blockDim.x / WARP), MMQD_WARPS_MAX);
+    const int nb = K / 256;
+    const size_t row_bytes = (size_t)nb * Q4K_BYTES;
+    const uint8_t* ra = w + (size_t)min(r0 + g, R - 1) * row_bytes;
+    const uint8_t* rb8 = w + (size_t)min(r0 + g + 8, R - 1) * row_bytes;
+    // Tile n: B from row slot 8n + g; C to row slots 8n + 2t, 8n + 2t + 1 (dst -1: past the pass).
+    const int8_t* xg[2];
+    const float* dxp[2][2];
+    int dst[2][2];
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+        const int sg = MMA_TN * n + g;
+        xg[n] = sg < count ? xq + (size_t)(start + sg) * K : nullptr;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int slot = MMA_TN * n + 2 * t + h;
+            dst[n][h] = slot < count ? start + slot : -1;
+            dxp[n][h] = slot < count ? xd + (size_t)(start + slot) * (K / 32) : nullptr;
+        }
+    }
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    if (warp < nb && warp < nw) {
+        if (count > MMA_TN) {
+            mmqd_warp<2>(ra, rb8, xg, dxp, warp, nw, nb, t, acc);
+        } else {
+            // One tile: the first tile's sums alone (the same operations as with two).
+            const int8_t* const xg1[1] = {xg[0]};
+            const float* const dxp1[1][2] = {{dxp[0][0], dxp[0][1]}};
+            float acc1[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+            mmqd_warp<1>(ra, rb8, xg1, dxp1, warp, nw, nb, t, acc1);
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[0][i] = acc1[0][i];
+        }
+    }
+    // The warps' sums, added in warp order by warp 0.
+    if (warp > 0 && warp < nw) {
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) part[warp - 1][n][i][lane] = acc[n][i];
+    }
+    __syncthreads();
+    if (warp > 0) return;
+    for (int v = 0; v < nw - 1; v++) {
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[n][i] = __fadd_rn(acc[n][i], part[v][n][i][lane]);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int h = i & 1, r = r0 + g + (i < 2 ? 0 : 8);
+            if (dst[n][h] < 0 || r >= R) continue;
+            out[(size_t)dst[n][h] * R + r] = acc[n][i];
+        }
+    }
+}
+
+// A dense block's 16 weight rows (group rb of W [R, K] Q4_K) into L2 before the PDL wait (the
+// weights are constant, so they may be fetched while the previous kernel still runs); warp 0.
+__device__ __forceinline__ void mma_dense_prefetch(const uint8_t* w, int R, int K, int rb) {
+    const int r0 = rb * MMA_ROWS;
+    if (threadIdx.x >= WARP || r0 >= R) return;
+    const size_t row_bytes = (size_t)(K / 256) * Q4K_BYTES;
+    l2_prefetch(w + r0 * row_bytes, (uint32_t)(min(MMA_ROWS, R - r0) * row_bytes), threadIdx.x, WARP);
+}
+
+// Up to three dense products over the same inputs in one launch (a layer's q, k and v):
+// out_m = x · W_mᵀ for W_m [R_m, K] Q4_K (w1, w2 null / R = 0 when absent), out_m [P, R_m].
+// grid (ceil(P / (2 · MMA_TN)), Σ ceil(R_m / MMA_ROWS)), 32 · nw threads (nw warps split K):
+// blockIdx.y walks W0's row groups, then W1's, then W2's; each block runs q4k_mm_q8_block over its
+// matrix, so every output equals that matrix's own launch (R1 = R2 = 0) bit for bit.
+extern "C" __global__ void __launch_bounds__(32 * MMQD_WARPS_MAX)
+    q4k_mm3_q8(const int8_t* __restrict__ xq, const float* __restrict__ xd,
+               const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
+               const uint8_t* __restrict__ w2, float* __restrict__ out0, float* __restrict__ out1,
+               float* __restrict__ out2, int P, int R0, int R1, int R2, int K) {
+    PDL_LAUNCH();
+    const int g0 = (R0 + MMA_ROWS - 1) / MMA_ROWS, g1 = (R1 + MMA_ROWS - 1) / MMA_ROWS;
+    int rb = blockIdx.y;
+    const uint8_t* w = w0;
+    float* out = out0;
+    int R = R0;
+    if (rb >= g0 + g1) {
+        rb -= g0 + g1;
+        w = w2;
+        out = out2;
+        R = R2;
+    } else if (rb >= g0) {
+        rb -= g0;
+        w = w1;
+        out = out1;
+        R = R1;
+    }
+    mma_dense_prefetch(w, R, K, rb);
+    PDL_WAIT();
+    q4k_mm_q8_block(xq, xd, w, out, P, R, K, rb);
 }

@@ -82,8 +82,10 @@ impl FusedExperts {
     }
 
     /// `x: [seq, H]`, `ids: [seq, k]`, `weights: [seq, k]` (on the device) → the weighted sum of
-    /// the selected experts' outputs `[seq, H]` by our Q4_K kernels on a GPU: passes of more than
-    /// `MOE_ROWS_MAX` tokens (prompts, large batches) on tensor cores, grouped by expert
+    /// the selected experts' outputs `[seq, H]` by our Q4_K kernels on a GPU: batched steps and
+    /// verify passes of 8–16 tokens on int8 tensor cores (`strata_kernels::cuda::moe_q4k_mma`,
+    /// `crate::gpu::moe_mma_rows`); passes of more than `MOE_ROWS_MAX` tokens (prompts, large
+    /// batches) on f16 tensor cores, grouped by expert
     /// (`strata_kernels::cuda::moe_q4k_tc`: f16 inputs, f32 sums; `STRATA_GPU_MOE_TC=0` turns it
     /// off); of the rest (f32 activations), with `STRATA_GPU_MOE_GROUPED=1`, passes of 2 to `MOE_GROUPED_ROWS_MAX` tokens (batched
     /// decode, verify) grouped by expert (`strata_kernels::cuda::moe_q4k_grouped`: each selected
@@ -93,8 +95,9 @@ impl FusedExperts {
     /// length, or the kernels turned off (then [`Self::forward`] and a weighted sum).
     ///
     /// With `table` (the GPU expert tier's mapped experts, [`FusedCall::table`]) `ids` are expert
-    /// ids whose weights the table addresses: up to `MOE_ROWS_MAX` tokens by `moe_q4k`, longer
-    /// passes on tensor cores, whatever the switches say (the tensors hold no expert by id).
+    /// ids whose weights the table addresses: `moe_q4k_mma` for the passes it takes, else up to
+    /// `MOE_ROWS_MAX` tokens by `moe_q4k`, longer passes on tensor cores, whatever the other
+    /// switches say (the tensors hold no expert by id).
     #[cfg(feature = "cuda")]
     pub fn forward_combined(
         &self,

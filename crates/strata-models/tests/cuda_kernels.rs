@@ -578,6 +578,10 @@ fn matmul_and_matvec_q4k_match_the_f32_reference_and_rows_are_independent() {
         (2200, 256, 5),
         (4400, 512, 2),
         (97, 512, 11),
+        // The tiles' kernel: 16 super-blocks over the block's warps, a partial second tile of
+        // rows; six super-blocks (an uneven split), 9 rows.
+        (40, 4096, 13),
+        (33, 1536, 9),
     ] {
         let (wq, deq) = random_q4k(&[r, k], &mut rng, &dev);
         let x = rng.vec(n * k, 1.0);

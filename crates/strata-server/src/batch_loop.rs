@@ -28,7 +28,9 @@ pub fn start(
 ) -> Result<(), String> {
     let mut bc = BatchConfig::new(config.parallel, config.ctx_size);
     bc.prefill_chunk = config.prefill_chunk.max(1);
-    bc.step_tokens = config.batch_tokens.max(1);
+    let gpu = engine.model.device().is_cuda();
+    bc.step_tokens =
+        config.batch_tokens.unwrap_or(if gpu { GPU_BATCH_TOKENS } else { CPU_BATCH_TOKENS }).max(1);
     bc.prefix_cache_bytes = config.prefix_cache_bytes;
     bc.split_mixed = config.split_mixed;
     let window = config.batch_window.unwrap_or(if engine.model.experts().stats().is_some() {
@@ -38,10 +40,15 @@ pub fn start(
     });
     let mut batcher = Batcher::new(engine, bc).map_err(|e| format!("starting the batch: {e}"))?;
     if config.warm_up {
-        let (ms, hit) = batcher.warm_up().map_err(|e| format!("warming up: {e}"))?;
+        let w = batcher.warm_up().map_err(|e| format!("warming up: {e}"))?;
+        let sizes = match w.batch_sizes {
+            0 => String::new(),
+            n => format!("; batched steps of 2 to {} sequences captured", n + 1),
+        };
         tracing::info!(
-            "warm-up: {ms:.0} ms (two short requests{}; --no-warmup skips it)",
-            if hit { ", the second a prefix hit" } else { "" }
+            "warm-up: {:.0} ms (two short requests{}{sizes}; --no-warmup skips it)",
+            w.ms,
+            if w.prefix_hit { ", the second a prefix hit" } else { "" }
         );
     }
     let s = s.clone();
@@ -51,6 +58,17 @@ pub fn start(
         .map_err(|e| format!("spawning the batch thread: {e}"))?;
     Ok(())
 }
+
+/// `--batch-tokens auto` on the CPU: a step's pass stays short (SmolLM2 on 2 cores: ~10 ms a
+/// prompt chunk of 64 tokens), so running requests' tokens keep coming while prompts enter.
+pub const CPU_BATCH_TOKENS: usize = 512;
+
+/// `--batch-tokens auto` on a GPU: requests arriving together have their prompts in one pass
+/// (each weight read once for all of them; vLLM's default budget is larger still). H200, the
+/// synthetic 30B, 16 clients' prompts of ~57 tokens: 16 clients against 1, 5.70× / 5.73× with
+/// 2048 against 4.90× / 5.56× with 512, which split them over two passes (docs/performance.md,
+/// thirty-fourth session).
+pub const GPU_BATCH_TOKENS: usize = 2048;
 
 /// `--batch-window auto` where experts stream: how long a new request waits for others before its
 /// prompt pass (ms against a streamed 30B's prompt pass of 4–7 s, which reads nearly every expert).
@@ -263,6 +281,19 @@ impl StepLog {
             return;
         }
         let now = Instant::now();
+        tracing::debug!(
+            sequences = st.sequences,
+            rows = st.rows,
+            decode_rows = st.decode_rows,
+            generated = st.generated,
+            pass_ms = format!("{:.2}", st.pass_ms),
+            step_ms = format!("{:.2}", now.duration_since(started).as_secs_f64() * 1e3),
+            gap_ms = format!(
+                "{:.2}",
+                self.last_end.map_or(0.0, |e| started.duration_since(e).as_secs_f64() * 1e3)
+            ),
+            "step"
+        );
         self.since.get_or_insert(started);
         self.last_end = Some(now);
         self.steps += 1;

@@ -11,7 +11,7 @@
 //! `server_shutting_down` error.
 
 mod batch_loop;
-pub use batch_loop::STREAMED_BATCH_WINDOW;
+pub use batch_loop::{CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, STREAMED_BATCH_WINDOW};
 mod embeddings;
 pub mod error;
 mod http;
@@ -61,8 +61,10 @@ pub struct ServerConfig {
     /// Time a client has to send a request's body (408 after it).
     pub body_timeout: Duration,
     pub prefill_chunk: usize,
-    /// Tokens one batched forward pass runs at most beyond one prefill chunk (`--batch-tokens`).
-    pub batch_tokens: usize,
+    /// Tokens one batched forward pass runs at most beyond one prefill chunk (`--batch-tokens`;
+    /// `None`: [`GPU_BATCH_TOKENS`] on a GPU, [`CPU_BATCH_TOKENS`]
+    /// elsewhere).
+    pub batch_tokens: Option<usize>,
     /// How long new requests wait for more before their prompt pass (`--batch-window`; `None`:
     /// [`STREAMED_BATCH_WINDOW`] where experts stream from the drive, else none).
     pub batch_window: Option<Duration>,
@@ -102,7 +104,7 @@ impl Default for ServerConfig {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             prefill_chunk: 512,
-            batch_tokens: 512,
+            batch_tokens: None,
             batch_window: None,
             prefix_cache_bytes: 0,
             split_mixed: None,

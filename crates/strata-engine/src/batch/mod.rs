@@ -136,6 +136,18 @@ pub struct StepStats {
     pub finish_ms: f64,
 }
 
+/// What [`Batcher::warm_up`] did.
+#[derive(Debug, Clone, Copy)]
+pub struct WarmUp {
+    /// Milliseconds it took.
+    pub ms: f64,
+    /// Whether the second request found the first's prefix in the prefix cache.
+    pub prefix_hit: bool,
+    /// Batched decode step sizes run twice (2 up to the slots): captured as CUDA graphs where the
+    /// model's batched steps are (0 elsewhere).
+    pub batch_sizes: usize,
+}
+
 /// The continuous-batching scheduler over one [`Engine`]. Drive it with [`Self::submit`] and
 /// [`Self::step`] from one thread (the server's batch thread; tests call it directly).
 pub struct Batcher {
@@ -219,26 +231,36 @@ impl Batcher {
         self.prefix.as_ref().map(PrefixCache::stats)
     }
 
-    /// Runs a short greedy request through the batch twice — the second time on the first's
-    /// cached prefix when there is a prefix cache — then empties the prefix cache, so that a
+    /// Runs a greedy request through the batch twice — the second time on the first's cached
+    /// prefix when there is a prefix cache; one prefix block long, or on a GPU long enough for the
+    /// prompt kernels ([`strata_models::Transformer::prompt_kernel_rows`]) — then empties the
+    /// prefix cache, so that a
     /// server's first user requests pay none of the process's first-use costs (on a GPU: the
     /// driver compiling each kernel module's PTX when it is first used, ours and candle's, and
     /// the decode graphs' capture). On a fresh H200 with the synthetic 30B, without it, the first
     /// request took 13.0 s to its first token and the next one, with the same prompt (a prefix
-    /// hit), 3.7 s (docs/performance.md). llama-server also warms up at start. Returns the
-    /// milliseconds it took and whether the second request found the first's prefix.
+    /// hit), 3.7 s (docs/performance.md). llama-server also warms up at start. Where batched
+    /// decode steps are captured as CUDA graphs
+    /// ([`strata_models::Transformer::batched_graph_rows`]), it then runs every batch size from 2
+    /// up to the slots twice (requests of 4-token prompts and 3 tokens, submitted together), so
+    /// that a burst of requests finds its steps captured, as vLLM captures its batch sizes' graphs
+    /// at start (`cudagraph_capture_sizes`).
     ///
     /// Errors: as [`Self::step`]; `Internal` when requests are running or waiting, or the context
     /// is too short for the warm-up prompt (4 tokens at least).
-    pub fn warm_up(&mut self) -> Result<(f64, bool)> {
+    pub fn warm_up(&mut self) -> Result<WarmUp> {
         if self.has_work() {
             return Err(EngineError::Internal("warm-up while requests are running".into()));
         }
         let started = Instant::now();
         let vocab = self.engine.model.config().vocab_size.max(1) as u32;
-        // One whole prefix block and one token more (a hit then prefills one token), within the
-        // context with room for the two generated tokens.
-        let len = (self.cfg.prefix_block.max(1) + 1).min(self.cfg.ctx_size.saturating_sub(3));
+        // Whole prefix blocks and one token more (a hit then prefills one token), within the
+        // context with room for the two generated tokens: one block, or on a GPU enough to take
+        // the prompt kernels (their modules load on first use: a 16-client burst's first pass on
+        // kernels the warm-up had not run took 210 ms against ~60, docs/performance.md).
+        let block = self.cfg.prefix_block.max(1);
+        let min_rows = self.engine.model.prompt_kernel_rows().unwrap_or(1);
+        let len = (min_rows.div_ceil(block) * block + 1).min(self.cfg.ctx_size.saturating_sub(3));
         if len < 4 {
             return Err(EngineError::Internal(format!(
                 "a context of {} tokens is too short for the warm-up",
@@ -247,23 +269,20 @@ impl Batcher {
         }
         let prompt: Vec<u32> = (0..len as u32).map(|i| (i + 1) % vocab).collect();
         for _ in 0..2 {
-            let failed: Arc<std::sync::Mutex<Option<EngineError>>> = Default::default();
-            let f = failed.clone();
-            let sink: Sink = Box::new(move |ev| {
-                if let SeqEvent::Failed(e) = ev {
-                    *f.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                }
-                ControlFlow::Continue(())
-            });
-            let mut req = GenerateRequest::new(prompt.clone(), 2, crate::SamplingParams::greedy());
-            req.ignore_eos = true;
-            self.submit(Submission::new(req, sink, Arc::new(AtomicBool::new(false))));
-            while self.has_work() {
-                self.step(&|| false)?;
-            }
-            let err = failed.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(e) = err {
-                return Err(e);
+            self.run_warm_up(vec![prompt.clone()], 2)?;
+        }
+        // Batched decode steps of every size up to the slots (and the graph path's limit), so
+        // that a burst of requests never waits for its step's first op-by-op run and capture:
+        // each size twice (a size is captured the second time it comes), from 4-token prompts of
+        // their own (no prefix hits).
+        let mut sizes = 0;
+        if let Some(max) = self.engine.model.batched_graph_rows() {
+            for n in 2..=max.min(self.caches.len()) {
+                let prompts = (0..n as u32)
+                    .map(|s| (0..4).map(|i| (7 + 31 * s + i) % vocab).collect())
+                    .collect();
+                self.run_warm_up(prompts, 3)?;
+                sizes += 1;
             }
         }
         let hit = self.prefix_stats().is_some_and(|st| st.hits > 0);
@@ -271,7 +290,33 @@ impl Batcher {
             self.prefix =
                 Some(PrefixCache::new(self.cfg.prefix_block, self.cfg.prefix_cache_bytes));
         }
-        Ok((ms_since(started), hit))
+        Ok(WarmUp { ms: ms_since(started), prefix_hit: hit, batch_sizes: sizes })
+    }
+
+    /// Runs greedy requests for `prompts` (`max_tokens` each, all submitted at once) to their
+    /// end. Errors: a step's, or the first request failure.
+    fn run_warm_up(&mut self, prompts: Vec<Vec<u32>>, max_tokens: usize) -> Result<()> {
+        let failed: Arc<std::sync::Mutex<Option<EngineError>>> = Default::default();
+        for prompt in prompts {
+            let f = failed.clone();
+            let sink: Sink = Box::new(move |ev| {
+                if let SeqEvent::Failed(e) = ev {
+                    *f.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+                ControlFlow::Continue(())
+            });
+            let mut req = GenerateRequest::new(prompt, max_tokens, crate::SamplingParams::greedy());
+            req.ignore_eos = true;
+            self.submit(Submission::new(req, sink, Arc::new(AtomicBool::new(false))));
+        }
+        while self.has_work() {
+            self.step(&|| false)?;
+        }
+        let err = failed.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Ends every running and waiting request with `error()` (a server shutdown).

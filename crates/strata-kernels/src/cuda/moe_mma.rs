@@ -17,10 +17,20 @@ use super::{
 
 /// Pairs (or rows) a tile takes (`MMA_TN` in moe_mma.cuh: the instruction's n).
 const MMA_TN: usize = 8;
-/// Weight rows of a `q4k_mm3_q8` block (`MMA_ROWS`; its 4 warps split the super-blocks), and of
+/// Weight rows of a `q4k_mm3_q8` block (`MMA_ROWS`; its warps split the super-blocks), and of
 /// one warp of `moe_mmq_q8`.
 const MMA_ROWS: usize = 16;
-/// Threads of a block (`32 · MMA_WARPS`, `32 · MMQ_WARPS`).
+
+/// Warps of a `q4k_mm3_q8` block for rows of `nb` super-blocks: two super-blocks a warp (both
+/// loads in flight at once), 1 to 8 warps (`MMQD_WARPS_MAX`). H200, a 16-row step of the
+/// synthetic 30B (ncu): q/k/v (8 super-blocks) 10.1 µs with 4 warps against 13.1 with 8; o (16)
+/// 9.7 µs with 8 against 12.8 with 4; the lm_head (8) 154 µs with 4 against 172 with 8
+/// (docs/performance.md, thirty-fourth session).
+fn dense_warps(nb: usize) -> usize {
+    (nb / 2).clamp(1, 8)
+}
+
+/// Threads of a `moe_mmq_q8` block (`32 · MMQ_WARPS`).
 const MMA_THREADS: u32 = 128;
 /// Dynamic shared memory a `moe_mmq_q8` block may take without the kernel's opt-in: CUDA's default
 /// limit of 48 KiB a block, less the kernel's 1 KiB of static shared memory.
@@ -34,7 +44,11 @@ fn mmq_smem_bytes(cols: usize) -> usize {
 }
 
 /// Tokens a pass may have for [`moe_q4k_mma`] (the decode kernels' [`super::MOE_ROWS_MAX`]: longer
-/// passes take the f16 tensor-core kernels, [`super::moe_q4k_tc`]).
+/// passes take the f16 tensor-core kernels, [`super::moe_q4k_tc`]). Measured and not taken (H200,
+/// the synthetic 30B; docs/performance.md, thirty-fourth session): prompt passes of up to 256
+/// tokens on these kernels ran 1.3–2.6× faster (57 tokens 4,391 against 1,710 tok/s), but a
+/// prompt's kernels — and so its bits — would then depend on how many rows the prompts beside it
+/// add to its pass (`compare-devices --batch 4`: 1.2e-1 against each sequence alone).
 pub const MOE_MMA_ROWS_MAX: usize = super::MOE_ROWS_MAX;
 
 /// The routed-expert part of a MoE block over Q4_K experts for a pass of a few tokens, on int8
@@ -145,12 +159,12 @@ fn mm_q8(
     unsafe { launch(dev, "moe_mmq_q8", cfg, &args) }
 }
 
-/// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`) for a few rows
-/// (batched decode steps, verify passes) on int8 tensor cores: `x` rounded to q8 (or its twin
-/// taken), then `q4k_mm3_q8` over tiles of 8 rows — each weight row read once per tile instead of
-/// once per 4 rows (the mat-vec kernel's tokens per warp). The q8 mat-vec's values up to
-/// summation order; a row's result does not depend on the other rows (tested). One matrix of
-/// [`matmul_q4k_mma_many`].
+/// `x: [n, K]` f32 times a Q4_K matrix `w: [R, K]` → `[n, R]` (`y = x · wᵀ`) for passes of a
+/// few rows (the models take it for 8 to [`MOE_MMA_ROWS_MAX`]: batched decode steps, verify
+/// passes) on int8 tensor cores: `x` rounded to q8 (or its twin taken), then `q4k_mm3_q8` over
+/// blocks of 16 rows — each weight row read once per 16 rows instead of once per 4 (the mat-vec
+/// kernel's tokens per warp). The q8 mat-vec's values up to summation order; a row's result does
+/// not depend on the other rows (tested). One matrix of [`matmul_q4k_mma_many`].
 ///
 /// Errors: `w` not Q4_K `[R, K]` with `K` a multiple of 256, `x` not f32 `[n, K]` on the same
 /// device.
@@ -161,8 +175,12 @@ pub fn matmul_q4k_mma(x: &Tensor, w: &QTensor) -> Result<Tensor> {
 /// [`matmul_q4k_mma`] over up to three Q4_K matrices `ws[m]: [R_m, K]` sharing the input `x: [n,
 /// K]` (a layer's q, k and v) in one launch (`q4k_mm3_q8`; `x` rounded to q8 once) → `[n, R_m]`
 /// each, every one equal bit for bit to that matrix's launch alone (tested). A 16-row step's k and
-/// v (512 rows each, 64 blocks) cost about the kernel's latency alone; fused with q they fill the
-/// GPU together (docs/performance.md, twentieth session).
+/// v (512 rows each, 32 blocks) cost about the kernel's latency alone; fused with q they fill the
+/// GPU together (docs/performance.md, twentieth session). A block takes 16 weight rows and 16 of
+/// `x`'s rows (two tiles of 8 sharing each weight fragment), its warps splitting K; H200, a 16-row
+/// step of the synthetic 30B: q/k/v 10.1 µs, o 9.7, the lm_head 154 against 11.9, 11.8 and 202
+/// with the block this replaced (one tile a block, its weights staged in shared memory;
+/// docs/performance.md, thirty-fourth session).
 ///
 /// Errors: no matrix or more than three; any matrix refused as by [`matmul_q4k_mma`] (the same
 /// `K` for all).
@@ -196,8 +214,8 @@ pub fn matmul_q4k_mma_many(x: &Tensor, ws: &[&QTensor]) -> Result<Vec<Tensor>> {
     args.extend(i32s(&[n, rows[0], rows[1], rows[2], x.dim(1)?]));
     let groups: usize = rows.iter().map(|r| r.div_ceil(MMA_ROWS)).sum();
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(MMA_TN) as u32, groups as u32, 1),
-        block_dim: (MMA_THREADS, 1, 1),
+        grid_dim: (n.div_ceil(2 * MMA_TN) as u32, groups as u32, 1),
+        block_dim: (32 * dense_warps(x.dim(1)? / 256) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: arguments in `q4k_mm3_q8`'s order; every matrix checked Q4_K [R_m, K] against x

@@ -149,6 +149,30 @@ impl Transformer {
         false
     }
 
+    /// The most sequences a batched decode step may have to be captured and replayed as a CUDA
+    /// graph (`super::batch_graph`; each batch size is captured the second time it comes), or
+    /// `None` where batched steps run op by op: no `cuda` build, another device, graphs off
+    /// (`STRATA_GPU_GRAPHS=0`, `STRATA_GPU_BATCH_GRAPHS=0`) or a model the graph path refuses.
+    pub fn batched_graph_rows(&self) -> Option<usize> {
+        #[cfg(feature = "cuda")]
+        if crate::gpu::enabled(crate::gpu::GpuPath::BatchGraphs) && self.graph_decodable() {
+            return Some(super::graph::GRAPH_ROWS_MAX);
+        }
+        None
+    }
+
+    /// The fewest rows a pass needs to take the prompt kernels on a GPU (`cuda` build: f16 tensor
+    /// cores past `strata_kernels::cuda::MOE_MMA_ROWS_MAX` rows, which the int8 tiles take), or
+    /// `None` elsewhere: a server's warm-up runs such a pass so that the first long prompt does
+    /// not load their modules.
+    pub fn prompt_kernel_rows(&self) -> Option<usize> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() {
+            return Some(strata_kernels::cuda::MOE_MMA_ROWS_MAX + 1);
+        }
+        None
+    }
+
     /// A mixed pass as two: `seqs[..d]` (one token each) then `seqs[d..]`, results in order. If
     /// the second fails as a whole, the first's caches go back to their lengths before the pass
     /// (so the outer error leaves every cache's length unchanged, and a hybrid's recurrent state
