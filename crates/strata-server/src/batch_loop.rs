@@ -59,15 +59,15 @@ pub fn start(
     Ok(())
 }
 
-/// `--batch-tokens auto` on the CPU: a step's pass stays short (SmolLM2 on 2 cores: ~10 ms a
-/// prompt chunk of 64 tokens), so running requests' tokens keep coming while prompts enter.
+/// `--batch-tokens auto` on the CPU (the budget every device had before the thirty-fourth
+/// session): a step's pass stays short, so running requests' tokens keep coming while prompts
+/// enter.
 pub const CPU_BATCH_TOKENS: usize = 512;
 
-/// `--batch-tokens auto` on a GPU: requests arriving together have their prompts in one pass
-/// (each weight read once for all of them; vLLM's default budget is larger still). H200, the
-/// synthetic 30B, 16 clients' prompts of ~57 tokens: 16 clients against 1, 5.70× / 5.73× with
-/// 2048 against 4.90× / 5.56× with 512, which split them over two passes (docs/performance.md,
-/// thirty-fourth session).
+/// `--batch-tokens auto` on a GPU: requests arriving together have their prompts in one pass, each
+/// weight read once for all of them. H200, the synthetic 30B, 16 clients' prompts of ~57 tokens:
+/// 16 clients against 1, 5.73× / 5.70× with 2048 against 4.90× / 5.56× with 512, which split them
+/// over two passes (docs/performance.md, thirty-fourth session, call 4).
 pub const GPU_BATCH_TOKENS: usize = 2048;
 
 /// `--batch-window auto` where experts stream: how long a new request waits for others before its

@@ -234,10 +234,9 @@ impl Batcher {
     /// Runs a greedy request through the batch twice — the second time on the first's cached
     /// prefix when there is a prefix cache; one prefix block long, or on a GPU long enough for the
     /// prompt kernels ([`strata_models::Transformer::prompt_kernel_rows`]) — then empties the
-    /// prefix cache, so that a
-    /// server's first user requests pay none of the process's first-use costs (on a GPU: the
-    /// driver compiling each kernel module's PTX when it is first used, ours and candle's, and
-    /// the decode graphs' capture). On a fresh H200 with the synthetic 30B, without it, the first
+    /// prefix cache, so that a server's first user requests pay none of the process's first-use
+    /// costs (on a GPU: the driver compiling each kernel module's PTX when it is first used, ours
+    /// and candle's, and the decode graphs' capture). On a fresh H200 with the synthetic 30B, without it, the first
     /// request took 13.0 s to its first token and the next one, with the same prompt (a prefix
     /// hit), 3.7 s (docs/performance.md). llama-server also warms up at start. Where batched
     /// decode steps are captured as CUDA graphs
