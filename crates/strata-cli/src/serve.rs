@@ -163,13 +163,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
 pub struct BatchTokens(Option<usize>);
 
 fn parse_batch_tokens(s: &str) -> Result<BatchTokens, String> {
-    if s.eq_ignore_ascii_case("auto") {
-        return Ok(BatchTokens(None));
-    }
-    match s.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(BatchTokens(Some(n))),
-        _ => Err(format!("`{s}`: give a number of tokens (1 or more) or `auto`")),
-    }
+    let n = auto_or_number(s, 1, "a number of tokens (1 or more)")?;
+    Ok(BatchTokens(n.map(|n| n as usize)))
 }
 
 /// `--batch-window`: `auto` (`None`) or milliseconds.
@@ -177,9 +172,18 @@ fn parse_batch_tokens(s: &str) -> Result<BatchTokens, String> {
 pub struct Window(Option<std::time::Duration>);
 
 fn parse_window(s: &str) -> Result<Window, String> {
+    let ms = auto_or_number(s, 0, "milliseconds")?;
+    Ok(Window(ms.map(std::time::Duration::from_millis)))
+}
+
+/// A flag's `auto` (`None`, any case) or a whole number of at least `min`; the error names `what`
+/// is wanted.
+fn auto_or_number(s: &str, min: u64, what: &str) -> Result<Option<u64>, String> {
     if s.eq_ignore_ascii_case("auto") {
-        return Ok(Window(None));
+        return Ok(None);
     }
-    let ms: u64 = s.parse().map_err(|_| format!("`{s}`: give milliseconds or `auto`"))?;
-    Ok(Window(Some(std::time::Duration::from_millis(ms))))
+    match s.parse::<u64>() {
+        Ok(n) if n >= min => Ok(Some(n)),
+        _ => Err(format!("`{s}`: give {what} or `auto`")),
+    }
 }

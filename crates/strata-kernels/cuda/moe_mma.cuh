@@ -233,7 +233,9 @@ extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)
 #pragma unroll 1
     for (int sb = 0; live && sb < nb; sb++) {
         // The next super-block's loads in flight during this one's products (the last one loads
-        // itself again: L1 hits, no branch).
+        // itself again: L1 hits, no branch). The dense block's mmqd_warp runs the same loop over a
+        // warp's share of K; called here instead (stride 1), it made this kernel 76 or 80
+        // registers instead of 72 (ptxas, sm_90), so the loop is kept twice.
         const size_t on = (size_t)min(sb + 1, nb - 1) * Q4K_BYTES;
         const MmqSb nxt = mmq_load(ra + on, rb + on, t);
         mmq_superblock<1>(cur, xg1, dxp1, sb, t, acc);
@@ -267,9 +269,8 @@ extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)
 // both); its warps split K — warp w takes super-blocks w, w + nw, .. (nw = blockDim.x / 32, up to
 // MMQD_WARPS_MAX; the host gives two super-blocks a warp), loading the next one into registers
 // while the current one is multiplied — and their sums are added in warp order through shared
-// memory. A row's sum thus runs over the
-// super-blocks and sub-blocks in one order whatever the other rows of the pass (tested: a row alone
-// = the same row in a pass).
+// memory. A row's sum thus runs over the super-blocks and sub-blocks in one order whatever the
+// other rows of the pass (tested: a row alone = the same row in a pass).
 //
 // The block this replaced (twentieth to thirty-third sessions) staged its 16 rows in shared memory
 // with cp.async, waited for every byte before its first product, took Σx of each sub-block with

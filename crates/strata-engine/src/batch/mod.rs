@@ -236,10 +236,10 @@ impl Batcher {
     /// prompt kernels ([`strata_models::Transformer::prompt_kernel_rows`]) — then empties the
     /// prefix cache, so that a server's first user requests pay none of the process's first-use
     /// costs (on a GPU: the driver compiling each kernel module's PTX when it is first used, ours
-    /// and candle's, and the decode graphs' capture). On a fresh H200 with the synthetic 30B, without it, the first
-    /// request took 13.0 s to its first token and the next one, with the same prompt (a prefix
-    /// hit), 3.7 s (docs/performance.md). llama-server also warms up at start. Where batched
-    /// decode steps are captured as CUDA graphs
+    /// and candle's, and the decode graphs' capture). On a fresh H200 with the synthetic 30B,
+    /// without it, the first request took 13.0 s to its first token and the next one, with the
+    /// same prompt (a prefix hit), 3.7 s (docs/performance.md). llama-server also warms up at
+    /// start. Where batched decode steps are captured as CUDA graphs
     /// ([`strata_models::Transformer::batched_graph_rows`]), it then runs every batch size from 2
     /// up to the slots twice (requests of 4-token prompts and 3 tokens, submitted together), so
     /// that a burst of requests finds its steps captured, as vLLM captures its batch sizes' graphs
