@@ -160,14 +160,56 @@ impl SequenceOutput {
             let lp = log_softmax(logits);
             TokenLogprobs { logprob: lp[id as usize], top: top_logprobs(&lp, n) }
         });
-        let is_eos = !self.ignore_eos && engine.tokenizer.eos_ids.contains(&id);
+        let grammar_done = self.record(engine, id)?;
+        self.publish(engine, id, logprobs, grammar_done, on_token)
+    }
+
+    /// Whether a token's publication ([`Self::publish`]) can come after the next token's pass:
+    /// no grammar (whose state the next sampling reads) and no log-probabilities (of logits
+    /// a later pass replaces).
+    pub fn defers(&self) -> bool {
+        self.logprobs.is_none() && self.rules.constraint.is_none()
+    }
+
+    /// Whether emitting `id` next ends the generation whatever its text: EOS, or the last
+    /// token `max_tokens` allows. (A stop string or the callback may end it too: only
+    /// [`Self::publish`] knows.)
+    pub fn ends_with(&self, engine: &Engine, id: u32) -> bool {
+        self.is_eos(engine, id) || self.tokens.len() + 1 >= self.max_tokens
+    }
+
+    fn is_eos(&self, engine: &Engine, id: u32) -> bool {
+        !self.ignore_eos && engine.tokenizer.eos_ids.contains(&id)
+    }
+
+    /// The first half of [`Self::emit`]: token `id` joins the output's tokens (and the grammar's
+    /// state). Returns whether the grammar is complete with it. [`Self::publish`] must follow,
+    /// before the next token's `record`.
+    pub fn record(&mut self, engine: &Engine, id: u32) -> Result<bool> {
         self.tokens.push(id);
         self.history.push(id);
-        let mut grammar_done = false;
-        if let Some(c) = self.rules.constraint.as_mut() {
-            c.commit(id).map_err(EngineError::Grammar)?;
-            grammar_done = !is_eos && c.is_finished();
+        let is_eos = self.is_eos(engine, id);
+        match self.rules.constraint.as_mut() {
+            Some(c) => {
+                c.commit(id).map_err(EngineError::Grammar)?;
+                Ok(!is_eos && c.is_finished())
+            }
+            None => Ok(false),
         }
+    }
+
+    /// The second half of [`Self::emit`] for the token [`Self::record`] took last: its text
+    /// (incremental detokenization, stop strings) through `on_token`, and how the generation
+    /// ends with it.
+    pub fn publish(
+        &mut self,
+        engine: &Engine,
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+        grammar_done: bool,
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<Option<FinishReason>> {
+        let is_eos = self.is_eos(engine, id);
         let mut delta = String::new();
         let mut stopped = false;
         if !is_eos {

@@ -165,13 +165,22 @@ fn batched_equals(
     }
 }
 
+/// With and without deferred emission ([`BatchConfig::defer_emission`]).
 #[test]
 fn cancelling_one_request_leaves_the_others_unchanged() {
     let engine = Arc::new(common::load_smollm2(512));
     let prompts = smollm2_prompts(&engine);
     let reqs: Vec<GenerateRequest> = prompts[..3].iter().map(|p| greedy(p.clone(), 20)).collect();
     let want: Vec<Vec<u32>> = reqs.iter().map(|r| alone(&engine, r)).collect();
-    let mut b = Batcher::new(engine.clone(), BatchConfig::new(3, 512)).unwrap();
+    for defer in [false, true] {
+        cancel_one(&engine, &reqs, &want, defer);
+    }
+}
+
+fn cancel_one(engine: &Arc<Engine>, reqs: &[GenerateRequest], want: &[Vec<u32>], defer: bool) {
+    let mut cfg = BatchConfig::new(3, 512);
+    cfg.defer_emission = Some(defer);
+    let mut b = Batcher::new(engine.clone(), cfg).unwrap();
     let step = Arc::new(Mutex::new(0));
     let subs: Vec<(Shared, Arc<AtomicBool>)> = reqs
         .iter()
@@ -193,7 +202,7 @@ fn cancelling_one_request_leaves_the_others_unchanged() {
     for i in [0, 2] {
         let o = subs[i].0.lock().unwrap();
         assert_eq!(o.done, Some(FinishReason::Length));
-        assert_eq!(o.tokens, want[i], "request {i} changed when another was cancelled");
+        assert_eq!(o.tokens, want[i], "request {i} changed when another was cancelled ({defer})");
     }
 }
 
@@ -572,5 +581,89 @@ fn hybrid_batched_greedy_tokens_equal_each_request_alone() {
         cfg.prefill_chunk = 48;
         cfg.split_mixed = split;
         batched_equals(&engine, cfg, &reqs, &want);
+    }
+}
+
+/// Every event of one request: `(token id, text)` per token (the flush's `u32::MAX` included),
+/// then its finish reason, and the step each token arrived in.
+#[derive(Default, Debug, PartialEq)]
+struct Events {
+    tokens: Vec<(u32, String)>,
+    done: Option<FinishReason>,
+    text: Option<String>,
+}
+
+/// Runs `reqs` through a batcher with `defer` emission; each request's events, and the step
+/// (counted from 1) each token arrived in, per request.
+fn run_events(
+    engine: &Arc<Engine>,
+    reqs: &[GenerateRequest],
+    defer: bool,
+) -> (Vec<Events>, Vec<Vec<usize>>) {
+    let mut cfg = BatchConfig::new(reqs.len(), 512);
+    cfg.defer_emission = Some(defer);
+    let mut b = Batcher::new(engine.clone(), cfg).unwrap();
+    let step = Arc::new(Mutex::new(0usize));
+    let mut outs = Vec::new();
+    for r in reqs {
+        let ev: Arc<Mutex<(Events, Vec<usize>)>> = Default::default();
+        let (e, st) = (ev.clone(), step.clone());
+        let sink = move |x: SeqEvent<'_>| {
+            let mut e = e.lock().unwrap();
+            match x {
+                SeqEvent::Token { event, .. } => {
+                    e.0.tokens.push((event.id, event.text.clone()));
+                    e.1.push(*st.lock().unwrap());
+                }
+                SeqEvent::Done { generation: g, .. } => {
+                    assert!(e.0.done.is_none(), "one Done");
+                    e.0.done = Some(g.finish_reason);
+                    e.0.text = Some(g.text);
+                }
+                SeqEvent::Failed(err) => panic!("failed: {err}"),
+            }
+            ControlFlow::Continue(())
+        };
+        b.submit(Submission::new(r.clone(), Box::new(sink), Arc::new(AtomicBool::new(false))));
+        outs.push(ev);
+    }
+    drain(&mut b, &step);
+    outs.into_iter().map(|o| std::mem::take(&mut *o.lock().unwrap())).unzip()
+}
+
+/// Deferred emission (a decode token published while the next step runs, on by default on a
+/// GPU) gives every request the events it gets without it — tokens, texts, a stop string met
+/// mid-way, `max_tokens`, EOS — each decode token one step later.
+#[test]
+fn deferred_emission_sends_the_same_events_one_step_later() {
+    let engine = Arc::new(common::load_smollm2(512));
+    let prompts = smollm2_prompts(&engine);
+    let mut reqs: Vec<GenerateRequest> =
+        prompts[..4].iter().enumerate().map(|(i, p)| greedy(p.clone(), 14 + i)).collect();
+    // A stop string from request 0's own text, met mid-way; request 2 ends at EOS if it comes.
+    let (plain, _) = run_events(&engine, &reqs[..1], false);
+    let text = plain[0].text.clone().unwrap();
+    let stop = text
+        .split_whitespace()
+        .find(|w| text.find(w).is_some_and(|at| at > text.len() / 3))
+        .unwrap_or_else(|| panic!("no word first met past a third of {text:?}"));
+    reqs[0].stop = vec![stop.to_string()];
+    reqs[2].ignore_eos = false;
+    reqs[3].max_tokens = 1;
+
+    let (want, want_steps) = run_events(&engine, &reqs, false);
+    let (got, got_steps) = run_events(&engine, &reqs, true);
+    assert_eq!(want[0].done, Some(FinishReason::Stop), "the stop string was met");
+    assert!((3..14).contains(&want[0].tokens.len()), "mid-way: {:?}", want[0]);
+    assert_eq!(got, want);
+    // Deferral happened: decode tokens (after the first) arrived one step later, but for a
+    // last token that ends its sequence by itself (EOS, max_tokens), sent at once; the stop
+    // string is found in a deferred token.
+    for (i, (g, w)) in got_steps.iter().zip(&want_steps).enumerate() {
+        let n = want[i].tokens.iter().filter(|(id, _)| *id != u32::MAX).count();
+        for k in 0..g.len().min(w.len()) {
+            let later = usize::from(k >= 1 && (k + 1 < n || i == 0));
+            assert_eq!(g[k], w[k] + later, "request {i}, token {k}: {g:?} against {w:?}");
+        }
     }
 }

@@ -193,6 +193,14 @@ impl Router {
         Some(synthetic_chain(s, start, tokens, Some(history), true).concat())
     }
 
+    /// Prepares the synthetic routing process's draws at `position` (see
+    /// [`SyntheticRouter::prepare`]); nothing without one.
+    pub fn prepare_synthetic(&self, position: usize) {
+        if let Some(s) = &self.synthetic {
+            s.prepare(position);
+        }
+    }
+
     /// [`Self::route`] on the device: `x: [seq, hidden]` → expert ids `[seq, k]` (u32) and weights
     /// `[seq, k]` (f32), computed by our top-k kernel from the router's logits (the same function
     /// as [`Self::select`], up to float summation order; tested against it on the device). With

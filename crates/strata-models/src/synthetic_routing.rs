@@ -105,7 +105,13 @@ fn mix(mut z: u64) -> u64 {
 }
 
 fn hash(parts: &[u64]) -> u64 {
-    parts.iter().fold(0x243F_6A88_85A3_08D3, |h, &p| mix(h ^ p))
+    parts.iter().fold(0x243F_6A88_85A3_08D3, |h, &p| hash_more(h, p))
+}
+
+/// `hash(parts ++ [p])` from `h = hash(parts)`: draws that share all parts but the last hash
+/// their common parts once.
+fn hash_more(h: u64, p: u64) -> u64 {
+    mix(h ^ p)
 }
 
 /// Uniform in [0, 1).
@@ -163,6 +169,29 @@ pub struct SyntheticRouter {
     /// once per layer instead of once per sequence (they were ~40% of a draw's ~4 µs). At most
     /// [`POPULARITY_KEPT`]; the same values as computed afresh.
     popular: Arc<Mutex<KeptPopularity>>,
+    /// `uniform`'s weights (all 1).
+    flat: Arc<Weights>,
+}
+
+/// Unnormalised weights of every expert `[experts]` and their running sums (`cum[e]` = `w[0] +
+/// … + w[e]`, added in order), which a draw searches.
+#[derive(Debug, PartialEq)]
+struct Weights {
+    w: Box<[f64]>,
+    cum: Box<[f64]>,
+}
+
+impl Weights {
+    fn new(w: Vec<f64>) -> Self {
+        let cum = w
+            .iter()
+            .scan(0.0, |acc, &x| {
+                *acc += x;
+                Some(*acc)
+            })
+            .collect();
+        Self { w: w.into(), cum }
+    }
 }
 
 /// Drift knots by segment: `(i, [knot(e, i) for every expert e])`.
@@ -170,10 +199,14 @@ type KeptKnots = Vec<(u64, Arc<[f64]>)>;
 
 /// Popularity by position: `(position, [weight of every expert])`, and the entry the next
 /// position overwrites once [`POPULARITY_KEPT`] are kept (a ring).
-type KeptPopularity = (Vec<(usize, Arc<[f64]>)>, usize);
+type KeptPopularity = (Vec<(usize, Arc<Weights>)>, usize);
 
 /// Segments whose drift knots a [`SyntheticRouter`] keeps.
 const KNOTS_KEPT: usize = 4;
+
+/// Draws over all experts before [`SyntheticRouter::draw`] walks the experts left: rejections are
+/// rare unless nearly all of the weight is excluded (a top-k near the expert count).
+const REJECTIONS_MAX: usize = 32;
 
 /// Positions whose popularity a [`SyntheticRouter`] keeps (a batched step's sequences, and a
 /// verify pass's rows, each at a position or two).
@@ -195,11 +228,22 @@ impl SyntheticRouter {
             base,
             knots: Arc::new(Mutex::new(Vec::new())),
             popular: Arc::new(Mutex::new((Vec::new(), 0))),
+            flat: Arc::new(Weights::new(vec![1.0; experts])),
         }
     }
 
     pub fn config(&self) -> &SyntheticRouting {
         &self.cfg
+    }
+
+    /// Computes and keeps the popularity at `position` ahead of the draws there (a batched
+    /// step's next positions, while the current step runs on the device): the draws then find
+    /// it kept instead of taking its exponentials before their pass can launch. Nothing for
+    /// `uniform`.
+    pub fn prepare(&self, position: usize) {
+        if self.cfg.mode == RoutingMode::Realistic {
+            let _ = self.popularity(position);
+        }
     }
 
     fn experts(&self) -> usize {
@@ -228,13 +272,13 @@ impl SyntheticRouter {
     }
 
     /// Unnormalised popularity of every expert at `position`: kept, or computed (and kept).
-    fn popularity(&self, position: usize) -> Arc<[f64]> {
+    fn popularity(&self, position: usize) -> Arc<Weights> {
         let mut guard = self.popular.lock().unwrap_or_else(|e| e.into_inner());
         let (kept, next) = &mut *guard;
         if let Some((_, w)) = kept.iter().find(|(p, _)| *p == position) {
             return w.clone();
         }
-        let w: Arc<[f64]> = self.popularity_at(position).into();
+        let w = Arc::new(Weights::new(self.popularity_at(position)));
         if kept.len() < POPULARITY_KEPT {
             kept.push((position, w.clone()));
         } else {
@@ -257,18 +301,32 @@ impl SyntheticRouter {
             .collect()
     }
 
-    /// Draws from `weights` among experts not `excluded`, or `None` if none is left.
-    fn draw(weights: &[f64], excluded: &[bool], u: f64) -> Option<u32> {
-        let total: f64 = weights.iter().zip(excluded).filter(|(_, &x)| !x).map(|(w, _)| w).sum();
+    /// Draws from `weights` among experts not `excluded`, or `None` if none is left: a draw `u`
+    /// over all experts (the first whose running sum exceeds `u` · total, a binary search),
+    /// drawn again with the next `u` while it lands on an excluded expert — rejection sampling,
+    /// so expert `e` comes with probability `w[e] / Σ_{not excluded} w`, as a draw over the
+    /// experts left would give. After [`REJECTIONS_MAX`] rejections, one walk over the experts
+    /// left. `u` gives a fresh uniform number in [0, 1) at each call.
+    fn draw(weights: &Weights, excluded: &[bool], u: &mut impl FnMut() -> f64) -> Option<u32> {
+        let total = weights.cum.last().copied().unwrap_or(0.0);
+        if total > 0.0 {
+            for _ in 0..REJECTIONS_MAX {
+                let target = u() * total;
+                let e = weights.cum.partition_point(|&c| c <= target).min(weights.w.len() - 1);
+                if !excluded[e] && weights.w[e] > 0.0 {
+                    return Some(e as u32);
+                }
+            }
+        }
+        let left = |(_, (w, x)): &(usize, (&f64, &bool))| !**x && **w > 0.0;
+        let total: f64 =
+            weights.w.iter().zip(excluded).enumerate().filter(left).map(|(_, (w, _))| w).sum();
         if total <= 0.0 {
             return None;
         }
-        let mut target = u * total;
+        let mut target = u() * total;
         let mut last = None;
-        for (e, (&w, &x)) in weights.iter().zip(excluded).enumerate() {
-            if x {
-                continue;
-            }
+        for (e, (&w, _)) in weights.w.iter().zip(excluded).enumerate().filter(left) {
             last = Some(e as u32);
             if target < w {
                 return last;
@@ -280,12 +338,15 @@ impl SyntheticRouter {
 
     /// Fills `chosen` up to top-k with draws from `weights` (uniform weights for `uniform`),
     /// never an expert in `excluded`, then, if the exclusions left too few, not one in `chosen`.
-    fn fill(&self, chosen: &mut Vec<u32>, excluded: &mut [bool], weights: &[f64], key: [u64; 4]) {
+    fn fill(&self, chosen: &mut Vec<u32>, excluded: &mut [bool], weights: &Weights, key: [u64; 4]) {
         let mut n = 0u64;
-        while chosen.len() < self.top_k {
-            let u = unit(hash(&[self.cfg.seed, key[0], self.layer, key[1], key[2], key[3], n]));
+        let common = hash(&[self.cfg.seed, key[0], self.layer, key[1], key[2], key[3]]);
+        let mut u = || {
             n += 1;
-            match Self::draw(weights, excluded, u) {
+            unit(hash_more(common, n - 1))
+        };
+        while chosen.len() < self.top_k {
+            match Self::draw(weights, excluded, &mut u) {
                 Some(e) => {
                     excluded[e as usize] = true;
                     chosen.push(e);
@@ -304,18 +365,13 @@ impl SyntheticRouter {
         let e = self.experts();
         let mut chosen = Vec::with_capacity(self.top_k);
         let mut excluded = vec![false; e];
-        let weights: Arc<[f64]> = match self.cfg.mode {
-            RoutingMode::Uniform => vec![1.0; e].into(),
+        let weights = match self.cfg.mode {
+            RoutingMode::Uniform => self.flat.clone(),
             RoutingMode::Realistic => {
+                let common =
+                    hash(&[self.cfg.seed, KEEP, self.layer, position as u64, token as u64]);
                 for &x in prev.unwrap_or_default() {
-                    let keep = unit(hash(&[
-                        self.cfg.seed,
-                        KEEP,
-                        self.layer,
-                        position as u64,
-                        token as u64,
-                        x as u64,
-                    ])) < self.cfg.reuse;
+                    let keep = unit(hash_more(common, x as u64)) < self.cfg.reuse;
                     if let Some(slot) = excluded.get_mut(x as usize) {
                         *slot = true;
                         if keep && chosen.len() < self.top_k {
@@ -337,22 +393,15 @@ impl SyntheticRouter {
         let e = self.experts();
         let mut excluded = vec![false; e];
         actual.iter().for_each(|&x| excluded[x as usize] = true);
+        let common =
+            hash(&[self.cfg.seed, PREGATE_KEEP, self.layer, position as u64, token as u64]);
         let mut chosen: Vec<u32> = actual
             .iter()
             .copied()
-            .filter(|&x| {
-                unit(hash(&[
-                    self.cfg.seed,
-                    PREGATE_KEEP,
-                    self.layer,
-                    position as u64,
-                    token as u64,
-                    x as u64,
-                ])) < self.cfg.pregate_recall
-            })
+            .filter(|&x| unit(hash_more(common, x as u64)) < self.cfg.pregate_recall)
             .collect();
-        let weights: Arc<[f64]> = match self.cfg.mode {
-            RoutingMode::Uniform => vec![1.0; e].into(),
+        let weights = match self.cfg.mode {
+            RoutingMode::Uniform => self.flat.clone(),
             RoutingMode::Realistic => self.popularity(position),
         };
         self.fill(
@@ -407,10 +456,41 @@ mod tests {
         for p in
             [0, 1, 255, 256, 700, 5000, 9000, 20_000, 3, 300, 3, 0, 20_000].into_iter().chain(many)
         {
-            assert_eq!(*r.popularity(p), fresh(p)[..], "position {p}");
+            assert_eq!(*r.popularity(p), Weights::new(fresh(p)), "position {p}");
         }
         assert!(r.knots.lock().unwrap().len() <= KNOTS_KEPT);
         assert!(r.popular.lock().unwrap().0.len() <= POPULARITY_KEPT);
+    }
+
+    #[test]
+    fn a_draw_follows_the_weights_of_the_experts_left() {
+        // Zipf-like weights with the heaviest excluded (as a realistic draw excludes the previous
+        // token's popular experts), and the same with all but two excluded (mostly rejections,
+        // then the walk): each expert's share of the draws against w / Σ over the experts left.
+        let w: Vec<f64> = (1..=16).map(|r| (r as f64).powf(-1.2)).collect();
+        let weights = Weights::new(w.clone());
+        for excluded_ids in [vec![0usize, 1, 2, 5], (0..14).collect()] {
+            let mut excluded = vec![false; 16];
+            excluded_ids.iter().for_each(|&e| excluded[e] = true);
+            let left: f64 = w.iter().zip(&excluded).filter(|(_, &x)| !x).map(|(w, _)| w).sum();
+            let mut n = 0u64;
+            let mut u = || {
+                n += 1;
+                unit(hash(&[7, n]))
+            };
+            let draws = 200_000;
+            let mut count = [0usize; 16];
+            for _ in 0..draws {
+                count[SyntheticRouter::draw(&weights, &excluded, &mut u).unwrap() as usize] += 1;
+            }
+            for e in 0..16 {
+                let expected = if excluded[e] { 0.0 } else { w[e] / left };
+                let got = count[e] as f64 / draws as f64;
+                assert!((got - expected).abs() < 0.005, "expert {e}: {got} against {expected}");
+            }
+        }
+        let all = vec![true; 16];
+        assert_eq!(SyntheticRouter::draw(&weights, &all, &mut || 0.5), None);
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub fn start(
         config.batch_tokens.unwrap_or(if gpu { GPU_BATCH_TOKENS } else { CPU_BATCH_TOKENS }).max(1);
     bc.prefix_cache_bytes = config.prefix_cache_bytes;
     bc.split_mixed = config.split_mixed;
+    bc.defer_emission = config.defer_emission;
     let window = config.batch_window.unwrap_or(if engine.model.experts().stats().is_some() {
         STREAMED_BATCH_WINDOW
     } else {

@@ -75,6 +75,10 @@ pub struct ServerConfig {
     /// (`Some(false)`), or the device's default (`None`,
     /// [`strata_models::Transformer::splits_mixed`]).
     pub split_mixed: Option<bool>,
+    /// `--defer-emission`: a decode token's text and event made while the next step runs on the
+    /// device (`Some(true)`), or before it (`Some(false)`); `None`: on a GPU
+    /// ([`strata_engine::batch::BatchConfig::defer_emission`]).
+    pub defer_emission: Option<bool>,
     /// Run [`strata_engine::batch::Batcher::warm_up`] before serving (`serve` turns it on for
     /// GPU devices unless `--no-warmup`).
     pub warm_up: bool,
@@ -108,6 +112,7 @@ impl Default for ServerConfig {
             batch_window: None,
             prefix_cache_bytes: 0,
             split_mixed: None,
+            defer_emission: None,
             warm_up: false,
             sampling: SamplingParams::default(),
             plan: None,

@@ -91,9 +91,20 @@ fn full_queue_answers_503() {
     assert!(statuses.contains(&200), "{statuses:?}");
 }
 
+/// With `--defer-emission on` as well (the failed send is seen one step later).
 #[test]
 fn disconnect_cancels_generation() {
-    let s = common::start(strata_server::ServerConfig { max_tokens: 2000, ..common::config() });
+    for defer_emission in [None, Some(true)] {
+        disconnect_cancels(defer_emission);
+    }
+}
+
+fn disconnect_cancels(defer_emission: Option<bool>) {
+    let s = common::start(strata_server::ServerConfig {
+        max_tokens: 2000,
+        defer_emission,
+        ..common::config()
+    });
     let body = json!({"model": http::served_model(s.addr), "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": true, "ignore_eos": true}).to_string();
     let mut c = std::net::TcpStream::connect(s.addr).unwrap();
     write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
@@ -122,11 +133,19 @@ fn disconnect_cancels_generation() {
 
 /// `--parallel 4`: concurrent requests share forward passes (`/metrics` shows batches of more than
 /// one sequence) and each gets the greedy answer it gets alone.
+/// With `--defer-emission on` as well (each decode token's text made during the next step).
 #[test]
 fn parallel_requests_share_passes_and_answer_as_alone() {
+    for defer_emission in [None, Some(true)] {
+        parallel_as_alone(defer_emission);
+    }
+}
+
+fn parallel_as_alone(defer_emission: Option<bool>) {
     let s = common::start(strata_server::ServerConfig {
         parallel: 4,
         prefix_cache_bytes: 64 << 20,
+        defer_emission,
         ..common::config()
     });
     let addr = s.addr;
@@ -148,7 +167,7 @@ fn parallel_requests_share_passes_and_answer_as_alone() {
     for (i, h) in handles.into_iter().enumerate() {
         let r = h.join().unwrap();
         assert_eq!(r.status, 200, "{}", r.body);
-        assert_eq!(r.json()["choices"][0]["text"], alone[i], "request {i} batched");
+        assert_eq!(r.json()["choices"][0]["text"], alone[i], "request {i} ({defer_emission:?})");
     }
     let metrics = http::get(addr, "/metrics").body;
     let value = |name: &str| http::metric(&metrics, name);

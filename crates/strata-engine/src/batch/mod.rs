@@ -21,6 +21,7 @@
 pub mod prefix_cache;
 mod seq;
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,6 +59,11 @@ pub struct BatchConfig {
     /// (`Some(false)`), or as the model's device decides (`None`:
     /// [`strata_models::Transformer::splits_mixed`]; `serve --mixed-steps`).
     pub split_mixed: Option<bool>,
+    /// A decode step's token (of a sequence without a grammar or log-probabilities) is published
+    /// — detokenized, checked against stop strings, sent — while the next step runs on the device instead of before its launch
+    /// (`Some(true)`), or before it (`Some(false)`). `None`: where the model's device runs a
+    /// step without the host (CUDA). See [`Batcher::step`].
+    pub defer_emission: Option<bool>,
 }
 
 impl BatchConfig {
@@ -70,6 +76,7 @@ impl BatchConfig {
             prefix_cache_bytes: 0,
             prefix_block: 64,
             split_mixed: None,
+            defer_emission: None,
         }
     }
 }
@@ -161,6 +168,10 @@ pub struct Batcher {
     prefix: Option<PrefixCache>,
     hybrid: bool,
     next_id: u64,
+    /// [`BatchConfig::defer_emission`] decided.
+    defer: bool,
+    /// Decode tokens recorded and not yet published: `(sequence id, token)`.
+    pending: Vec<(u64, u32)>,
 }
 
 /// How a sequence ended in a step.
@@ -189,6 +200,7 @@ impl Batcher {
         let hybrid = engine.model.config().linear_attn.is_some();
         let prefix = (cfg.prefix_cache_bytes > 0)
             .then(|| PrefixCache::new(cfg.prefix_block, cfg.prefix_cache_bytes));
+        let defer = cfg.defer_emission.unwrap_or(engine.model.device().is_cuda());
         Ok(Self {
             engine,
             cfg,
@@ -199,6 +211,8 @@ impl Batcher {
             prefix,
             hybrid,
             next_id: 0,
+            defer,
+            pending: Vec::new(),
         })
     }
 
@@ -320,6 +334,7 @@ impl Batcher {
 
     /// Ends every running and waiting request with `error()` (a server shutdown).
     pub fn fail_all(&mut self, error: &dyn Fn() -> EngineError) {
+        self.pending.clear();
         for s in std::mem::take(&mut self.running) {
             s.group.fail(error());
             self.release(s.slot, None);
@@ -333,6 +348,15 @@ impl Batcher {
     /// and emits what it decided. `stop` is polled between layers: when it says so the pass ends
     /// with `EngineError::Model(Interrupted)` and every sequence is left as it was (call
     /// [`Self::fail_all`]).
+    ///
+    /// With deferred emission ([`BatchConfig::defer_emission`]), a decode step's token of a
+    /// sequence without a grammar or log-probabilities that cannot end it by itself (not EOS, not the last `max_tokens` allows,
+    /// room left in the context) is recorded at once and runs in the next step, and its
+    /// publication (text, stop strings, the event) happens while that step runs on the device
+    /// ([`BatchOptions::while_running`]; after the pass where the pass does not call it) — the
+    /// host's part of vLLM's asynchronous scheduling that overlaps the GPU. A sequence that a
+    /// stop string (or its client) ends then has run one token more than it emits: that row's
+    /// result is dropped, and its events are the same as without deferral, one step later.
     pub fn step(&mut self, stop: &dyn Fn() -> bool) -> Result<StepStats> {
         let started = Instant::now();
         self.drop_cancelled();
@@ -343,6 +367,8 @@ impl Batcher {
         let (plan, rows, decode_rows) = self.plan();
         let admit_ms = ms_since(started);
         let before = self.engine.model.experts().stats();
+        let ids: Vec<u64> = plan.iter().map(|(i, _)| self.running[*i].id).collect();
+        let mut published: Vec<(u64, Outcome)> = Vec::new();
         let t = Instant::now();
         let results = {
             let mut slots: Vec<Option<&mut KvCache>> = self.caches.iter_mut().map(Some).collect();
@@ -356,16 +382,27 @@ impl Batcher {
                 let logits = if greedy { Logits::Greedy } else { Logits::Last };
                 batch.push(BatchSeq { tokens, cache, logits });
             }
+            // The previous step's deferred tokens, published while this pass runs.
+            let engine = self.engine.clone();
+            let publishing = RefCell::new((&mut self.running, &mut self.pending, &mut published));
+            let publish = || {
+                let mut guard = publishing.borrow_mut();
+                let (running, pending, ended) = &mut *guard;
+                publish_pending(&engine, running, pending, ended);
+            };
             let opts = BatchOptions {
                 stop: Some(stop),
                 isolate_expert_errors: true,
                 split_mixed: self.cfg.split_mixed,
+                while_running: Some(&publish),
                 ..Default::default()
             };
             // Decode rows come first in the pass; the prompt chunks' rows after them.
-            strata_models::prefill_scope(rows, decode_rows, || {
+            let results = strata_models::prefill_scope(rows, decode_rows, || {
                 self.engine.model.forward_batch(&mut batch, opts)
-            })?
+            });
+            publish(); // when the pass did not (nothing is left to publish if it did)
+            results?
         };
         let pass_ms = ms_since(t);
         let emitting = Instant::now();
@@ -380,10 +417,14 @@ impl Batcher {
         if let (Some(a), Some(b)) = (self.engine.model.experts().stats(), before) {
             stats.expert_bytes_read = a.since(&b).bytes_read;
         }
-        let ids: Vec<u64> = plan.iter().map(|(i, _)| self.running[*i].id).collect();
-        let mut finished: Vec<(u64, Outcome)> = Vec::new();
-        let mut seen: Vec<Vec<u32>> = Vec::new();
+        // Sequences their deferred token ended (a stop string, the client gone): this pass's row
+        // for them is dropped.
+        let mut finished: Vec<(u64, Outcome)> = published;
+        let mut seen: Vec<Vec<u64>> = Vec::new();
         for ((id, (_, tokens)), res) in ids.iter().zip(&plan).zip(results) {
+            if finished.iter().any(|(f, _)| f == id) {
+                continue;
+            }
             let out = match res {
                 Ok(o) => o,
                 Err(e) => {
@@ -391,26 +432,12 @@ impl Batcher {
                     continue;
                 }
             };
-            for (l, r) in out.routing.iter().enumerate() {
-                if seen.len() <= l {
-                    seen.push(Vec::new());
-                }
-                seen[l].extend_from_slice(&r.expert_ids);
-            }
+            mark_experts(&mut seen, &out.routing);
             stats.generated +=
                 self.advance(*id, tokens.len(), &out.logits, out.greedy, &mut finished);
         }
-        let layers = seen.len();
-        let distinct: usize = seen
-            .into_iter()
-            .map(|mut ids| {
-                ids.sort_unstable();
-                ids.dedup();
-                ids.len()
-            })
-            .sum();
-        if layers > 0 {
-            stats.distinct_experts_per_layer = distinct as f64 / layers as f64;
+        if !seen.is_empty() {
+            stats.distinct_experts_per_layer = distinct_per_layer(&seen);
         }
         stats.emit_ms = ms_since(emitting);
         let finishing = Instant::now();
@@ -561,11 +588,24 @@ impl Batcher {
         if s.first_token.is_none() {
             s.first_token = Some(Instant::now());
         }
+        let len = self.caches[s.slot].len();
+        if self.defer
+            && matches!(s.phase, Phase::Decode { .. })
+            && s.out.defers()
+            && !s.out.ends_with(&engine, id)
+            && len < cap
+        {
+            // Published during the next step ([`Self::step`]): without a grammar or
+            // log-probabilities nothing but the text is left to decide.
+            s.out.record(&engine, id)?;
+            s.phase = Phase::Decode { next: id };
+            self.pending.push((s.id, id));
+            return Ok(None);
+        }
         let (group, choice) = (s.group.clone(), s.choice);
         let finish = s.out.emit(&engine, id, logits, &mut |event| {
             group.send(SeqEvent::Token { choice, event })
         })?;
-        let len = self.caches[s.slot].len();
         s.phase = Phase::Decode { next: id };
         Ok(finish.or((len + 1 > cap).then_some(FinishReason::Length)))
     }
@@ -573,6 +613,14 @@ impl Batcher {
     /// Ends sequence `s`: flushes its text, reports it, keeps its prefix, frees its slot. A
     /// failure fails the whole request: its other choices end too.
     fn finish(&mut self, mut s: Seq, outcome: Outcome) {
+        // A deferred token goes out before the end (a cancelled sequence's, at the next step).
+        if let Some(k) = self.pending.iter().position(|(id, _)| *id == s.id) {
+            let (_, token) = self.pending.remove(k);
+            let (group, choice) = (s.group.clone(), s.choice);
+            let _ = s.out.publish(&self.engine, token, None, false, &mut |event| {
+                group.send(SeqEvent::Token { choice, event })
+            });
+        }
         let finish = match outcome {
             Ok(f) => f,
             Err(e) => return self.fail_group(s, e),
@@ -594,6 +642,7 @@ impl Batcher {
 
     /// Fails `s`'s request with `e` and ends its other choices.
     fn fail_group(&mut self, s: Seq, e: EngineError) {
+        self.pending.retain(|(id, _)| *id != s.id);
         s.group.fail(e);
         self.release(s.slot, None);
         let group = s.group;
@@ -737,6 +786,93 @@ fn copy_cache(caches: &mut [KvCache], from: usize, to: usize) -> strata_models::
 }
 
 /// Milliseconds since `t`.
+/// Publishes every deferred token ([`Batcher::step`]) of `running`'s sequences, in the order they
+/// were recorded; sequences whose token ends them go to `ended` (a stop string, the client gone,
+/// an error).
+fn publish_pending(
+    engine: &Engine,
+    running: &mut [Seq],
+    pending: &mut Vec<(u64, u32)>,
+    ended: &mut Vec<(u64, Outcome)>,
+) {
+    for (id, token) in pending.drain(..) {
+        let Some(s) = running.iter_mut().find(|s| s.id == id) else { continue };
+        let (group, choice) = (s.group.clone(), s.choice);
+        let sent = s.out.publish(engine, token, None, false, &mut |event| {
+            group.send(SeqEvent::Token { choice, event })
+        });
+        match sent {
+            Ok(None) => {}
+            Ok(Some(f)) => ended.push((id, Ok(f))),
+            Err(e) => ended.push((id, Err(e))),
+        }
+    }
+}
+
+/// Marks the experts of `routing` (one sequence's pass, by MoE layer) in `seen`: per layer a bit
+/// per expert id (words added as ids need them).
+fn mark_experts(seen: &mut Vec<Vec<u64>>, routing: &[strata_models::LayerRouting]) {
+    for (l, r) in routing.iter().enumerate() {
+        if seen.len() <= l {
+            seen.push(Vec::new());
+        }
+        for &e in &r.expert_ids {
+            let (word, bit) = (e as usize / 64, e % 64);
+            if seen[l].len() <= word {
+                seen[l].resize(word + 1, 0);
+            }
+            seen[l][word] |= 1 << bit;
+        }
+    }
+}
+
+/// The mean over layers of the distinct experts [`mark_experts`] marked.
+fn distinct_per_layer(seen: &[Vec<u64>]) -> f64 {
+    let distinct: u32 = seen.iter().flatten().map(|w| w.count_ones()).sum();
+    distinct as f64 / seen.len().max(1) as f64
+}
+
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_models::LayerRouting;
+
+    #[test]
+    fn distinct_experts_are_the_union_of_the_sequences_choices() {
+        // Two layers; three sequences' passes (one of two tokens), ids past 64 and repeats.
+        let pass = |ids: [&[u32]; 2]| -> Vec<LayerRouting> {
+            (0..2)
+                .map(|l| LayerRouting {
+                    layer: l,
+                    top_k: 2,
+                    expert_ids: ids[l].to_vec(),
+                    weights: vec![0.5; ids[l].len()],
+                })
+                .collect()
+        };
+        let passes = [
+            pass([&[3, 70], &[0, 1]]),
+            pass([&[70, 127, 3, 5], &[1, 64, 64, 2]]),
+            pass([&[5, 6], &[127, 0]]),
+        ];
+        let mut seen = Vec::new();
+        passes.iter().for_each(|p| mark_experts(&mut seen, p));
+        // The reference: each layer's ids sorted, duplicates removed.
+        let reference: f64 = (0..2)
+            .map(|l| {
+                let mut ids: Vec<u32> =
+                    passes.iter().flat_map(|p| p[l].expert_ids.clone()).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                ids.len() as f64
+            })
+            .sum::<f64>()
+            / 2.0;
+        assert_eq!(distinct_per_layer(&seen), reference);
+        assert_eq!(reference, 5.0); // {3, 5, 6, 70, 127} and {0, 1, 2, 64, 127}
+    }
 }

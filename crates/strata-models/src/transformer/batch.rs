@@ -48,6 +48,11 @@ pub struct BatchOptions<'a> {
     /// `None`: where the model's device and experts make it pay (a GPU with every expert
     /// resident).
     pub split_mixed: Option<bool>,
+    /// Host work to run while the pass runs on the device: called at most once, after the
+    /// pass's launch and before its outputs are read, by the paths that launch it whole (a
+    /// batched or one-sequence decode step replayed from a CUDA graph); the other paths do not
+    /// call it (the caller runs it after the pass then).
+    pub while_running: Option<&'a dyn Fn()>,
 }
 
 impl Transformer {
@@ -226,7 +231,7 @@ impl Transformer {
         if opts.stop.is_some_and(|stop| stop()) {
             return Err(ModelError::Interrupted);
         }
-        self.decode_graphed(s.tokens, s.logits, s.cache)
+        self.decode_graphed(s.tokens, s.logits, s.cache, opts.while_running)
     }
 
     fn run_batch(

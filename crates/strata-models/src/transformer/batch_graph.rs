@@ -39,7 +39,7 @@ use candle_core::{DType, Device, Tensor};
 use strata_kernels::cuda::{self as gpu, Rows};
 
 use super::batch::{slice_routing, BatchOptions, BatchSeq};
-use super::device_routing::synthetic_choices;
+use super::device_routing::{prepare_next_choice, synthetic_choices};
 use super::graph::{bucket, replay, Captured, LayerRows, PassKv, ReplayStats, GRAPH_ROWS_MAX};
 use super::{ForwardOutput, Mixer, Transformer};
 use crate::error::{ModelError, Result};
@@ -186,6 +186,14 @@ impl Transformer {
             g.timed.add_prep(t0.elapsed().as_secs_f64() * 1e3, choice_ms, tables_ms);
         }
         replay(dev, c, &mut g.timed, |c| {
+            // While the step runs: the next step's routing choice prepared (synthetic models).
+            if synthetic != 0 {
+                let next: Vec<usize> = seqs.iter().map(|s| s.cache.len() + 1).collect();
+                prepare_next_choice(self, &next);
+            }
+            if let Some(work) = opts.while_running {
+                work();
+            }
             let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
             finish(seqs, &c.logits, routing.unwrap_or_default()).map(Some)
         })

@@ -91,7 +91,9 @@ pub(super) fn synthetic_choices(
         }
         Some(out)
     };
-    let per_layer: Vec<Option<Vec<u32>>> = if one_thread() {
+    let rows: usize = seqs.iter().map(|(_, t)| t.len()).sum();
+    let per_layer: Vec<Option<Vec<u32>>> = if one_thread() || rows * work.len() <= ONE_THREAD_DRAWS
+    {
         work.into_iter().map(choose).collect()
     } else {
         // One task per layer on rayon's pool, joined in layer order (an indexed collect).
@@ -101,14 +103,44 @@ pub(super) fn synthetic_choices(
     Some(per_layer.into_iter().collect::<Option<Vec<_>>>()?.concat())
 }
 
+/// While a decode step runs on the device: a synthetic model's routing process prepared for the
+/// positions of the next step's rows (`positions`, one per sequence) in every MoE layer, so that
+/// the next step's choice ([`synthetic_choices`]) does not compute it before its launch (a
+/// popularity is 128 exponentials per layer and position: ~0.5 ms of a 16-sequence step's host
+/// work on an H200 host, each sequence at a position of its own). Nothing for other models.
+pub(super) fn prepare_next_choice(model: &Transformer, positions: &[usize]) {
+    let moe: Vec<&SparseMoe> = model
+        .layers
+        .iter()
+        .filter_map(|l| match &l.ffn {
+            FeedForward::Moe(m) if m.router().is_synthetic() => Some(m),
+            _ => None,
+        })
+        .collect();
+    let prepare = |m: &&SparseMoe| positions.iter().for_each(|&p| m.router().prepare_synthetic(p));
+    if one_thread() || positions.len() * moe.len() <= ONE_THREAD_DRAWS {
+        moe.iter().for_each(prepare);
+    } else {
+        use rayon::prelude::*;
+        moe.par_iter().for_each(prepare);
+    }
+}
+
+/// Choices of at most this many (row, layer) draws run on the calling thread: a pass of one to
+/// four decode rows through a 48-layer model, whose ~0.4 µs draws (synthetic_routing.rs) take
+/// less than waking the pool's threads.
+const ONE_THREAD_DRAWS: usize = 256;
+
 /// Whether a synthetic model's choice runs on the calling thread alone
-/// (`STRATA_ROUTING_THREADS=1`, a measurement override); otherwise its layers are tasks on
-/// rayon's pool (all of the host's cores). A decode step draws once per MoE layer and row (768
-/// draws of ~4-5 µs for 16 sequences through 48 layers, before the step can launch): on one
-/// thread 3.9 ms of a 13.3 ms step, on the eight scoped threads started per step before 1.2 ms,
-/// on rayon's pool (with the popularity kept per position, synthetic_routing.rs) 0.41-0.50 ms
-/// (H200 host, 16 cores; docs/performance.md). The choice is the same bits either way: each
-/// layer's draws read and write only that layer's history.
+/// (`STRATA_ROUTING_THREADS=1`, a measurement override); otherwise, above [`ONE_THREAD_DRAWS`],
+/// its layers are tasks on rayon's pool (all of the host's cores). A decode step draws once per
+/// MoE layer and row (768 draws for 16 sequences through 48 layers, before the step can launch):
+/// with draws of ~4-5 µs, on one thread 3.9 ms of a 13.3 ms step, on the eight scoped threads
+/// started per step before 1.2 ms, on rayon's pool (with the popularity kept per position,
+/// synthetic_routing.rs) 0.41-0.50 ms; with draws by rejection over running sums, 0.52 ms on one
+/// thread and 0.33-0.35 ms on the pool (H200 host, 16 cores; docs/performance.md, thirty-fifth
+/// session). The choice is the same bits either way: each layer's draws read and write only that
+/// layer's history.
 fn one_thread() -> bool {
     static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ONE.get_or_init(|| std::env::var("STRATA_ROUTING_THREADS").is_ok_and(|v| v == "1"))

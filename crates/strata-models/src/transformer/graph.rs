@@ -34,7 +34,7 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Device, Tensor};
 
-use super::device_routing::{synthetic_choices, DeviceRouting};
+use super::device_routing::{prepare_next_choice, synthetic_choices, DeviceRouting};
 use super::{residual_scaled, FeedForward, ForwardOutput, Logits, Mixer, Transformer};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
@@ -203,12 +203,14 @@ impl Transformer {
 
     /// A pass of `tokens` (one to [`GRAPH_ROWS_MAX`]) at `cache.len()..` through a captured
     /// graph; `None` when the sequence cannot take the graph path (the caller runs the op-by-op
-    /// pass). The cache advances by `tokens.len()` on success.
+    /// pass). The cache advances by `tokens.len()` on success. `while_running` runs after a
+    /// replay's launch ([`super::BatchOptions::while_running`]).
     pub(super) fn decode_graphed(
         &self,
         tokens: &[u32],
         logits: Logits,
         cache: &mut KvCache,
+        while_running: Option<&dyn Fn()>,
     ) -> Result<Option<ForwardOutput>> {
         if tokens.is_empty() || tokens.len() > GRAPH_ROWS_MAX {
             return Ok(None);
@@ -233,7 +235,10 @@ impl Transformer {
                 timed: ReplayStats::default(),
             }),
         };
-        let out = if g.failed { Ok(None) } else { self.graph_pass(tokens, logits, cache, &mut g) };
+        let out = match g.failed {
+            true => Ok(None),
+            false => self.graph_pass(tokens, logits, cache, &mut g, while_running),
+        };
         cache.set_device_position(None);
         cache.put_graphs(g);
         let out = out?;
@@ -249,6 +254,7 @@ impl Transformer {
         logits: Logits,
         cache: &mut KvCache,
         g: &mut DecodeGraphs,
+        while_running: Option<&dyn Fn()>,
     ) -> Result<Option<ForwardOutput>> {
         let Device::Cuda(dev) = &self.device else { return Ok(None) };
         let (pos, rows) = (cache.len(), tokens.len());
@@ -259,6 +265,7 @@ impl Transformer {
         strata_kernels::cuda::write_u32s(&g.tokens, tokens)?;
         strata_kernels::cuda::write_u32(&g.pos, pos as u32)?;
         let chosen = self.write_synthetic_choice(cache, tokens, g)?;
+        let synthetic = chosen.is_some();
         cache.set_device_position(Some((g.pos.clone(), last + 1 - rows)));
         let ids = g.tokens.narrow(0, 0, rows)?;
         if !g.graphs.contains_key(&key) {
@@ -317,6 +324,13 @@ impl Transformer {
         }
         let c = g.graphs.get(&key).expect("captured above");
         replay(dev, c, &mut g.timed, |c| {
+            // While the pass runs: the next token's routing choice prepared (synthetic models).
+            if synthetic {
+                prepare_next_choice(self, &[pos + rows]);
+            }
+            if let Some(work) = while_running {
+                work();
+            }
             let logits = c.logits.copy()?;
             let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
             let routing = routing.unwrap_or_default();
