@@ -60,9 +60,9 @@ pub struct BatchConfig {
     /// [`strata_models::Transformer::splits_mixed`]; `serve --mixed-steps`).
     pub split_mixed: Option<bool>,
     /// A decode step's token (of a sequence without a grammar or log-probabilities) is published
-    /// — detokenized, checked against stop strings, sent — while the next step runs on the device instead of before its launch
-    /// (`Some(true)`), or before it (`Some(false)`). `None`: where the model's device runs a
-    /// step without the host (CUDA). See [`Batcher::step`].
+    /// — detokenized, checked against stop strings, sent — while the next step runs on the
+    /// device (`Some(true)`), or before its launch (`Some(false)`). `None`: where the model's
+    /// device runs a step without the host (CUDA). See [`Batcher::step`].
     pub defer_emission: Option<bool>,
 }
 
@@ -350,10 +350,11 @@ impl Batcher {
     /// [`Self::fail_all`]).
     ///
     /// With deferred emission ([`BatchConfig::defer_emission`]), a decode step's token of a
-    /// sequence without a grammar or log-probabilities that cannot end it by itself (not EOS, not the last `max_tokens` allows,
-    /// room left in the context) is recorded at once and runs in the next step, and its
-    /// publication (text, stop strings, the event) happens while that step runs on the device
-    /// ([`BatchOptions::while_running`]; after the pass where the pass does not call it) — the
+    /// sequence without a grammar or log-probabilities that cannot end it by itself (not EOS,
+    /// not the last `max_tokens` allows, room left in the context) is recorded at once and runs
+    /// in the next step, and its publication (text, stop strings, the event) happens while that
+    /// step runs on the device ([`BatchOptions::while_running`]; after the pass where the pass
+    /// does not call it) — the
     /// host's part of vLLM's asynchronous scheduling that overlaps the GPU. A sequence that a
     /// stop string (or its client) ends then has run one token more than it emits: that row's
     /// result is dropped, and its events are the same as without deferral, one step later.
@@ -616,10 +617,7 @@ impl Batcher {
         // A deferred token goes out before the end (a cancelled sequence's, at the next step).
         if let Some(k) = self.pending.iter().position(|(id, _)| *id == s.id) {
             let (_, token) = self.pending.remove(k);
-            let (group, choice) = (s.group.clone(), s.choice);
-            let _ = s.out.publish(&self.engine, token, None, false, &mut |event| {
-                group.send(SeqEvent::Token { choice, event })
-            });
+            let _ = publish(&self.engine, &mut s, token);
         }
         let finish = match outcome {
             Ok(f) => f,
@@ -785,7 +783,6 @@ fn copy_cache(caches: &mut [KvCache], from: usize, to: usize) -> strata_models::
     caches[to].import_prefix(&[&block], state.as_ref())
 }
 
-/// Milliseconds since `t`.
 /// Publishes every deferred token ([`Batcher::step`]) of `running`'s sequences, in the order they
 /// were recorded; sequences whose token ends them go to `ended` (a stop string, the client gone,
 /// an error).
@@ -797,16 +794,21 @@ fn publish_pending(
 ) {
     for (id, token) in pending.drain(..) {
         let Some(s) = running.iter_mut().find(|s| s.id == id) else { continue };
-        let (group, choice) = (s.group.clone(), s.choice);
-        let sent = s.out.publish(engine, token, None, false, &mut |event| {
-            group.send(SeqEvent::Token { choice, event })
-        });
-        match sent {
+        match publish(engine, s, token) {
             Ok(None) => {}
             Ok(Some(f)) => ended.push((id, Ok(f))),
             Err(e) => ended.push((id, Err(e))),
         }
     }
+}
+
+/// Publishes `s`'s deferred `token` to its request ([`crate::output::SequenceOutput::publish`]);
+/// how the sequence ends with it, if it does.
+fn publish(engine: &Engine, s: &mut Seq, token: u32) -> Result<Option<FinishReason>> {
+    let (group, choice) = (s.group.clone(), s.choice);
+    s.out.publish(engine, token, None, false, &mut |event| {
+        group.send(SeqEvent::Token { choice, event })
+    })
 }
 
 /// Marks the experts of `routing` (one sequence's pass, by MoE layer) in `seen`: per layer a bit
@@ -832,6 +834,7 @@ fn distinct_per_layer(seen: &[Vec<u64>]) -> f64 {
     distinct as f64 / seen.len().max(1) as f64
 }
 
+/// Milliseconds since `t`.
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
