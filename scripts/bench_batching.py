@@ -13,6 +13,10 @@ Strata, the drive bytes read per generated token (from `/metrics`, before and af
 exponential gaps, as vLLM's `benchmark_serving.py --request-rate`) instead of all at once, so new
 prompts keep meeting running decodes (a server's mixed steps); the line then also gives the mean
 time per output token after the first (`mean_tpot_ms`).
+`--first-prompt N`: client i sends prompt N + i (each prompt's topic differs from its first
+words on, so no two share a prefix-cache block while N + clients ≤ the 20 topics; the harness
+gives its warm-up and its one-client run prompts of their own, so that no measured prompt is in
+the server's prefix cache when sent);
 `--shared-prefix N`: every prompt starts with the same N-word preamble (prefix-cache runs);
 `--ttft-pair`: sends one request with a long shared preamble, then a second with the same
 preamble and another question, and prints both TTFTs (the prefix cache's figure).
@@ -31,7 +35,8 @@ TOPICS = [
     "a day in the life of a lighthouse keeper", "why the sky is blue", "the water cycle",
     "how bread rises", "the first moon landing", "how bees make honey", "the invention of the telephone",
     "a recipe for tomato soup", "the life of a river", "how compilers work", "the Roman aqueducts",
-    "migrating birds", "the northern lights",
+    "migrating birds", "the northern lights", "the life cycle of a star", "how glaciers carve valleys",
+    "the building of a cathedral", "how tides work",
 ]
 
 
@@ -107,7 +112,8 @@ def run_clients(a, model):
         if a.request_rate > 0:
             at += rng.expovariate(a.request_rate)
     for i in range(a.clients):
-        prompt = f"{preamble}Write a long essay about {TOPICS[i % len(TOPICS)]} (essay {i}).\n\n"
+        j = a.first_prompt + i
+        prompt = f"{preamble}Write a long essay about {TOPICS[j % len(TOPICS)]} (essay {j}).\n\n"
         t = threading.Thread(target=stream_one,
                              args=(a.url, model, prompt, a.max_tokens, outs[i], start, delays[i]))
         t.start()
@@ -161,6 +167,7 @@ def main():
     p.add_argument("--request-rate", type=float, default=0.0,
                    help="requests per second (Poisson arrivals); 0: all at once")
     p.add_argument("--shared-prefix", type=int, default=0)
+    p.add_argument("--first-prompt", type=int, default=0, help="client i sends prompt N + i")
     p.add_argument("--ttft-pair", type=int, default=0, help="words of shared preamble")
     p.add_argument("--label", default="")
     a = p.parse_args()

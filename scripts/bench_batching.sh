@@ -6,7 +6,8 @@
 # Each round: `strata serve --parallel P` then `llama-server -np P -c P·CTX` (continuous batching
 # is llama-server's default), both with THREADS threads; against each, 1 streaming client, then
 # CLIENTS at once (scripts/bench_batching.py: max_tokens TOKENS, ignore_eos, temperature 0, a prompt
-# of each client's own), after an untimed 8-token warm-up request. Prints one JSON line per
+# of each client's own), after an untimed 8-token warm-up request; every measured prompt is new to
+# the server (CLIENTS ≤ 18). Prints one JSON line per
 # measurement, then the median ratios:
 # Strata CLIENTS / Strata 1 (the batching gain) and Strata / llama-server at CLIENTS.
 # Build llama.cpp with `bash ../shared/tools/llamacpp.sh cpu DIR` (LLAMA=DIR/bin).
@@ -33,9 +34,11 @@ wait_up() {
 }
 
 measure() {  # NAME: an untimed warm-up request (a GPU's first pass loads modules and captures
-  # graphs; llama-server warms itself up at start), then one client, then CLIENTS
-  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens 8 --label warmup >/dev/null
-  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens "$TOKENS" --label "$1 x1" | tee -a "$OUT"
+  # graphs; llama-server warms itself up at start), then one client, then CLIENTS. Each measured
+  # prompt is new to the server (prompts CLIENTS + 1, CLIENTS, then 0 .. CLIENTS − 1), so none
+  # is in its prefix cache: one client pays its prompt's prefill as each of the CLIENTS does.
+  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens 8 --first-prompt $((CLIENTS + 1)) --label warmup >/dev/null
+  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens "$TOKENS" --first-prompt "$CLIENTS" --label "$1 x1" | tee -a "$OUT"
   python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients "$CLIENTS" --max-tokens "$TOKENS" --request-rate "${RATE:-0}" --label "$1 x$CLIENTS" | tee -a "$OUT"
 }
 

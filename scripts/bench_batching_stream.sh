@@ -6,7 +6,8 @@
 #
 # Model: `strata synth --preset qwen3-30b-a3b --quant Q4_K --routing realistic --out FILE`.
 # Each round starts a fresh server in the cgroup (page cache dropped), warms it with one 8-token
-# request, then measures 1 client and CLIENTS clients (order alternating between rounds) with
+# request, then measures 1 client and CLIENTS clients (order alternating between rounds; every
+# prompt a different one, so the warm-up's experts are no measured prompt's) with
 # scripts/bench_batching.py: aggregate tok/s and drive bytes read per generated token (from
 # /metrics). Prints the median paired ratios: aggregate (CLIENTS / 1) and bytes per token (CLIENTS / 1).
 # Env: ROUNDS (2), CLIENTS (4), TOKENS (32), MEM (6 GiB), CTX (512 per slot), THREADS (2),
@@ -29,8 +30,8 @@ wait_up() {
   echo "server did not come up" >&2; return 1
 }
 
-one() {  # CLIENTS LABEL
-  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients "$1" --max-tokens "$TOKENS" --label "$2" | tee -a "$OUT"
+one() {  # CLIENTS LABEL FIRST_PROMPT
+  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients "$1" --max-tokens "$TOKENS" --first-prompt "$3" --label "$2" | tee -a "$OUT"
 }
 
 for r in $(seq 1 "$ROUNDS"); do
@@ -40,8 +41,8 @@ for r in $(seq 1 "$ROUNDS"); do
   sync; echo 3 > /proc/sys/vm/drop_caches
   bash -c "echo \$\$ > $CG/cgroup.procs; exec $STRATA serve --model $MODEL --parallel $CLIENTS --ctx-size $CTX --stream-experts on --prefix-cache 0 -t $THREADS --port $PORT ${EXTRA:-}" >/tmp/bench_batching_stream.log 2>&1 &
   pid=$!; wait_up
-  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens 8 --label warmup >/dev/null
-  if [ $((r % 2)) -eq 1 ]; then one 1 x1; one "$CLIENTS" "x$CLIENTS"; else one "$CLIENTS" "x$CLIENTS"; one 1 x1; fi
+  python3 scripts/bench_batching.py --url "http://127.0.0.1:$PORT" --clients 1 --max-tokens 8 --first-prompt $((CLIENTS + 1)) --label warmup >/dev/null
+  if [ $((r % 2)) -eq 1 ]; then one 1 x1 "$CLIENTS"; one "$CLIENTS" "x$CLIENTS" 0; else one "$CLIENTS" "x$CLIENTS" 0; one 1 x1 "$CLIENTS"; fi
   kill $pid; wait $pid 2>/dev/null || true
   echo "cgroup max usage $(( $(cat $CG/memory.max_usage_in_bytes) >> 20 )) MiB, failcnt $(cat $CG/memory.failcnt)"
 done

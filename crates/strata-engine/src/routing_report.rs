@@ -360,7 +360,7 @@ mod tests {
                 .iter()
                 .enumerate()
                 .map(|(l, r)| {
-                    let ids = r.route(pos, token, prev[l].as_deref());
+                    let ids = r.route(pos, Some(token), prev[l].as_deref());
                     prev[l] = Some(ids.clone());
                     LayerRouting { layer: l, top_k: 8, expert_ids: ids, weights: vec![0.125; 8] }
                 })

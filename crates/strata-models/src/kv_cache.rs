@@ -9,7 +9,7 @@ use strata_formats::ModelConfig;
 
 use crate::error::{ModelError, Result};
 use crate::recurrent::{LinearState, RecurrentCache, RecurrentSnapshot, StepLog};
-use crate::synthetic_routing::RoutingHistory;
+use crate::synthetic_routing::{RoutingHistory, RoutingRows};
 
 /// Element type of the KV cache's keys and values (`--kv-cache-dtype`; vLLM's
 /// `--kv-cache-dtype`, llama.cpp's `-ctk`/`-ctv`). Attention computes in f32 either way; `F16`
@@ -61,8 +61,8 @@ impl std::fmt::Display for KvDtype {
 #[derive(Debug)]
 pub struct KvBlock {
     kv: BlockKv,
-    /// A synthetic model's routing choices at those positions, per layer `[len · top_k]`.
-    routing: Option<Vec<Vec<u32>>>,
+    /// A synthetic model's routing choices and tokens at those positions.
+    routing: Option<RoutingRows>,
     len: usize,
 }
 
@@ -99,7 +99,7 @@ impl KvBlock {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.kv.bytes() + self.routing.as_ref().map_or(0, |r| r.iter().map(|v| v.len() * 4).sum())
+        self.kv.bytes() + self.routing.as_ref().map_or(0, RoutingRows::bytes)
     }
 }
 
@@ -114,6 +114,8 @@ pub struct KvCache {
     routing: Option<RoutingHistory>,
     len: usize,
     capacity: usize,
+    /// Unique among the caches this process made ([`Self::id`]).
+    id: u64,
     /// The GPU graph path's state (`cuda` build): captured decode steps for this cache's
     /// tensors, and the device position its kernels read while one runs.
     #[cfg(feature = "cuda")]
@@ -132,6 +134,9 @@ struct GpuState {
     /// [`crate::gpu::GpuPath::KvSpan`]); set up at the first copy.
     span: std::sync::OnceLock<Option<strata_kernels::cuda::KvSpanTable>>,
 }
+
+/// The next [`KvCache::id`].
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Bytes of a tensor's elements.
 fn tensor_bytes(t: &Tensor) -> usize {
@@ -256,9 +261,16 @@ impl KvCache {
             routing,
             len: 0,
             capacity,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             #[cfg(feature = "cuda")]
             gpu: GpuState::default(),
         })
+    }
+
+    /// A number no other cache made by this process has: tells a cache from one made later in
+    /// its place (at the same address, with the same length).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The position the GPU kernels read from the device, and the largest it may hold, while a

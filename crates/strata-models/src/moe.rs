@@ -150,8 +150,12 @@ impl Router {
                     ))
                     .into());
                 }
+                let before = befores(seq.history, seq.start, seq.tokens);
+                if !predict {
+                    seq.history.record_tokens(seq.start, seq.tokens);
+                }
                 let history = seq.history.layer_mut(layer);
-                let actual = synthetic_chain(s, seq.start, seq.tokens, history, !predict);
+                let actual = synthetic_chain(s, seq.start, &before, history, !predict);
                 for (i, (row, actual)) in logits.iter().zip(actual).enumerate() {
                     let (pos, token) = (seq.start + i, seq.tokens[i]);
                     let chosen = if predict { s.predict(pos, token, &actual) } else { actual };
@@ -177,28 +181,24 @@ impl Router {
     /// router's scores. The device weighs them the same way ([`Self::route_on_device`] with
     /// `chosen`). `None` when this router has no synthetic process.
     pub fn synthetic_choice(&self, layer: usize, seq: SeqRoute<'_>) -> Option<Vec<u32>> {
-        self.synthetic_choice_in(seq.start, seq.tokens, seq.history.layer_mut(layer)?)
+        let before = befores(seq.history, seq.start, seq.tokens);
+        seq.history.record_tokens(seq.start, seq.tokens);
+        self.synthetic_choice_in(seq.start, &before, seq.history.layer_mut(layer)?)
     }
 
-    /// [`Self::synthetic_choice`] for rows at positions `start..` (`tokens`) recorded in one
-    /// layer's part of a history (this router's layer; histories of different layers can be
-    /// written on different threads).
+    /// [`Self::synthetic_choice`] for rows at positions `start..` recorded in one layer's part of
+    /// a history (this router's layer; histories of different layers can be written on
+    /// different threads). `before[i]`: the sequence's token at position `start + i − 1` (what
+    /// row `i`'s draws hash; [`befores`]), one per row. The caller records the pass's tokens in
+    /// the history ([`RoutingHistory::record_tokens`]).
     pub fn synthetic_choice_in(
         &self,
         start: usize,
-        tokens: &[u32],
+        before: &[Option<u32>],
         history: LayerHistory<'_>,
     ) -> Option<Vec<u32>> {
         let s = self.synthetic.as_ref()?;
-        Some(synthetic_chain(s, start, tokens, Some(history), true).concat())
-    }
-
-    /// Prepares the synthetic routing process's draws at `position` (see
-    /// [`SyntheticRouter::prepare`]); nothing without one.
-    pub fn prepare_synthetic(&self, position: usize) {
-        if let Some(s) = &self.synthetic {
-            s.prepare(position);
-        }
+        Some(synthetic_chain(s, start, before, Some(history), true).concat())
     }
 
     /// [`Self::route`] on the device: `x: [seq, hidden]` → expert ids `[seq, k]` (u32) and weights
@@ -271,21 +271,29 @@ impl Router {
     }
 }
 
-/// The experts synthetic process `s` chooses for `tokens` at positions `start..` of its layer,
-/// each row's choice depending on the previous position's (read from the layer's `history`, and
-/// written there when `record`; `None`: a layer the history does not hold, nothing read or
-/// written).
+/// For a pass of `tokens` at positions `start..` of a sequence: the token before each row (the
+/// history's at `start − 1` for the first, `None` at the sequence's start; then the pass's own),
+/// what [`Router::synthetic_choice_in`] takes.
+pub fn befores(history: &RoutingHistory, start: usize, tokens: &[u32]) -> Vec<Option<u32>> {
+    let first = start.checked_sub(1).and_then(|p| history.token(p));
+    std::iter::once(first).chain(tokens.iter().map(|&t| Some(t))).take(tokens.len()).collect()
+}
+
+/// The experts synthetic process `s` chooses for rows at positions `start..` of its layer
+/// (`before[i]`: the token at row `i`'s previous position, [`befores`]), each row's choice
+/// depending on the previous position's (read from the layer's `history`, and written there
+/// when `record`; `None`: a layer the history does not hold, nothing read or written).
 fn synthetic_chain(
     s: &SyntheticRouter,
     start: usize,
-    tokens: &[u32],
+    before: &[Option<u32>],
     mut history: Option<LayerHistory<'_>>,
     record: bool,
 ) -> Vec<Vec<u32>> {
     let mut prev: Option<Vec<u32>> =
         start.checked_sub(1).and_then(|p| history.as_ref()?.get(p)).map(<[u32]>::to_vec);
-    let mut rows = Vec::with_capacity(tokens.len());
-    for (i, &token) in tokens.iter().enumerate() {
+    let mut rows = Vec::with_capacity(before.len());
+    for (i, &token) in before.iter().enumerate() {
         let actual = s.route(start + i, token, prev.as_deref());
         if let (true, Some(h)) = (record, history.as_mut()) {
             h.set(start + i, &actual);
@@ -646,4 +654,66 @@ fn shared_gate_fused(x: &Tensor) -> bool {
         && x.rank() == 2
         && x.dims()[1].is_multiple_of(4)
         && *ON.get_or_init(|| std::env::var("STRATA_GPU_SHARED_GATE").map_or(true, |v| v != "0"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use strata_formats::SyntheticRouting;
+    use strata_formats::Weight;
+
+    /// A router of `experts` experts over a 16-wide hidden state with a synthetic process.
+    fn router(cfg: SyntheticRouting, layer: usize, experts: usize, k: usize) -> Router {
+        let w: Vec<f32> =
+            (0..experts * 16).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let w = Tensor::from_vec(w, (experts, 16), &Device::Cpu).unwrap();
+        Router::new(Linear::new(Weight::Dense(w), None).unwrap(), k, true, RouterScoring::Softmax)
+            .with_synthetic(Some(SyntheticRouter::new(cfg, layer, experts, k)))
+    }
+
+    fn x(rows: usize) -> Tensor {
+        let v: Vec<f32> = (0..rows * 16).map(|i| (i as f32 * 0.37).sin()).collect();
+        Tensor::from_vec(v, (rows, 16), &Device::Cpu).unwrap()
+    }
+
+    /// A position's choice drawn ahead (from the history alone, before its token is known, as a
+    /// GPU step draws the next step's) is what routing that position with any token gives, in a
+    /// pass of its own or inside a longer one; a pass's tokens are kept for the next position.
+    #[test]
+    fn a_choice_drawn_ahead_is_the_choice_of_its_step() {
+        let layer = 2;
+        for cfg in [SyntheticRouting::realistic(5), SyntheticRouting::uniform(6)] {
+            let r = router(cfg, layer, 32, 4);
+            let prompt = [7u32, 900, 31, 31, 4];
+            let mut h = RoutingHistory::new(4, 4);
+            let seq = SeqRoute { start: 0, tokens: &prompt, history: &mut h };
+            r.route_seq(&x(5), layer, Some(seq), false).unwrap();
+            assert_eq!(h.token(4), Some(4));
+            // Drawn ahead at position 5 from the history.
+            let mut ahead = h.clone();
+            let before = [ahead.token(4)];
+            let drawn = r.synthetic_choice_in(5, &before, ahead.layer_mut(layer).unwrap()).unwrap();
+            // Routed with two different tokens at position 5, and a 7-token pass from the start.
+            for t in [11u32, 12_000] {
+                let mut step = h.clone();
+                let seq = SeqRoute { start: 5, tokens: &[t], history: &mut step };
+                r.route_seq(&x(1), layer, Some(seq), false).unwrap();
+                assert_eq!(step.get(layer, 5), Some(&drawn[..]), "{:?} token {t}", cfg.mode);
+                let mut whole = RoutingHistory::new(4, 4);
+                let all = [7u32, 900, 31, 31, 4, t, 3];
+                let seq = SeqRoute { start: 0, tokens: &all, history: &mut whole };
+                r.route_seq(&x(7), layer, Some(seq), false).unwrap();
+                for p in 0..6 {
+                    assert_eq!(whole.get(layer, p), step.get(layer, p), "position {p}");
+                }
+            }
+            // Another token at position 4 changes position 5's draws (sequences diverge).
+            let mut other = RoutingHistory::new(4, 4);
+            let seq = SeqRoute { start: 0, tokens: &[7, 900, 31, 31, 5, 1], history: &mut other };
+            r.route_seq(&x(6), layer, Some(seq), false).unwrap();
+            assert_eq!(other.get(layer, 4), h.get(layer, 4));
+            assert_ne!(other.get(layer, 5), Some(&drawn[..]), "{:?}", cfg.mode);
+        }
+    }
 }

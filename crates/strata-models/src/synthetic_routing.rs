@@ -13,10 +13,14 @@
 //!   probability `pregate_recall` and otherwise replaced by a popularity draw, so the pre-gating
 //!   predictor's recall is `pregate_recall`.
 //!
-//! Every draw is a hash of (seed, layer, position, token id, purpose, counter), and each token's
-//! choice depends on the same layer's choice at the previous position of its sequence (kept per
-//! sequence in a [`RoutingHistory`]). A sequence therefore routes identically in one prefill
-//! pass or token by token, resident or streamed, on any device, and in a speculative verify pass.
+//! Every draw is a hash of (seed, layer, position, the sequence's token at the position before,
+//! purpose, counter), and each token's choice depends on the same layer's choice at the previous
+//! position of its sequence (both kept per sequence in a [`RoutingHistory`]). A sequence therefore
+//! routes identically in one prefill pass or token by token, resident or streamed, on any device,
+//! and in a speculative verify pass. Since a position's choice does not depend on its own token, a
+//! decode step's choice can be drawn while the step before it runs ([`RoutingHistory::take_ahead`]):
+//! a trained model's router runs on the device at no host cost, and this process, which stands in
+//! for one, then costs a batched GPU step no host time before its launch either.
 
 use std::sync::{Arc, Mutex};
 
@@ -30,11 +34,65 @@ pub struct RoutingHistory {
     top_k: usize,
     /// `ids[layer]`: `[positions · top_k]`.
     ids: Vec<Vec<u32>>,
+    /// `[positions]`: the token routed at each position (the next position's draws hash it).
+    tokens: Vec<u32>,
+    /// A position whose choice every layer holds already, drawn ahead of its pass
+    /// ([`Self::take_ahead`]); cleared by every pass recorded ([`Self::record_tokens`]).
+    ahead: Option<usize>,
+}
+
+/// A run of positions of a [`RoutingHistory`] (a prefix-cache block's part of it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingRows {
+    /// `ids[layer]`: `[len · top_k]` (zeros where not recorded).
+    pub ids: Vec<Vec<u32>>,
+    /// `[len]`: the tokens routed there (zeros where not recorded).
+    pub tokens: Vec<u32>,
+}
+
+impl RoutingRows {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        (self.ids.iter().map(Vec::len).sum::<usize>() + self.tokens.len()) * 4
+    }
 }
 
 impl RoutingHistory {
     pub fn new(num_layers: usize, top_k: usize) -> Self {
-        Self { top_k, ids: vec![Vec::new(); num_layers] }
+        Self { top_k, ids: vec![Vec::new(); num_layers], tokens: Vec::new(), ahead: None }
+    }
+
+    /// The token routed at `position` (`None` if not recorded): what the draws at `position + 1`
+    /// hash.
+    pub fn token(&self, position: usize) -> Option<u32> {
+        self.tokens.get(position).copied()
+    }
+
+    /// Records `tokens` as routed at positions `start..` (a pass's rows, before its choice), and
+    /// forgets any choice drawn ahead: a pass can rewrite the positions an ahead choice was drawn
+    /// from.
+    pub fn record_tokens(&mut self, start: usize, tokens: &[u32]) {
+        self.ahead = None;
+        if self.tokens.len() < start + tokens.len() {
+            self.tokens.resize(start + tokens.len(), 0);
+        }
+        self.tokens[start..start + tokens.len()].copy_from_slice(tokens);
+    }
+
+    /// Marks `position`'s choice as drawn ahead in every layer (written there with
+    /// [`Self::layers_mut`] from the choice and the token at `position − 1`, before any pass
+    /// routes `position`).
+    pub fn set_ahead(&mut self, position: usize) {
+        self.ahead = Some(position);
+    }
+
+    /// Whether a pass of `rows` rows at `start` finds its choice drawn ahead (one row at the
+    /// position [`Self::set_ahead`] marked, no pass recorded since): then every layer's choice at
+    /// `start` is what routing it now would draw, since a choice depends only on the history
+    /// before its position. The mark is used up either way.
+    pub fn take_ahead(&mut self, start: usize, rows: usize) -> bool {
+        let ahead = self.ahead.take();
+        rows == 1 && ahead == Some(start)
     }
 
     /// The experts `layer` chose at `position` (`None` if not recorded).
@@ -66,33 +124,36 @@ impl RoutingHistory {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.ids.iter().map(|v| v.capacity() * 4).sum()
+        self.ids.iter().map(|v| v.capacity() * 4).sum::<usize>() + self.tokens.capacity() * 4
     }
 
-    /// Every layer's choices at positions `start..start + len` (zeros where not recorded).
-    pub fn rows(&self, start: usize, len: usize) -> Vec<Vec<u32>> {
-        let k = self.top_k;
-        self.ids
-            .iter()
-            .map(|v| {
-                let mut out = vec![0; len * k];
-                let have = v.len().saturating_sub(start * k).min(len * k);
-                if have > 0 {
-                    out[..have].copy_from_slice(&v[start * k..start * k + have]);
-                }
-                out
-            })
-            .collect()
+    /// Every layer's choices and the tokens at positions `start..start + len` (zeros where not
+    /// recorded).
+    pub fn rows(&self, start: usize, len: usize) -> RoutingRows {
+        let copy = |v: &[u32], k: usize| {
+            let mut out = vec![0; len * k];
+            let have = v.len().saturating_sub(start * k).min(len * k);
+            if have > 0 {
+                out[..have].copy_from_slice(&v[start * k..start * k + have]);
+            }
+            out
+        };
+        RoutingRows {
+            ids: self.ids.iter().map(|v| copy(v, self.top_k)).collect(),
+            tokens: copy(&self.tokens, 1),
+        }
     }
 
-    /// Writes [`Self::rows`]' output back at `start`.
-    pub fn set_rows(&mut self, start: usize, rows: &[Vec<u32>]) {
+    /// Writes [`Self::rows`]' output back at `start` (a pass's recording: see
+    /// [`Self::record_tokens`]).
+    pub fn set_rows(&mut self, start: usize, rows: &RoutingRows) {
         let k = self.top_k.max(1);
-        for (layer, r) in rows.iter().enumerate() {
+        for (layer, r) in rows.ids.iter().enumerate() {
             for (i, ids) in r.chunks_exact(k).enumerate() {
                 self.set(layer, start + i, ids);
             }
         }
+        self.record_tokens(start, &rows.tokens);
     }
 }
 
@@ -236,16 +297,6 @@ impl SyntheticRouter {
         &self.cfg
     }
 
-    /// Computes and keeps the popularity at `position` ahead of the draws there (a batched
-    /// step's next positions, while the current step runs on the device): the draws then find
-    /// it kept instead of taking its exponentials before their pass can launch. Nothing for
-    /// `uniform`.
-    pub fn prepare(&self, position: usize) {
-        if self.cfg.mode == RoutingMode::Realistic {
-            let _ = self.popularity(position);
-        }
-    }
-
     fn experts(&self) -> usize {
         self.base.len()
     }
@@ -359,17 +410,19 @@ impl SyntheticRouter {
         }
     }
 
-    /// The top-k experts (unordered) of `token` at `position`, given this layer's experts at the
-    /// previous position of the same sequence (`None` at its start).
-    pub fn route(&self, position: usize, token: u32, prev: Option<&[u32]>) -> Vec<u32> {
+    /// The top-k experts (unordered) at `position` of a sequence whose token at `position − 1`
+    /// is `before` and whose experts there, in this layer, are `prev` (both `None` at its
+    /// start). The token at `position` itself plays no part, so the choice can be drawn before
+    /// that token is known.
+    pub fn route(&self, position: usize, before: Option<u32>, prev: Option<&[u32]>) -> Vec<u32> {
         let e = self.experts();
+        let token = before.map_or(u64::MAX, u64::from);
         let mut chosen = Vec::with_capacity(self.top_k);
         let mut excluded = vec![false; e];
         let weights = match self.cfg.mode {
             RoutingMode::Uniform => self.flat.clone(),
             RoutingMode::Realistic => {
-                let common =
-                    hash(&[self.cfg.seed, KEEP, self.layer, position as u64, token as u64]);
+                let common = hash(&[self.cfg.seed, KEEP, self.layer, position as u64, token]);
                 for &x in prev.unwrap_or_default() {
                     let keep = unit(hash_more(common, x as u64)) < self.cfg.reuse;
                     if let Some(slot) = excluded.get_mut(x as usize) {
@@ -382,7 +435,7 @@ impl SyntheticRouter {
                 self.popularity(position)
             }
         };
-        self.fill(&mut chosen, &mut excluded, &weights, [DRAW, position as u64, token as u64, 0]);
+        self.fill(&mut chosen, &mut excluded, &weights, [DRAW, position as u64, token, 0]);
         chosen
     }
 
@@ -423,7 +476,7 @@ mod tests {
         let mut prev: Option<Vec<u32>> = None;
         (0..tokens)
             .map(|p| {
-                let ids = r.route(p, (p as u32 * 7919) % 1000, prev.as_deref());
+                let ids = r.route(p, Some((p as u32 * 7919) % 1000), prev.as_deref());
                 prev = Some(ids.clone());
                 ids
             })
@@ -533,7 +586,7 @@ mod tests {
         let (mut hit, mut n) = (0, 0);
         let mut prev: Option<Vec<u32>> = None;
         for p in 0..2000 {
-            let actual = r.route(p, 11, prev.as_deref());
+            let actual = r.route(p, Some(11), prev.as_deref());
             let pred = r.predict(p, 11, &actual);
             assert!(pred.len() == 8 && distinct(&pred));
             hit += pred.iter().filter(|e| actual.contains(e)).count();
@@ -542,6 +595,48 @@ mod tests {
         }
         let recall = hit as f64 / n as f64;
         assert!((0.77..0.83).contains(&recall), "{recall}");
+    }
+
+    /// A choice drawn ahead is taken once, by a one-row pass at its position, and forgotten
+    /// by any pass recorded before it is taken (which may rewrite what it was drawn from).
+    #[test]
+    fn a_choice_drawn_ahead_is_taken_once_and_forgotten_by_any_pass() {
+        let mut h = RoutingHistory::new(2, 2);
+        h.record_tokens(0, &[5, 6, 7]);
+        h.set_ahead(3);
+        assert!(!h.take_ahead(3, 2), "a verify pass draws its rows");
+        assert!(!h.take_ahead(3, 1), "used up");
+        h.set_ahead(3);
+        assert!(!h.take_ahead(2, 1), "another position");
+        assert!(!h.take_ahead(3, 1));
+        h.set_ahead(3);
+        h.record_tokens(2, &[9]);
+        assert!(!h.take_ahead(3, 1), "a pass rewrote position 2");
+        h.set_ahead(3);
+        h.set_rows(0, &h.rows(0, 1));
+        assert!(!h.take_ahead(3, 1), "a prefix restored");
+        h.set_ahead(3);
+        assert!(h.take_ahead(3, 1));
+        assert!(!h.take_ahead(3, 1), "taken once");
+    }
+
+    /// A block's rows carry the tokens with the choices (a restored prefix's next position
+    /// hashes its last token).
+    #[test]
+    fn rows_carry_choices_and_tokens() {
+        let mut h = RoutingHistory::new(2, 2);
+        h.record_tokens(0, &[5, 6, 7]);
+        for p in 0..3 {
+            h.set(0, p, &[p as u32, 9]);
+            h.set(1, p, &[9, p as u32]);
+        }
+        let rows = h.rows(1, 3);
+        assert_eq!(rows.tokens, vec![6, 7, 0]);
+        assert_eq!(rows.ids[1], vec![9, 1, 9, 2, 0, 0]);
+        let mut g = RoutingHistory::new(2, 2);
+        g.set_rows(1, &h.rows(1, 2));
+        assert_eq!((g.token(1), g.token(2), g.token(0)), (Some(6), Some(7), Some(0)));
+        assert_eq!((g.get(0, 2), g.get(1, 1)), (Some(&[2, 9][..]), Some(&[9, 1][..])));
     }
 
     #[test]

@@ -78,7 +78,7 @@ impl Transformer {
             let rows = 0..out.logits.dim(0)?;
             let one = std::slice::from_ref(&rows);
             let [(logits, greedy)]: [_; 1] =
-                super::pick::split_logits(&out.logits, one, &[seqs[0].logits])?
+                super::pick::split_logits(&out.logits, None, one, &[seqs[0].logits])?
                     .try_into()
                     .expect("one sequence");
             (out.logits, out.greedy) = (logits, greedy);
@@ -277,7 +277,7 @@ impl Transformer {
             use super::device_routing::{synthetic_choices, DeviceRouting};
             let seqs: Vec<(usize, &[u32])> =
                 ranges.iter().zip(&starts).map(|(r, &s)| (s, &tokens[r.clone()])).collect();
-            let chosen = synthetic_choices(self, &mut caches, &seqs, end)
+            let chosen = synthetic_choices(self, &mut caches, &seqs, end, None)
                 .map(|ids| Tensor::new(ids, &self.device))
                 .transpose()?;
             DeviceRouting::for_pass(self, &caches, tokens.len(), end, chosen)?
@@ -399,7 +399,7 @@ impl Transformer {
             logits = (logits * scales.logits)?;
         }
         // Greedy picks on the device; several sequences' other logits to the host in one copy.
-        let split = super::pick::split_logits(&logits, &picked, &modes)?;
+        let split = super::pick::split_logits(&logits, None, &picked, &modes)?;
         // Device routing is read back after the lm_head's launch: the one wait of the pass.
         #[cfg(feature = "cuda")]
         if let Some(d) = on_device {

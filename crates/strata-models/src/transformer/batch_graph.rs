@@ -39,7 +39,7 @@ use candle_core::{DType, Device, Tensor};
 use strata_kernels::cuda::{self as gpu, Rows};
 
 use super::batch::{slice_routing, BatchOptions, BatchSeq};
-use super::device_routing::{prepare_next_choice, synthetic_choices};
+use super::device_routing::{choose_ahead, synthetic_choices};
 use super::graph::{bucket, replay, Captured, LayerRows, PassKv, ReplayStats, GRAPH_ROWS_MAX};
 use super::{ForwardOutput, Mixer, Transformer};
 use crate::error::{ModelError, Result};
@@ -59,6 +59,10 @@ pub(crate) struct BatchGraphs {
     /// A synthetic model's choice of experts, u32 `[moe_layers · GRAPH_ROWS_MAX · model_top_k]`
     /// (the first `moe_layers · rows · model_top_k` written before each step).
     chosen: Option<Tensor>,
+    /// The next step's row tables, made while this step ran.
+    tables_ahead: Option<Ahead>,
+    /// The next step's synthetic routing choice, drawn while this step ran (`choose_ahead`).
+    choice_ahead: Option<Ahead>,
     graphs: HashMap<Key, Captured>,
     /// Shapes run once op by op: captured when they come again.
     seen: HashSet<Key>,
@@ -66,6 +70,28 @@ pub(crate) struct BatchGraphs {
     failed: bool,
     /// Replays timed under `STRATA_GPU_GRAPH_STATS=1`.
     timed: ReplayStats,
+}
+
+/// What a step writes before its launch, made while the step before it ran: its row tables' words
+/// (a model without recurrent layers: every entry is a position and the cache's layer addresses,
+/// which never move) or its synthetic routing choice. They hold for the sequences they were made
+/// for — each cache's [`KvCache::id`] and length, in the step's order — and no others.
+#[derive(Debug)]
+struct Ahead {
+    key: Vec<(u64, usize)>,
+    values: Vec<u32>,
+}
+
+impl Ahead {
+    /// The values, when made for `seqs` as they stand.
+    fn take_for(slot: &mut Option<Ahead>, seqs: &[BatchSeq<'_>]) -> Option<Vec<u32>> {
+        slot.take()
+            .filter(|a| {
+                a.key.len() == seqs.len()
+                    && a.key.iter().zip(seqs).all(|(&k, s)| k == (s.cache.id(), s.cache.len()))
+            })
+            .map(|a| a.values)
+    }
 }
 
 impl Transformer {
@@ -124,7 +150,7 @@ impl Transformer {
         }
         let tokens: Vec<u32> = seqs.iter().map(|s| s.tokens[0]).collect();
         gpu::write_u32s(&g.tokens, &tokens)?;
-        let (tables, tables_ms) = self.write_row_tables(g, seqs, key.1)?;
+        let mut tables_ms = self.write_row_tables(g, seqs)?;
         let t_choice = std::time::Instant::now();
         let chosen = self.write_batch_choice(g, seqs, &tokens)?;
         let choice_ms = t_choice.elapsed().as_secs_f64() * 1e3;
@@ -133,6 +159,10 @@ impl Transformer {
         }
         let ids = g.tokens.narrow(0, 0, n)?;
         if !captured {
+            // The tables' views, which the launches (not a replay) take.
+            let t_views = std::time::Instant::now();
+            let tables = self.row_table_views(g, seqs, key.1)?;
+            tables_ms[2] = t_views.elapsed().as_secs_f64() * 1e3;
             // Run the step (parameter uploads cached for the capture), capture the same
             // launches, then launch the new graph at once (as for one sequence: its memory
             // exists only once it has run); the launch rewrites the same cache entries. A
@@ -162,7 +192,9 @@ impl Transformer {
                 s.cache.restore_recurrent(b);
             }
             let mut kv = PassKv::Rows { tables: &tables, like: seqs[0].cache };
-            match self.capture(dev, &mut kv, &ids, false, chosen.clone()) {
+            // The greedy picks inside the graph (read with its outputs).
+            let picks = crate::gpu::enabled(crate::gpu::GpuPath::Argmax);
+            match self.capture(dev, &mut kv, &ids, false, chosen.clone(), picks) {
                 Ok(c) => {
                     g.graphs.insert(key, c);
                 }
@@ -177,7 +209,7 @@ impl Transformer {
                     };
                     let routing =
                         routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
-                    return finish(seqs, &logits, routing.unwrap_or_default()).map(Some);
+                    return finish(seqs, &logits, None, routing.unwrap_or_default()).map(Some);
                 }
             }
         }
@@ -185,18 +217,33 @@ impl Transformer {
         if super::graph::stats_on() {
             g.timed.add_prep(t0.elapsed().as_secs_f64() * 1e3, choice_ms, tables_ms);
         }
-        replay(dev, c, &mut g.timed, |c| {
-            // While the step runs: the next step's routing choice prepared (synthetic models).
+        let (mut tables_ahead, mut choice_ahead) = (None, None);
+        let out = replay(dev, c, &mut g.timed, |c, wait| {
+            // While the step runs: the next step's routing choice drawn (synthetic models) and
+            // its row tables, for the same sequences one position on.
+            let key: Vec<(u64, usize)> =
+                seqs.iter().map(|s| (s.cache.id(), s.cache.len() + 1)).collect();
             if synthetic != 0 {
-                let next: Vec<usize> = seqs.iter().map(|s| s.cache.len() + 1).collect();
-                prepare_next_choice(self, &next);
+                let next: Vec<usize> = key.iter().map(|k| k.1).collect();
+                let mut caches: Vec<&mut KvCache> =
+                    seqs.iter_mut().map(|s| &mut *s.cache).collect();
+                let ids = choose_ahead(self, &mut caches, &next);
+                choice_ahead = ids.map(|ids| Ahead { key: key.clone(), values: ids });
+            }
+            if !hybrid {
+                let words = self.row_table_words(seqs, 1);
+                tables_ahead = words.ok().map(|words| Ahead { key, values: words });
             }
             if let Some(work) = opts.while_running {
                 work();
             }
+            wait();
             let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
-            finish(seqs, &c.logits, routing.unwrap_or_default()).map(Some)
-        })
+            finish(seqs, &c.logits, c.picks.as_ref(), routing.unwrap_or_default()).map(Some)
+        });
+        g.tables_ahead = tables_ahead;
+        g.choice_ahead = choice_ahead;
+        out
     }
 
     fn new_batch_graphs(&self) -> Result<BatchGraphs> {
@@ -205,6 +252,8 @@ impl Transformer {
             tokens: Tensor::zeros(GRAPH_ROWS_MAX, DType::U32, &self.device)?,
             tables: Tensor::zeros(table_words, DType::U32, &self.device)?,
             chosen: None,
+            tables_ahead: None,
+            choice_ahead: None,
             graphs: HashMap::new(),
             seen: HashSet::new(),
             failed: false,
@@ -212,22 +261,33 @@ impl Transformer {
         })
     }
 
-    /// Writes every layer's table for this step (one host-to-device copy) and returns views of
-    /// them: an attention layer's row table (positions at most `max`), a Gated DeltaNet layer's
-    /// state table; and the ms its three parts took (entries, copy, views).
-    fn write_row_tables(
-        &self,
-        g: &BatchGraphs,
-        seqs: &[BatchSeq<'_>],
-        max: usize,
-    ) -> Result<(Vec<LayerRows>, [f64; 3])> {
+    /// Writes every layer's table for this step (one host-to-device copy): the words made
+    /// during the step before ([`Ahead`]) when they were made for these sequences at these
+    /// lengths, else made now; returns the ms of the entries and the copy (and 0 for the views,
+    /// [`Self::row_table_views`]).
+    fn write_row_tables(&self, g: &mut BatchGraphs, seqs: &[BatchSeq<'_>]) -> Result<[f64; 3]> {
         let t = std::time::Instant::now();
+        let words = match Ahead::take_for(&mut g.tables_ahead, seqs) {
+            Some(words) => words,
+            None => self.row_table_words(seqs, 0)?,
+        };
+        let entries = t.elapsed().as_secs_f64() * 1e3;
+        gpu::write_u32s(&g.tables, &words)?;
+        let copy = t.elapsed().as_secs_f64() * 1e3 - entries;
+        Ok([entries, copy, 0.0])
+    }
+
+    /// Every layer's table words for a step of `seqs` at their lengths plus `ahead` (0: this
+    /// step; 1: the next, drawn up while this one runs — attention layers only): an attention
+    /// layer's row table (each row's position and its cache's layer addresses), a Gated DeltaNet
+    /// layer's state table; layer `l`'s at `l · rows · 5`.
+    fn row_table_words(&self, seqs: &[BatchSeq<'_>], ahead: usize) -> Result<Vec<u32>> {
         let n = seqs.len();
         let mut words = Vec::with_capacity(self.layers.len() * n * 5);
         for (layer, l) in self.layers.iter().enumerate() {
             if let Mixer::GatedDeltaNet(_) = l.mixer {
                 for s in seqs {
-                    let pos = s.cache.len() as u32;
+                    let pos = (s.cache.len() + ahead) as u32;
                     let state = s.cache.recurrent_device().map(|d| d.table_row(layer, pos));
                     let Some(Some(row)) = state.transpose()? else { return Err(no_state(layer)) };
                     words.extend(row);
@@ -240,13 +300,23 @@ impl Transformer {
                 let kept = s.cache.table_words(layer)?;
                 // SAFETY: `kept` is this cache's `address_words` (KvCache::table_words), and
                 // the cache outlives the step.
-                unsafe { table.push_words(s.cache.len(), 1, gpu::LayerKv { k, v }, kept) }?;
+                unsafe { table.push_words(s.cache.len() + ahead, 1, gpu::LayerKv { k, v }, kept) }?;
             }
             words.extend_from_slice(table.words());
         }
-        let entries = t.elapsed().as_secs_f64() * 1e3;
-        gpu::write_u32s(&g.tables, &words)?;
-        let copy = t.elapsed().as_secs_f64() * 1e3 - entries;
+        Ok(words)
+    }
+
+    /// Views of the tables [`Self::write_row_tables`] wrote, one per layer: an attention layer's
+    /// row table (positions at most `max`), a Gated DeltaNet layer's state table — what an
+    /// eager run or a capture of the step launches with (a replay reads the buffer itself).
+    fn row_table_views(
+        &self,
+        g: &BatchGraphs,
+        seqs: &[BatchSeq<'_>],
+        max: usize,
+    ) -> Result<Vec<LayerRows>> {
+        let n = seqs.len();
         let mut out = Vec::with_capacity(self.layers.len());
         for (layer, l) in self.layers.iter().enumerate() {
             let view = g.tables.narrow(0, layer * n * 5, n * 5)?.reshape((n, 5))?;
@@ -265,8 +335,7 @@ impl Transformer {
                 }
             });
         }
-        let views = t.elapsed().as_secs_f64() * 1e3 - entries - copy;
-        Ok((out, [entries, copy, views]))
+        Ok(out)
     }
 
     /// A synthetic model's choice for this step ([`synthetic_choices`], recorded in each
@@ -280,8 +349,10 @@ impl Transformer {
     ) -> Result<Option<Tensor>> {
         let pass: Vec<(usize, &[u32])> =
             seqs.iter().zip(tokens.chunks(1)).map(|(s, t)| (s.cache.len(), t)).collect();
+        let ahead = Ahead::take_for(&mut g.choice_ahead, seqs);
         let mut caches: Vec<&mut KvCache> = seqs.iter_mut().map(|s| &mut *s.cache).collect();
-        let Some(ids) = synthetic_choices(self, &mut caches, &pass, self.layers.len()) else {
+        let Some(ids) = synthetic_choices(self, &mut caches, &pass, self.layers.len(), ahead)
+        else {
             return Ok(None);
         };
         self.write_choice(&mut g.chosen, &ids, tokens.len()).map(Some)
@@ -295,16 +366,17 @@ fn no_state(layer: usize) -> ModelError {
 }
 
 /// Each sequence's result from a step's logits `[rows, vocab]` (on the device: greedy picks made
-/// there, the other rows brought to the host in one copy, [`super::pick::split_logits`]) and
-/// routing; every cache advances by its one token.
+/// there — `picks`, when the graph made them — the other rows brought to the host in one copy,
+/// [`super::pick::split_logits`]) and routing; every cache advances by its one token.
 fn finish(
     seqs: &mut [BatchSeq<'_>],
     logits: &Tensor,
+    picks: Option<&Tensor>,
     routing: Vec<crate::moe::LayerRouting>,
 ) -> Result<Vec<Result<ForwardOutput>>> {
     let rows: Vec<std::ops::Range<usize>> = (0..seqs.len()).map(|k| k..k + 1).collect();
     let modes: Vec<_> = seqs.iter().map(|s| s.logits).collect();
-    let split = super::pick::split_logits(logits, &rows, &modes)?;
+    let split = super::pick::split_logits(logits, picks, &rows, &modes)?;
     let mut out = Vec::with_capacity(seqs.len());
     for ((k, s), (logits, greedy)) in seqs.iter_mut().enumerate().zip(split) {
         s.cache.advance(1);

@@ -61,38 +61,106 @@ pub(super) fn device_routed_layers(model: &Transformer, end: usize) -> Option<Ve
 /// A synthetic model's choice for a pass: for every MoE layer among `0..end` (in order), every
 /// sequence's rows (`seqs`: its first position and tokens, in the pass's row order), the
 /// `model_top_k` experts its routing process picks — `[moe_layers · rows · model_top_k]`,
-/// recorded in each sequence's history as the host path records it. `None` when not every
-/// sequence carries a routing history (no synthetic process, or a mixed batch) or the pass
-/// cannot route on the device.
+/// recorded in each sequence's history as the host path records it. A sequence whose one row's
+/// choice was drawn ahead ([`choose_ahead`], while the step before ran) takes it from its history
+/// instead of drawing it again; when every sequence's was, `ahead` ([`choose_ahead`]'s output
+/// for these caches at these positions, in this order, if the caller kept it) is the choice as
+/// it stands. `None` when not every sequence carries a routing history (no synthetic process,
+/// or a mixed batch) or the pass cannot route on the device.
 pub(super) fn synthetic_choices(
     model: &Transformer,
     caches: &mut [&mut KvCache],
     seqs: &[(usize, &[u32])],
     end: usize,
+    ahead: Option<Vec<u32>>,
 ) -> Option<Vec<u32>> {
     if caches.is_empty() || !caches.iter().all(|c| c.has_routing_history()) {
         return None;
     }
     let layers = device_routed_layers(model, end)?;
+    let mut rows = Vec::with_capacity(seqs.len());
+    for (c, &(start, tokens)) in caches.iter_mut().zip(seqs) {
+        let h = c.routing_history_mut()?;
+        let drawn = h.take_ahead(start, tokens.len());
+        let before = crate::moe::befores(h, start, tokens);
+        h.record_tokens(start, tokens);
+        rows.push(Rows { start, before, drawn });
+    }
+    // (`choose` would gather the same ids from the histories.)
+    match ahead {
+        Some(ids) if end == model.layers.len() && rows.iter().all(|r| r.drawn) => Some(ids),
+        _ => choose(&layers, caches, &rows),
+    }
+}
+
+/// While a decode step runs on the device: a synthetic model's choice for the next step of each
+/// sequence in `caches` at its position `next` (the position after this step's rows), drawn now
+/// and written into its history there ([`RoutingHistory::set_ahead`]), so that the
+/// next step's [`synthetic_choices`] finds it there instead of drawing 768 routes (16 sequences,
+/// 48 layers) before its launch — ~0.33 ms of a 16-sequence step's host time on an H200 host
+/// (docs/performance.md, thirty-fifth session). A position's choice depends only on the
+/// sequence's token and choice at the position before (synthetic_routing.rs), both recorded by
+/// this step's choice. Returns the choice (`[moe_layers · sequences · model_top_k]`, what
+/// [`synthetic_choices`] returns for the next step when every sequence's choice was drawn
+/// here); `None` for other models, or when the model cannot route on the device.
+///
+/// [`RoutingHistory::set_ahead`]: crate::RoutingHistory::set_ahead
+pub(super) fn choose_ahead(
+    model: &Transformer,
+    caches: &mut [&mut KvCache],
+    next: &[usize],
+) -> Option<Vec<u32>> {
+    if caches.is_empty() || !caches.iter().all(|c| c.has_routing_history()) {
+        return None;
+    }
+    let layers = device_routed_layers(model, model.layers.len())?;
+    let mut rows = Vec::with_capacity(caches.len());
+    for (c, &next) in caches.iter_mut().zip(next) {
+        let h = c.routing_history_mut()?;
+        rows.push(Rows { start: next, before: vec![h.token(next - 1)], drawn: false });
+    }
+    let ids = choose(&layers, caches, &rows)?;
+    for (c, r) in caches.iter_mut().zip(&rows) {
+        if let Some(h) = c.routing_history_mut() {
+            h.set_ahead(r.start);
+        }
+    }
+    Some(ids)
+}
+
+/// One sequence's rows in a choice: the first row's position, the token before each row, and
+/// whether the (one) row's choice is in the history already.
+struct Rows {
+    start: usize,
+    before: Vec<Option<u32>>,
+    drawn: bool,
+}
+
+/// Every MoE layer's choice (`layers`, in order) for every sequence's `rows`, recorded in its
+/// history: `[layers · rows · model_top_k]`. `None` when a history lacks a layer.
+fn choose(layers: &[&SparseMoe], caches: &mut [&mut KvCache], rows: &[Rows]) -> Option<Vec<u32>> {
     // Each sequence's history split by layer, so that layers can be chosen on different threads.
     let mut split: Vec<Vec<Option<LayerHistory<'_>>>> = caches
         .iter_mut()
         .map(|c| c.routing_history_mut().map(|h| h.layers_mut().into_iter().map(Some).collect()))
         .collect::<Option<_>>()?;
     let mut work: Vec<(&SparseMoe, Vec<LayerHistory<'_>>)> = Vec::with_capacity(layers.len());
-    for moe in layers {
+    for &moe in layers {
         let hs = split.iter_mut().map(|h| h.get_mut(moe.layer())?.take()).collect::<Option<_>>()?;
         work.push((moe, hs));
     }
     let choose = |(moe, hs): (&SparseMoe, Vec<LayerHistory<'_>>)| -> Option<Vec<u32>> {
         let mut out = Vec::new();
-        for (h, &(start, tokens)) in hs.into_iter().zip(seqs) {
-            out.extend(moe.router().synthetic_choice_in(start, tokens, h)?);
+        for (h, r) in hs.into_iter().zip(rows) {
+            match r.drawn {
+                true => out.extend_from_slice(h.get(r.start)?),
+                false => out.extend(moe.router().synthetic_choice_in(r.start, &r.before, h)?),
+            }
         }
         Some(out)
     };
-    let rows: usize = seqs.iter().map(|(_, t)| t.len()).sum();
-    let per_layer: Vec<Option<Vec<u32>>> = if one_thread() || rows * work.len() <= ONE_THREAD_DRAWS
+    let draws: usize = rows.iter().filter(|r| !r.drawn).map(|r| r.before.len()).sum();
+    let per_layer: Vec<Option<Vec<u32>>> = if one_thread() || draws * work.len() <= ONE_THREAD_DRAWS
     {
         work.into_iter().map(choose).collect()
     } else {
@@ -101,29 +169,6 @@ pub(super) fn synthetic_choices(
         work.into_par_iter().map(choose).collect()
     };
     Some(per_layer.into_iter().collect::<Option<Vec<_>>>()?.concat())
-}
-
-/// While a decode step runs on the device: a synthetic model's routing process prepared for the
-/// positions of the next step's rows (`positions`, one per sequence) in every MoE layer, so that
-/// the next step's choice ([`synthetic_choices`]) does not compute it before its launch (a
-/// popularity is 128 exponentials per layer and position: ~0.5 ms of a 16-sequence step's host
-/// work on an H200 host, each sequence at a position of its own). Nothing for other models.
-pub(super) fn prepare_next_choice(model: &Transformer, positions: &[usize]) {
-    let moe: Vec<&SparseMoe> = model
-        .layers
-        .iter()
-        .filter_map(|l| match &l.ffn {
-            FeedForward::Moe(m) if m.router().is_synthetic() => Some(m),
-            _ => None,
-        })
-        .collect();
-    let prepare = |m: &&SparseMoe| positions.iter().for_each(|&p| m.router().prepare_synthetic(p));
-    if one_thread() || positions.len() * moe.len() <= ONE_THREAD_DRAWS {
-        moe.iter().for_each(prepare);
-    } else {
-        use rayon::prelude::*;
-        moe.par_iter().for_each(prepare);
-    }
 }
 
 /// Choices of at most this many (row, layer) draws run on the calling thread: a pass of one to

@@ -34,7 +34,7 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Device, Tensor};
 
-use super::device_routing::{prepare_next_choice, synthetic_choices, DeviceRouting};
+use super::device_routing::{choose_ahead, synthetic_choices, DeviceRouting};
 use super::{residual_scaled, FeedForward, ForwardOutput, Logits, Mixer, Transformer};
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
@@ -75,6 +75,10 @@ pub(super) struct ReplayStats {
     n: usize,
     gpu_ms: f64,
     host_ms: f64,
+    /// From the launch to the wait for the graph's end (the host's work while it runs), and
+    /// from that wait's end to the outputs read.
+    during_ms: f64,
+    after_ms: f64,
     prep_ms: f64,
     choice_ms: f64,
     /// The row tables: entries, their copy to the device, the per-layer views.
@@ -92,11 +96,16 @@ impl ReplayStats {
         }
     }
 
-    /// Adds one replay; every 64 replays prints the means on stderr.
-    pub(super) fn add(&mut self, gpu_ms: f64, host_ms: f64) {
+    /// Adds one replay (`split`: the host's ms while the graph ran and after its end, when the
+    /// read waited for it); every 64 replays prints the means on stderr.
+    pub(super) fn add(&mut self, gpu_ms: f64, host_ms: f64, split: Option<[f64; 2]>) {
         self.n += 1;
         self.gpu_ms += gpu_ms;
         self.host_ms += host_ms;
+        if let Some([during, after]) = split {
+            self.during_ms += during;
+            self.after_ms += after;
+        }
         if self.n.is_multiple_of(64) {
             let n = self.n as f64;
             // The split before the launch is recorded for batched steps only.
@@ -115,10 +124,13 @@ impl ReplayStats {
             };
             eprintln!(
                 "strata: graph replays: {}, GPU {:.3} ms per pass, host {:.3} ms per pass \
-                 (positions written to outputs read){prep}",
+                 (positions written to outputs read: {:.3} ms until the wait for the graph's \
+                 end, {:.3} ms after it){prep}",
                 self.n,
                 self.gpu_ms / n,
-                self.host_ms / n
+                self.host_ms / n,
+                self.during_ms / n,
+                self.after_ms / n
             );
         }
     }
@@ -128,6 +140,9 @@ impl ReplayStats {
 pub(super) struct Captured {
     pub(super) graph: SendGraph,
     pub(super) logits: Tensor,
+    /// Every row's greedy pick `[rows]` (u32), made inside the graph (batched steps with
+    /// [`crate::gpu::GpuPath::Argmax`] on).
+    pub(super) picks: Option<Tensor>,
     pub(super) routing: Option<DeviceRouting>,
 }
 
@@ -302,7 +317,7 @@ impl Transformer {
                 }
                 None => None,
             };
-            match self.capture(dev, &mut PassKv::One(cache), &ids, last_only, chosen) {
+            match self.capture(dev, &mut PassKv::One(cache), &ids, last_only, chosen, false) {
                 Ok(c) => {
                     g.graphs.insert(key, c);
                 }
@@ -323,14 +338,15 @@ impl Transformer {
             // the same cache entries again.
         }
         let c = g.graphs.get(&key).expect("captured above");
-        replay(dev, c, &mut g.timed, |c| {
-            // While the pass runs: the next token's routing choice prepared (synthetic models).
+        replay(dev, c, &mut g.timed, |c, wait| {
+            // While the pass runs: the next token's routing choice drawn (synthetic models).
             if synthetic {
-                prepare_next_choice(self, &[pos + rows]);
+                let _ = choose_ahead(self, &mut [&mut *cache], &[pos + rows]);
             }
             if let Some(work) = while_running {
                 work();
             }
+            wait();
             let logits = c.logits.copy()?;
             let routing = c.routing.as_ref().map(|d| d.read(self.experts.as_ref())).transpose()?;
             let routing = routing.unwrap_or_default();
@@ -349,8 +365,8 @@ impl Transformer {
     ) -> Result<Option<Tensor>> {
         let start = cache.len();
         let mut caches = [cache];
-        let Some(ids) = synthetic_choices(self, &mut caches, &[(start, tokens)], self.layers.len())
-        else {
+        let pass = [(start, tokens)];
+        let Some(ids) = synthetic_choices(self, &mut caches, &pass, self.layers.len(), None) else {
             return Ok(None);
         };
         self.write_choice(&mut g.chosen, &ids, tokens.len()).map(Some)
@@ -381,16 +397,23 @@ impl Transformer {
         tokens: &Tensor,
         last_only: bool,
         chosen: Option<Tensor>,
+        picks: bool,
     ) -> Result<Captured> {
         // q8 twins held from before must not be dropped inside the capture (a free of memory the
         // graph did not allocate); the eager pass before released them already.
         strata_kernels::cuda::release_q8_twins();
         let stream = dev.cuda_stream();
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;
-        let body = self.decode_body(kv, tokens, last_only, chosen);
+        let body = self.decode_body(kv, tokens, last_only, chosen).and_then(|(logits, routing)| {
+            let picks = match picks {
+                true => Some(strata_kernels::cuda::argmax_rows(&logits)?),
+                false => None,
+            };
+            Ok((logits, picks, routing))
+        });
         let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = stream.end_capture(flags).w();
-        let (logits, routing) = body?;
+        let (logits, picks, routing) = body?;
         let graph = graph?.ok_or_else(|| {
             ModelError::Candle(candle_core::Error::msg("the captured pass is empty"))
         })?;
@@ -402,7 +425,7 @@ impl Transformer {
                 node_counts(&graph)?
             );
         }
-        Ok(Captured { graph: SendGraph(graph), logits, routing })
+        Ok(Captured { graph: SendGraph(graph), logits, picks, routing })
     }
 
     /// The launches of one pass of `tokens: [rows]` (everything on the device; the op-by-op pass
@@ -496,7 +519,7 @@ pub(super) fn replay<T>(
     dev: &candle_core::cuda_backend::CudaDevice,
     c: &Captured,
     timed: &mut ReplayStats,
-    read: impl FnOnce(&Captured) -> Result<T>,
+    read: impl FnOnce(&Captured, &dyn Fn()) -> Result<T>,
 ) -> Result<T> {
     let t0 = std::time::Instant::now();
     let stream = dev.cuda_stream();
@@ -504,9 +527,21 @@ pub(super) fn replay<T>(
     let start = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
     c.graph.0.launch().w()?;
     let end = stats_on().then(|| stream.record_event(flags)).transpose().w()?;
-    let out = read(c)?;
+    // `read` calls this once its work beside the graph is done, before reading its outputs:
+    // timed, the host waits there for the graph's end, which splits its time.
+    let waited = std::cell::Cell::new(None);
+    let wait = || {
+        if let Some(e) = &end {
+            let before = t0.elapsed().as_secs_f64() * 1e3;
+            if e.synchronize().is_ok() {
+                waited.set(Some((before, std::time::Instant::now())));
+            }
+        }
+    };
+    let out = read(c, &wait)?;
     if let (Some(a), Some(b)) = (start, end) {
-        timed.add(a.elapsed_ms(&b).w()? as f64, t0.elapsed().as_secs_f64() * 1e3);
+        let split = waited.get().map(|(before, t)| [before, t.elapsed().as_secs_f64() * 1e3]);
+        timed.add(a.elapsed_ms(&b).w()? as f64, t0.elapsed().as_secs_f64() * 1e3, split);
     }
     Ok(out)
 }

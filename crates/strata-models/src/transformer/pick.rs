@@ -15,7 +15,8 @@ use crate::gpu::{self, GpuPath};
 ///
 /// - [`Logits::Greedy`] on a GPU with [`GpuPath::Argmax`] on: the pick of its last row made on the
 ///   device (`strata_kernels::cuda::argmax_rows`: the first largest value, as the host's greedy
-///   scan), its logits an empty `[0, vocab]` host tensor — a 16-sequence step of a 152k
+///   scan; `picks`, `[rows]` u32, when a captured step made them already), its logits an empty
+///   `[0, vocab]` host tensor — a 16-sequence step of a 152k
 ///   vocabulary then reads 64 bytes instead of 9.7 MB of logits through pageable memory;
 /// - otherwise its rows, pick `None`: when several sequences ran on a GPU, all such rows come to
 ///   the host in one copy (reading a view of a device tensor copies its whole buffer: 16
@@ -24,6 +25,7 @@ use crate::gpu::{self, GpuPath};
 /// Errors: a kernel or copy failure.
 pub(super) fn split_logits(
     logits: &Tensor,
+    picks: Option<&Tensor>,
     picked: &[Range<usize>],
     modes: &[Logits],
 ) -> Result<Vec<(Tensor, Option<u32>)>> {
@@ -33,9 +35,10 @@ pub(super) fn split_logits(
         .iter()
         .map(|m| on_gpu && *m == Logits::Greedy && gpu::enabled(GpuPath::Argmax))
         .collect();
-    let picks = match on_device.contains(&true) {
-        true => device_argmax(logits)?,
-        false => Vec::new(),
+    let picks = match (on_device.contains(&true), picks) {
+        (true, Some(p)) => p.to_vec1::<u32>()?,
+        (true, None) => device_argmax(logits)?,
+        (false, _) => Vec::new(),
     };
     // The rows still wanted as logits, and where each kept sequence's rows land in `host`.
     let keep: Vec<usize> = (0..picked.len()).filter(|&k| !on_device[k]).collect();
