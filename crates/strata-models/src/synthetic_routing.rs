@@ -13,9 +13,10 @@
 //!   probability `pregate_recall` and otherwise replaced by a popularity draw, so the pre-gating
 //!   predictor's recall is `pregate_recall`.
 //!
-//! Every draw is a hash of (seed, layer, position, the sequence's token at the position before,
-//! purpose, counter), and each token's choice depends on the same layer's choice at the previous
-//! position of its sequence (both kept per sequence in a [`RoutingHistory`]). A sequence therefore
+//! Every draw of a choice is a hash of (seed, layer, position, the sequence's token at the
+//! position before, purpose, counter) — a pre-gating prediction's hashes the position's own token —
+//! and each token's choice depends on the same layer's choice at the previous position of its
+//! sequence (both kept per sequence in a [`RoutingHistory`]). A sequence therefore
 //! routes identically in one prefill pass or token by token, resident or streamed, on any device,
 //! and in a speculative verify pass. Since a position's choice does not depend on its own token, a
 //! decode step's choice can be drawn while the step before it runs ([`RoutingHistory::take_ahead`]):

@@ -179,9 +179,10 @@ const ONE_THREAD_DRAWS: usize = 256;
 /// Whether a synthetic model's choice runs on the calling thread alone
 /// (`STRATA_ROUTING_THREADS=1`, a measurement override); otherwise, above [`ONE_THREAD_DRAWS`],
 /// its layers are tasks on rayon's pool (all of the host's cores). A decode step draws once per
-/// MoE layer and row (768 draws for 16 sequences through 48 layers, before the step can launch):
-/// with draws of ~4-5 µs, on one thread 3.9 ms of a 13.3 ms step, on the eight scoped threads
-/// started per step before 1.2 ms, on rayon's pool (with the popularity kept per position,
+/// MoE layer and row (768 draws for 16 sequences through 48 layers; before the step could launch
+/// until graph-replayed steps drew the next step's while they ran, [`choose_ahead`]): with draws
+/// of ~4-5 µs, on one thread 3.9 ms of a 13.3 ms step, on the eight scoped threads started per
+/// step before 1.2 ms, on rayon's pool (with the popularity kept per position,
 /// synthetic_routing.rs) 0.41-0.50 ms; with draws by rejection over running sums, 0.52 ms on one
 /// thread and 0.33-0.35 ms on the pool (H200 host, 16 cores; docs/performance.md, thirty-fifth
 /// session). The choice is the same bits either way: each layer's draws read and write only that
