@@ -150,10 +150,10 @@ impl Router {
                     ))
                     .into());
                 }
-                let before = befores(seq.history, seq.start, seq.tokens);
-                if !predict {
-                    seq.history.record_tokens(seq.start, seq.tokens);
-                }
+                let before = match predict {
+                    true => seq.history.befores(seq.start, seq.tokens),
+                    false => seq.history.record_pass(seq.start, seq.tokens),
+                };
                 let history = seq.history.layer_mut(layer);
                 let actual = synthetic_chain(s, seq.start, &before, history, !predict);
                 for (i, (row, actual)) in logits.iter().zip(actual).enumerate() {
@@ -181,16 +181,15 @@ impl Router {
     /// router's scores. The device weighs them the same way ([`Self::route_on_device`] with
     /// `chosen`). `None` when this router has no synthetic process.
     pub fn synthetic_choice(&self, layer: usize, seq: SeqRoute<'_>) -> Option<Vec<u32>> {
-        let before = befores(seq.history, seq.start, seq.tokens);
-        seq.history.record_tokens(seq.start, seq.tokens);
+        let before = seq.history.record_pass(seq.start, seq.tokens);
         self.synthetic_choice_in(seq.start, &before, seq.history.layer_mut(layer)?)
     }
 
     /// [`Self::synthetic_choice`] for rows at positions `start..` recorded in one layer's part of
     /// a history (this router's layer; histories of different layers can be written on
     /// different threads). `before[i]`: the sequence's token at position `start + i − 1` (what
-    /// row `i`'s draws hash; [`befores`]), one per row. The caller records the pass's tokens in
-    /// the history ([`RoutingHistory::record_tokens`]).
+    /// row `i`'s draws hash; [`RoutingHistory::befores`]), one per row. The caller records the
+    /// pass's tokens in the history ([`RoutingHistory::record_pass`]).
     pub fn synthetic_choice_in(
         &self,
         start: usize,
@@ -271,18 +270,11 @@ impl Router {
     }
 }
 
-/// For a pass of `tokens` at positions `start..` of a sequence: the token before each row (the
-/// history's at `start − 1` for the first, `None` at the sequence's start; then the pass's own),
-/// what [`Router::synthetic_choice_in`] takes.
-pub fn befores(history: &RoutingHistory, start: usize, tokens: &[u32]) -> Vec<Option<u32>> {
-    let first = start.checked_sub(1).and_then(|p| history.token(p));
-    std::iter::once(first).chain(tokens.iter().map(|&t| Some(t))).take(tokens.len()).collect()
-}
-
 /// The experts synthetic process `s` chooses for rows at positions `start..` of its layer
-/// (`before[i]`: the token at row `i`'s previous position, [`befores`]), each row's choice
-/// depending on the previous position's (read from the layer's `history`, and written there
-/// when `record`; `None`: a layer the history does not hold, nothing read or written).
+/// (`before[i]`: the token at row `i`'s previous position, [`RoutingHistory::befores`]), each
+/// row's choice depending on the previous position's (read from the layer's `history`, and
+/// written there when `record`; `None`: a layer the history does not hold, nothing read or
+/// written).
 fn synthetic_chain(
     s: &SyntheticRouter,
     start: usize,

@@ -69,6 +69,22 @@ impl RoutingHistory {
         self.tokens.get(position).copied()
     }
 
+    /// For a pass of `tokens` at positions `start..`: the token before each row (this history's
+    /// at `start − 1` for the first, `None` at the sequence's start; then the pass's own) — what
+    /// each row's draws hash ([`crate::Router::synthetic_choice_in`]'s `before`).
+    pub fn befores(&self, start: usize, tokens: &[u32]) -> Vec<Option<u32>> {
+        let first = start.checked_sub(1).and_then(|p| self.token(p));
+        std::iter::once(first).chain(tokens.iter().map(|&t| Some(t))).take(tokens.len()).collect()
+    }
+
+    /// Records a pass of `tokens` at positions `start..` ([`Self::record_tokens`]) and returns
+    /// the token before each of its rows ([`Self::befores`], read before the recording).
+    pub fn record_pass(&mut self, start: usize, tokens: &[u32]) -> Vec<Option<u32>> {
+        let before = self.befores(start, tokens);
+        self.record_tokens(start, tokens);
+        before
+    }
+
     /// Records `tokens` as routed at positions `start..` (a pass's rows, before its choice), and
     /// forgets any choice drawn ahead: a pass can rewrite the positions an ahead choice was drawn
     /// from.
@@ -619,6 +635,22 @@ mod tests {
         h.set_ahead(3);
         assert!(h.take_ahead(3, 1));
         assert!(!h.take_ahead(3, 1), "taken once");
+    }
+
+    /// A pass's rows hash the token before each: the history's before the pass's first row
+    /// (none at the sequence's start), then the pass's own; recording the pass keeps its tokens
+    /// for the next one and forgets a choice drawn ahead.
+    #[test]
+    fn a_pass_records_its_tokens_and_returns_the_ones_before_its_rows() {
+        let mut h = RoutingHistory::new(2, 2);
+        assert_eq!(h.record_pass(0, &[5, 6, 7]), [None, Some(5), Some(6)]);
+        assert_eq!(h.befores(3, &[8, 9]), [Some(7), Some(8)]);
+        assert_eq!(h.token(3), None, "befores records nothing");
+        h.set_ahead(3);
+        assert_eq!(h.record_pass(3, &[8]), [Some(7)]);
+        assert_eq!((h.token(3), h.take_ahead(3, 1)), (Some(8), false));
+        assert_eq!(h.record_pass(1, &[4]), [Some(5)], "a rewrite reads the position before");
+        assert_eq!(h.token(1), Some(4));
     }
 
     /// A block's rows carry the tokens with the choices (a restored prefix's next position

@@ -354,10 +354,10 @@ impl Batcher {
     /// not the last `max_tokens` allows, room left in the context) is recorded at once and runs
     /// in the next step, and its publication (text, stop strings, the event) happens while that
     /// step runs on the device ([`BatchOptions::while_running`]; after the pass where the pass
-    /// does not call it) — the
-    /// host's part of vLLM's asynchronous scheduling that overlaps the GPU. A sequence that a
-    /// stop string (or its client) ends then has run one token more than it emits: that row's
-    /// result is dropped, and its events are the same as without deferral, one step later.
+    /// does not call it) — the host's part of vLLM's asynchronous scheduling that overlaps the
+    /// GPU. A sequence that a stop string (or its client) ends then has run one token more than
+    /// it emits: that row's result is dropped, and its events are the same as without deferral,
+    /// one step later.
     pub fn step(&mut self, stop: &dyn Fn() -> bool) -> Result<StepStats> {
         let started = Instant::now();
         self.drop_cancelled();

@@ -82,8 +82,14 @@ pub(super) fn synthetic_choices(
     for (c, &(start, tokens)) in caches.iter_mut().zip(seqs) {
         let h = c.routing_history_mut()?;
         let drawn = h.take_ahead(start, tokens.len());
-        let before = crate::moe::befores(h, start, tokens);
-        h.record_tokens(start, tokens);
+        // A row drawn ahead reads its choice from the history, not the token before it.
+        let before = match drawn {
+            true => {
+                h.record_tokens(start, tokens);
+                Vec::new()
+            }
+            false => h.record_pass(start, tokens),
+        };
         rows.push(Rows { start, before, drawn });
     }
     // (`choose` would gather the same ids from the histories.)
@@ -128,8 +134,8 @@ pub(super) fn choose_ahead(
     Some(ids)
 }
 
-/// One sequence's rows in a choice: the first row's position, the token before each row, and
-/// whether the (one) row's choice is in the history already.
+/// One sequence's rows in a choice: the first row's position, the token before each row (empty
+/// when drawn), and whether the (one) row's choice is in the history already.
 struct Rows {
     start: usize,
     before: Vec<Option<u32>>,
